@@ -1,0 +1,249 @@
+"""The whole configuration schema, its validation, and the one-line errors for bad input.
+
+Each module owns the dataclass of its own switches (model.ModelConfig, parallel.ParallelConfig,
+kernels.KernelsConfig, ...); this file assembles them into the root that Hydra composes from
+conf/. Because the root is a structured config, an unknown key is an error, never a silent default.
+
+Bad input stops the run before any rank does work: one line naming the key and the fix, exit 2.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import OmegaConf
+
+from checkpoint import CheckpointConfig
+from data import DataConfig
+from kernels import ATTENTION_IMPLS, KernelsConfig
+from model import ModelConfig
+from optim import OptimConfig
+from parallel import ParallelConfig
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    batch_size: int = 16          # global batch, in sequences
+    seq_len: int = 256
+    lr: float = 2e-3
+    grad_clip: float = 1.0        # max global gradient norm; 0 disables clipping
+    seed: int = 1337
+    eval_interval: int = 100      # steps between held-out evaluations; 0 disables
+    eval_batches: int = 4
+    recompute: str = "none"       # none | selective | full activation recomputation
+    compile: bool = False         # torch.compile the whole model
+
+
+@dataclass
+class HardwareConfig:
+    """The machine a run is on (device, backend, peak FLOP/s for MFU) and, for perfmodel.py,
+    the cluster it describes. Unknown values stay None and are measured or looked up."""
+    name: str = "auto"
+    device: str = "auto"                  # auto | cpu | cuda
+    backend: str = "auto"                 # auto | gloo | nccl
+    peak_tflops: Optional[float] = None   # dense peak per device for the run's dtype
+    devices_per_host: int = 1
+    memory_gib: Optional[float] = None    # per device
+    intra_host_GBps: Optional[float] = None   # per device, one direction (NVLink)
+    inter_host_Gbps: Optional[float] = None   # per host, all NICs together
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"         # online | offline | disabled
+    project: str = "megarepro"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10            # steps between log lines (metrics.jsonl gets every step)
+    progress: bool = True         # progress bar on rank 0
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: str = "bf16"       # bf16 (autocast, fp32 master weights) | fp32
+    resume: str = "auto"          # auto (newest complete checkpoint, if any) | none | PATH
+    dry_run: bool = False         # build on the meta device, print size/FLOPs/memory, exit
+
+
+class ConfigError(ValueError):
+    """A bad setting. str() is the one line the user sees."""
+
+    def __init__(self, key: str, problem: str, fix: str):
+        super().__init__(f"config error: {key}: {problem}. Fix: {fix}")
+        self.key = key
+
+
+def run_id() -> str:
+    """A name for this run that every rank of one job agrees on, and that a restart keeps, so
+    the run dir (and its checkpoints, for resume=auto) is the same across ranks and restarts."""
+    if os.environ.get("MEGAREPRO_RUN_ID"):
+        return os.environ["MEGAREPRO_RUN_ID"]
+    if os.environ.get("SLURM_JOB_ID"):
+        array = os.environ.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm-{os.environ.get('SLURM_ARRAY_JOB_ID', os.environ['SLURM_JOB_ID'])}" + (f"_{array}" if array else "")
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return "torchrun-" + os.environ["TORCHELASTIC_RUN_ID"][:8]
+    started = datetime.datetime.now()
+    if "LOCAL_RANK" in os.environ:  # under torchrun: its agent, our parent, started once for all ranks
+        started = _process_start_time(os.getppid()) or started
+    return started.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _process_start_time(pid: int) -> Optional[datetime.datetime]:
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(l.split()[1]) for l in open("/proc/stat") if l.startswith("btime"))
+        return datetime.datetime.fromtimestamp(boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
+def register() -> None:
+    """Register the schema with Hydra and the resolvers the YAML uses. Idempotent."""
+    from hydra.core.config_store import ConfigStore
+    ConfigStore.instance().store(name="schema", node=Config)
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
+
+
+def world_size() -> int:
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def validate(cfg: Config, world: Optional[int] = None) -> None:
+    """Every check that can fail before training starts. Raises ConfigError."""
+    m, t = cfg.model, cfg.train
+    _choice("model.block", m.block, ("sequential", "parallel"))
+    _choice("precision", cfg.precision, ("bf16", "fp32"))
+    _choice("hardware.device", cfg.hardware.device, ("auto", "cpu", "cuda"))
+    _choice("hardware.backend", cfg.hardware.backend, ("auto", "gloo", "nccl"))
+    _choice("kernels.attention", cfg.kernels.attention, ATTENTION_IMPLS)
+    _choice("train.recompute", t.recompute, ("none", "selective", "full"))
+    _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("online", "offline", "disabled"))
+    if m.d_model % m.n_heads:
+        raise ConfigError("model.n_heads", f"{m.n_heads} heads do not divide d_model={m.d_model}",
+                          "choose n_heads that divides model.d_model")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError("model.n_heads", f"head dim {m.d_model // m.n_heads} is odd and rotary needs it even",
+                          "choose n_heads so that d_model/n_heads is even")
+    if m.attention.window is not None and m.attention.window < 1:
+        raise ConfigError("model.attention.window", f"window {m.attention.window} < 1",
+                          "use a window >= 1, or null for full causal attention")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError("train.seq_len", f"{t.seq_len} is longer than model.max_seq_len={m.max_seq_len}",
+                          f"use train.seq_len<={m.max_seq_len} or raise model.max_seq_len")
+    for key, value in (("train.seq_len", t.seq_len), ("train.batch_size", t.batch_size),
+                       ("train.max_steps", t.max_steps), ("model.n_layers", m.n_layers)):
+        if value < 1:
+            raise ConfigError(key, f"{value} < 1", "use a positive value")
+    if cfg.hardware.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
+                              "use hardware.device=cpu (or auto) on this machine")
+    if cfg.precision == "fp16":  # unreachable by _choice, kept as the reason fp16 is not offered
+        raise ConfigError("precision", "fp16", "use bf16")
+    import parallel
+    parallel.validate(cfg, world if world is not None else world_size())
+    import data
+    data.check_config(cfg.data)
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(key, f"unknown value {value!r}", f"use one of: {', '.join(map(str, allowed))}")
+
+
+def to_object(dict_cfg) -> Config:
+    return OmegaConf.to_object(dict_cfg)
+
+
+# --- Turning composition errors into one line ---
+
+def describe_composition_error(err: Exception) -> str:
+    """Hydra and OmegaConf report a bad override over several lines; keep the one that matters."""
+    text = f"{err}\n{err.__cause__ or ''}"
+    missing_group = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+    if missing_group:
+        group, option = missing_group.groups()
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        return (f"config error: {group}={option}: no such option. "
+                f"Fix: use one of: {', '.join(options) or '(none)'}")
+    key = re.search(r"full_key: (\S+)", text) or re.search(r"Key '([^']+)'", text)
+    if re.search(r"Key '[^']+' (is )?not in", text) or "Could not append" in text:
+        name = key.group(1) if key else "?"
+        return f"config error: {name}: unknown key. Fix: check its spelling; `python train.py --cfg job` lists every key"
+    value_error = re.search(r"(Value '[^\n]*)", text)
+    if key and value_error:
+        return f"config error: {key.group(1)}: {value_error.group(1)}. Fix: give a value of the right type"
+    return "config error: " + " ".join(text.split())[:300]
+
+
+def compose(overrides: List[str]) -> Config:
+    """Compose the config as train.py's Hydra entry point would, outside of a Hydra run."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_object(hydra_compose(config_name="config", overrides=overrides))
+
+
+def job_overrides(argv: List[str]) -> List[List[str]]:
+    """The override lists of every job a command line launches (one, or a multirun's product)."""
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/", "+hydra"))]
+    if "-m" not in argv and "--multirun" not in argv:
+        return [overrides]
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def preflight(argv: List[str]) -> None:
+    """Compose and validate every job of this command line; on bad input print one line, exit 2."""
+    if any(a in argv for a in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion")):
+        return
+    try:
+        jobs = job_overrides(argv)
+    except Exception as err:  # a malformed override string
+        _fail(describe_composition_error(err))
+    for overrides in jobs:
+        try:
+            cfg = compose(overrides)
+        except Exception as err:
+            _fail(describe_composition_error(err))
+        try:
+            validate(cfg)
+        except ConfigError as err:
+            _fail(str(err))
+
+
+def _fail(line: str) -> None:
+    print(line, file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,177 @@
+"""A GPT decoder as MegaScale trains it: pre-LN LayerNorm, GeLU MLP of width 4h, rotary
+positions, causal attention.
+
+Two switches belong to the ablation:
+- block=sequential|parallel. The parallel transformer block (PTB, as in GPT-J and PaLM) computes
+  y = x + Attn(LN(x)) + MLP(LN(x)) with one shared LN, so attention and MLP read the same input.
+- attention.window=null|W: sliding-window attention (SWA). Each token sees itself and the W-1
+  tokens before it, in every attention backend of kernels.py.
+
+This file makes no torch.distributed call. parallel.py shards this model from outside
+(torchtitan-style), which is why the QKV rows are grouped per head (so a TP shard is a
+contiguous slice of heads) and why blocks live in a ModuleDict (a pipeline stage deletes the
+blocks it doesn't own and every parameter keeps its name, so checkpoints stay layout-free).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+
+@dataclass
+class AttentionConfig:
+    # SWA window W: query i sees keys j with i - W < j <= i (W counts the token itself).
+    # None means full causal attention.
+    window: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 256
+    vocab_size: int = 4096
+    max_seq_len: int = 1024       # longest sequence the config promises to support
+    block: str = "sequential"     # sequential | parallel (PTB)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    mlp_ratio: int = 4
+    rope_theta: float = 10000.0
+    bias: bool = True             # Megatron's GPT and GPT-NeoX have biases; PaLM has none
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, head_dim] in fp32, GPT-NeoX layout (rotate the two halves)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_impl: str = "auto"):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.window = cfg.attention.window
+        self.rope_theta = cfg.rope_theta
+        self.impl = attention_impl
+        # Rows grouped as (head, q|k|v, head_dim), the GPT-NeoX/Megatron layout: a tensor-parallel
+        # shard of the rows is a whole set of heads.
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # The head count comes from the weight, not the config: under TP this rank holds a slice.
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = kernels.attention(q, k, v, window=self.window, impl=self.impl)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, fused: bool = False):
+        super().__init__()
+        self.fused = fused
+        self.fc_in = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
+        self.fc_out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is left out of the GEMM so the fused kernel can add it inside the GeLU.
+        h = kernels.bias_gelu(F.linear(x, self.fc_in.weight), self.fc_in.bias, fused=self.fused)
+        return self.fc_out(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_impl: str = "auto", fused: bool = False):
+        super().__init__()
+        self.parallel = cfg.block == "parallel"
+        self.fused = fused
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.attn = Attention(cfg, attention_impl)
+        # PTB shares one LayerNorm between attention and MLP; the sequential block has two.
+        self.ln_2 = None if self.parallel else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.mlp = MLP(cfg, fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            h = kernels.layer_norm(x, self.ln_1, fused=self.fused)
+            return x + self.attn(h) + self.mlp(h)
+        x, h = kernels.add_layer_norm(x, self.attn(kernels.layer_norm(x, self.ln_1, fused=self.fused)),
+                                      self.ln_2, fused=self.fused)
+        return x + self.mlp(h)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_impl: str = "auto", fused: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, attention_impl, fused) for i in range(cfg.n_layers)})
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        # Untied output projection, as in GPT-NeoX and Megatron with untied embeddings.
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.fused = fused
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V]. A pipeline stage may lack embed or head (set to None):
+        it then takes or returns hidden states instead."""
+        h = self.embed(tokens) if self.embed is not None else tokens
+        for block in self.blocks.values():
+            h = block(h)
+        if self.head is None:
+            return h
+        return self.head(kernels.layer_norm(h, self.norm, fused=self.fused))
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """GPT-2/Megatron init: N(0, 0.02), with the residual projections scaled by 1/sqrt(2L) so the
+        residual stream's variance does not grow with depth. Runs after to_empty() for a meta-built
+        model; every rank that calls it with the same seed gets the same full weights."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(0 if seed is None else seed)
+        std, L = self.cfg.init_std, self.cfg.n_layers
+        for name, p in self.named_parameters():
+            if name.endswith("bias") or ".ln_" in name or name.startswith("norm."):
+                p.fill_(1.0 if (name.endswith("weight")) else 0.0)
+                continue
+            s = std / math.sqrt(2 * L) if name.endswith(("attn.out.weight", "mlp.fc_out.weight")) else std
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen).to(p.dtype))
+
+
+# --- Accounting: parameters and FLOPs, from the config alone (works for 175B on no hardware) ---
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """N in MegaScale's 6N + 12·L·h·T: the weights that take part in GEMMs, i.e. every block's
+    attention and MLP matrices (12·L·h² at mlp_ratio 4) plus the output projection V·h. The input
+    embedding is a lookup, not a GEMM, and biases and norms are negligible, so none is counted.
+    With this N the 175B config gives 1.077e12 FLOPs/token, as the Megatron rows of Table 2 imply."""
+    h = cfg.d_model
+    return cfg.n_layers * (4 + 2 * cfg.mlp_ratio) * h * h + cfg.vocab_size * h
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) by the PaLM/MegaScale formula 6N + 12·L·h·T.
+    The attention term counts dense attention over T even with SWA, as the paper's MFU does, so
+    SWA's saving shows up as a higher MFU."""
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
