@@ -1,0 +1,232 @@
+"""The cluster tools launch real multi-process jobs: experiments/emucluster.py (hosts as network
+namespaces with throttled links) and experiments/slurm/local_cluster.sh (a one-node SLURM).
+
+What must hold: a job across emulated hosts computes the right all_reduce; a throttled link is
+really slower; a failing script, a lost host, or a SIGTERM leave no namespace and no process
+behind and set the exit code; without root or iproute2 it falls back to loopback; and a 2-task SLURM job
+runs probe_allreduce through parallel.init_distributed's SLURM mapping.
+
+    pytest tests/test_cluster_tools.py -x -q               # all (SLURM: starts a local cluster)
+    pytest tests/test_cluster_tools.py -x -q -m "not slurm"
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EMUCLUSTER = REPO / "experiments" / "emucluster.py"
+PROBE = REPO / "experiments" / "probe_allreduce.py"
+LOCAL_SLURM = REPO / "experiments" / "slurm" / "local_cluster.sh"
+
+sys.path.insert(0, str(EMUCLUSTER.parent))
+import emucluster  # noqa: E402
+
+NO_NAMESPACES = emucluster.why_no_namespaces()
+needs_namespaces = pytest.mark.skipif(NO_NAMESPACES is not None, reason=f"emulated hosts need namespaces: {NO_NAMESPACES}")
+
+# a job that stays in collectives until killed: for the lost-host and SIGTERM cases
+HANG = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+print("ready", dist.get_rank(), flush=True)
+t = torch.ones(1000)
+while True:
+    dist.all_reduce(t)
+    time.sleep(0.05)
+"""
+
+
+def emucluster_cmd(*args: str) -> list[str]:
+    return [sys.executable, str(EMUCLUSTER), *args]
+
+
+def run_emucluster(*args: str, timeout: float = 120) -> tuple[int, str, int]:
+    """(exit code, output, emucluster's pid) of one run."""
+    proc = subprocess.Popen(emucluster_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out, proc.pid
+
+
+def probe_results(out: str) -> list[dict]:
+    """The JSON lines of probe_allreduce, with emucluster's [hK] prefixes taken off."""
+    rows = []
+    for line in out.splitlines():
+        body = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+        if body.startswith("{"):
+            rows.append(json.loads(body))
+    return rows
+
+
+def leftovers(pid: int, marker: str) -> tuple[list[str], list[int]]:
+    """Namespaces of the emucluster with this pid, and live processes whose command line has marker."""
+    namespaces = [ns for ns in emucluster.namespaces() if ns.startswith(f"{emucluster.PREFIX}{pid}-")]
+    procs = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and int(entry.name) != os.getpid():
+                procs.append(int(entry.name))
+    return namespaces, procs
+
+
+@pytest.fixture(scope="module")
+def link_runs():
+    """probe_allreduce on 2 hosts x 1 rank, with 2gbit links, and with host 1's link at 200mbit."""
+    probe = ["--", str(PROBE), "--size-mb", "4", "--iters", "3", "--skip-overlap"]
+    fast = run_emucluster("--hosts", "2", "--bandwidth", "2gbit", *probe)
+    slow = run_emucluster("--hosts", "2", "--bandwidth", "2gbit", "--host-bandwidth", "1=200mbit", *probe)
+    return fast, slow
+
+
+@needs_namespaces
+def test_two_hosts_allreduce_is_correct(link_runs):
+    (code, out, pid), _ = link_runs
+    assert code == 0, out
+    rows = probe_results(out)
+    # the probe exits 1 on a wrong sum; every rank must also have reported from its own host
+    assert sorted((r["rank"], r["host"]) for r in rows) == [(0, "h0"), (1, "h1")], out
+    assert all(r["world"] == 2 and r["correct"] for r in rows)
+    assert "h0=10.77.0.1@2gbit, h1=10.77.0.2@2gbit" in out
+    assert leftovers(pid, str(PROBE)) == ([], [])
+
+
+@needs_namespaces
+def test_slow_link_is_slower(link_runs):
+    (fast_code, fast_out, _), (slow_code, slow_out, _) = link_runs
+    assert fast_code == 0 and slow_code == 0, slow_out
+    assert "h1=10.77.0.2@200mbit" in slow_out
+    fast = max(r["comm_ms"] for r in probe_results(fast_out))
+    slow = max(r["comm_ms"] for r in probe_results(slow_out))
+    # 4 MB over 200 Mbit/s is ~170 ms on the wire, 10x the 2 Gbit/s link; ask for much less than that
+    assert slow > 2 * fast, (fast, slow)
+
+
+@needs_namespaces
+def test_failing_script_exit_code_propagates_and_cleans_up(tmp_path):
+    script = tmp_path / "fail3.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    code, out, pid = run_emucluster("--hosts", "2", "--", str(script))
+    assert code == 3, out  # torchrun says 1; emucluster reports the script's own code
+    assert "exit codes h0=3, h1=3" in out
+    assert leftovers(pid, str(script)) == ([], [])
+
+
+@needs_namespaces
+def test_killed_host_fails_the_job_and_cleans_up(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    code, out, pid = run_emucluster("--hosts", "2", "--kill-host", "1", "--after", "5", "--grace", "5",
+                                    "--timeout", "90", "--", str(script))
+    assert "killing host h1" in out
+    assert code == 128 + signal.SIGKILL, out
+    survivor = int(out.split("exit codes h0=")[1].split(",")[0])
+    assert survivor != 0, out  # host 0 noticed the loss (or was killed after --grace), it did not succeed
+    assert leftovers(pid, str(script)) == ([], [])
+
+
+@needs_namespaces
+def test_sigterm_cleans_up(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    proc = subprocess.Popen(emucluster_cmd("--hosts", "2", "--timeout", "90", "--", str(script)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready, deadline = 0, time.monotonic() + 90
+        while ready < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            ready += "] ready " in line
+        assert ready == 2, "the ranks never connected"
+        assert len(leftovers(proc.pid, str(script))[0]) == 3  # two hosts and the switch, while running
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "interrupted (SIGTERM)" in out
+    assert leftovers(proc.pid, str(script)) == ([], [])
+
+
+def test_loopback_fallback():
+    """Without root, or without iproute2, one torchrun on loopback runs the same job."""
+    env = dict(os.environ)
+    if os.geteuid() == 0:
+        # as root, hide tc (Debian keeps it in /usr/sbin only) to take the no-iproute2 path
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not p.endswith("sbin"))
+        if shutil.which("tc", path=env["PATH"]):
+            pytest.skip("tc is on PATH outside sbin; cannot hide iproute2 to test the fallback")
+        expected = "iproute2 (ip, tc) not installed; running one torchrun with 2 ranks on loopback instead"
+    else:
+        expected = "not root; running one torchrun with 2 ranks on loopback instead"
+    proc = subprocess.run(emucluster_cmd("--hosts", "2", "--", str(PROBE), "--size-mb", "1", "--iters", "1",
+                                         "--skip-overlap"), capture_output=True, text=True, timeout=120, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert expected in out
+    rows = probe_results(out)
+    assert sorted(r["rank"] for r in rows) == [0, 1] and all(r["correct"] for r in rows), out
+
+
+# --- SLURM --------------------------------------------------------------------------------------
+
+JOB = """#!/bin/bash
+#SBATCH --job-name=megarepro-probe --ntasks=2 --overcommit --time=5
+export OMP_NUM_THREADS=1
+srun --overcommit {python} {probe} --size-mb 1 --iters 1 --skip-overlap
+"""
+
+
+def slurm_up() -> bool:
+    return subprocess.run(["bash", str(LOCAL_SLURM), "status"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def local_slurm():
+    """The local one-node cluster: started here if it was not up, and then stopped here."""
+    was_up = slurm_up()
+    if not was_up:
+        if os.geteuid() != 0:
+            pytest.skip("no SLURM cluster up, and starting the local one needs root")
+        start = subprocess.run(["bash", str(LOCAL_SLURM), "start"], capture_output=True, text=True, timeout=300)
+        assert start.returncode == 0, start.stdout + start.stderr
+    yield
+    if not was_up:
+        subprocess.run(["bash", str(LOCAL_SLURM), "stop"], capture_output=True, timeout=60)
+
+
+@pytest.mark.slurm
+def test_slurm_two_task_allreduce(local_slurm, tmp_path):
+    srun = subprocess.run(["srun", "-n2", "--overcommit", "hostname"], capture_output=True, text=True, timeout=60)
+    assert srun.returncode == 0 and len(srun.stdout.split()) == 2, srun.stderr
+
+    job = tmp_path / "probe.sbatch"
+    job.write_text(JOB.format(python=sys.executable, probe=PROBE))
+    output = tmp_path / "probe.out"
+    job_id = subprocess.run(["sbatch", "--parsable", f"--output={output}", f"--chdir={REPO}", str(job)],
+                            capture_output=True, text=True, check=True, timeout=30).stdout.strip().split(";")[0]
+    # sbatch --wait polls with a backoff that adds ~30 s; squeue every half second does not
+    deadline = time.monotonic() + 120
+    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id])
+            pytest.fail(f"SLURM job {job_id} still queued or running after 120 s")
+        time.sleep(0.5)
+    state = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    text = output.read_text()
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state + text
+    rows = probe_results(text)
+    # ranks and world came from SLURM_PROCID / SLURM_NTASKS via parallel.init_distributed
+    assert sorted(r["rank"] for r in rows) == [0, 1], text
+    assert all(r["world"] == 2 and r["correct"] for r in rows), text
