@@ -3,12 +3,18 @@
 A checkpoint holds model, optimizer, scheduler, data-sampler position and RNG states. Writes are
 atomic (a temporary file, then a rename), so a crash mid-save never leaves a file that looks
 complete; resume=auto takes the newest complete one.
+
+Layout: <dir>/step_<N>/ holds one file per mesh position that has unique state, and a manifest
+written last.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -24,11 +30,18 @@ class CheckpointConfig:
     keep: int = 3                 # newest checkpoints kept; older ones are deleted
 
 
-NAME = re.compile(r"step_(\d{8})\.pt$")
+STEP_DIR = re.compile(r"step_(\d{8})$")
+MANIFEST = "manifest.json"
 
 
-def path_for(ckpt_dir: Path, step: int) -> Path:
-    return Path(ckpt_dir) / f"step_{step:08d}.pt"
+def step_dir(ckpt_dir: Path, step: int) -> Path:
+    return Path(ckpt_dir) / f"step_{step:08d}"
+
+
+def shard_name(pp: int = 0, tp: int = 0, dp: int = 0) -> str:
+    """One file per mesh position. Data-parallel replicas hold the same state, so without ZeRO only
+    dp rank 0 writes, and every replica reads that file back."""
+    return f"pp{pp}_tp{tp}_dp{dp}.pt"
 
 
 def rng_state() -> dict:
@@ -46,28 +59,48 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(ckpt_dir: Path, step: int, state: dict, keep: int = 0) -> Path:
-    """Write state atomically as step_<step>.pt and prune to the newest `keep` (0 keeps all)."""
-    ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    final = path_for(ckpt_dir, step)
+def save_shard(ckpt_dir: Path, step: int, name: str, state: dict) -> Path:
+    """Write one rank's state atomically into the step's folder."""
+    folder = step_dir(ckpt_dir, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / name
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, final)  # atomic on POSIX: readers see the old state or the whole new file
-    if keep > 0:
-        for old in complete_checkpoints(ckpt_dir)[:-keep]:
-            old.unlink(missing_ok=True)
+    os.replace(tmp, final)  # atomic on POSIX: readers see no file or the whole file
     return final
 
 
+def mark_complete(ckpt_dir: Path, step: int, keep: int = 0) -> Path:
+    """Write the manifest (file names, sizes, sha256) last, once every rank's file is in place: a
+    step folder without it is an interrupted save and is never loaded. Then keep the newest `keep`."""
+    folder = step_dir(ckpt_dir, step)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.suffix == ".pt"}
+    tmp = folder / f"{MANIFEST}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+    if keep > 0:
+        for old in complete_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Checkpoint files in step order. Temporary files of an interrupted save never match."""
+    """Step folders that have a manifest, in step order."""
     if not Path(ckpt_dir).is_dir():
         return []
-    return sorted(p for p in Path(ckpt_dir).iterdir() if NAME.search(p.name))
+    return sorted(p for p in Path(ckpt_dir).iterdir() if STEP_DIR.search(p.name) and (p / MANIFEST).exists())
 
 
 def latest(ckpt_dir: Path) -> Optional[Path]:
@@ -75,6 +108,6 @@ def latest(ckpt_dir: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def load(path: Path) -> dict:
+def load_shard(folder: Path, name: str) -> dict:
     # weights_only=False: the state holds RNG tuples and numpy arrays, and we wrote it ourselves.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(Path(folder) / name, map_location="cpu", weights_only=False)

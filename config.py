@@ -54,6 +54,23 @@ class HardwareConfig:
     memory_gib: Optional[float] = None    # per device
     intra_host_GBps: Optional[float] = None   # per device, one direction (NVLink)
     inter_host_Gbps: Optional[float] = None   # per host, all NICs together
+    # The rest is read by perfmodel.py only. None: measured on this machine (cpu_local) or fitted
+    # (experiments/fit_perfmodel.py); the efficiencies are fractions of the spec numbers above.
+    peak_tflops_fp32: Optional[float] = None
+    memory_GBps: Optional[float] = None       # device memory bandwidth (HBM; the host's DRAM on CPU)
+    intra_host_latency_us: float = 10.0       # one step of a collective inside a host
+    inter_host_latency_us: float = 20.0       # one step of a collective, or one message, across hosts
+    op_overhead_us: Optional[float] = 5.0     # per kernel: a GPU launch, or a CPU eager dispatch + autograd
+    gemm_half_dim: Optional[float] = 32.0     # a GEMM dim of this size runs at half speed (tiles, waves)
+    gemm_efficiency: Optional[float] = None   # fraction of peak a large GEMM reaches
+    flash_efficiency: Optional[float] = 0.5   # fraction of peak a fused attention kernel reaches
+    memory_efficiency: float = 0.8            # fraction of memory_GBps a streaming kernel reaches
+    intra_host_efficiency: float = 0.75       # collective bus bandwidth / link rate inside a host
+    inter_host_efficiency: Optional[float] = None  # the same for large collectives across hosts
+    p2p_efficiency: float = 0.8               # the same for pipeline point-to-point messages
+    overlap_slowdown: float = 0.1             # compute slows by this fraction of the comm it hides
+    loader_step_s: float = 0.0                # host time the naive data loader adds to every step
+    collective_algo: str = "ring"             # ring | tree (hierarchical: inside hosts, then across)
 
 
 @dataclass
@@ -84,7 +101,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    precision: str = "bf16"       # bf16 (autocast, fp32 master weights) | fp32
+    precision: str = "auto"       # auto | bf16 (autocast, fp32 master weights) | fp32; auto: bf16 where it is fast
     resume: str = "auto"          # auto (newest complete checkpoint, if any) | none | PATH
     dry_run: bool = False         # build on the meta device, print size/FLOPs/memory, exit
 
@@ -141,7 +158,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     """Every check that can fail before training starts. Raises ConfigError."""
     m, t = cfg.model, cfg.train
     _choice("model.block", m.block, ("sequential", "parallel"))
-    _choice("precision", cfg.precision, ("bf16", "fp32"))
+    _choice("precision", cfg.precision, ("auto", "bf16", "fp32"))
     _choice("hardware.device", cfg.hardware.device, ("auto", "cpu", "cuda"))
     _choice("hardware.backend", cfg.hardware.backend, ("auto", "gloo", "nccl"))
     _choice("kernels.attention", cfg.kernels.attention, ATTENTION_IMPLS)
@@ -168,12 +185,12 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
                               "use hardware.device=cpu (or auto) on this machine")
-    if cfg.precision == "fp16":  # unreachable by _choice, kept as the reason fp16 is not offered
-        raise ConfigError("precision", "fp16", "use bf16")
     import parallel
     parallel.validate(cfg, world if world is not None else world_size())
     import data
+    import optim
     data.check_config(cfg.data)
+    optim.check_config(cfg.optim)
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:

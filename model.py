@@ -81,8 +81,13 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         cos, sin = rope_tables(T, self.head_dim, self.rope_theta, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = kernels.attention(q, k, v, window=self.window, impl=self.impl)
+        y = self.core(q, k, v)
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+    def core(self, q, k, v):
+        """softmax(QK^T)V: the part selective recomputation re-runs instead of storing (its
+        activations grow with s^2 for full attention and are cheap to recompute)."""
+        return kernels.attention(q, k, v, window=self.window, impl=self.impl)
 
 
 class MLP(nn.Module):

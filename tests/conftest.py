@@ -1,0 +1,44 @@
+"""Shared helpers: run train.py as a user would (a subprocess, Hydra and all) on small settings."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The tiny model on a 1.5 MB slice of the stdlib corpus with a 512-token BPE: seconds per run.
+SMALL = ["model=tiny", "model.vocab_size=512", "data.bpe_vocab_size=512", "data.max_bytes=1500000",
+         "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled", "logging.progress=false",
+         "train.eval_interval=0", "logging.interval=1000"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One data cache for the whole session, so the corpus is tokenized once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def train_env(cache: Path, **extra) -> dict:
+    env = dict(os.environ, MEGAREPRO_CACHE=str(cache), HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_train(run_dir: Path, args: list, cache: Path, nproc: int = 1, check: bool = True, timeout: int = 600,
+              **env) -> subprocess.CompletedProcess:
+    """python train.py (or torchrun with nproc ranks) with its run dir pinned to run_dir."""
+    launcher = [sys.executable, "train.py"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    cmd = launcher + list(args) + [f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(cache, **env), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,119 @@
+"""The plain model: shapes, the PTB and SWA definitions, and the FLOP accounting."""
+import math
+
+import pytest
+import torch
+
+import kernels
+from model import GPT, AttentionConfig, ModelConfig, apply_rope, flops_per_token, matmul_params, rope_tables
+
+
+def tiny(**overrides) -> ModelConfig:
+    cfg = ModelConfig(n_layers=2, n_heads=4, d_model=64, vocab_size=128, max_seq_len=64)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("block", ["sequential", "parallel"])
+def test_forward_shapes_and_finite(block):
+    model = GPT(tiny(block=block))
+    model.init_weights(0)
+    tokens = torch.randint(0, 128, (3, 17))
+    logits = model(tokens)
+    assert logits.shape == (3, 17, 128)
+    assert torch.isfinite(logits).all()
+    # PTB shares one LayerNorm; the sequential block has two.
+    assert (model.blocks["0"].ln_2 is None) == (block == "parallel")
+
+
+def test_parallel_block_is_x_plus_attn_plus_mlp_of_one_ln():
+    model = GPT(tiny(block="parallel"))
+    model.init_weights(1)
+    block = model.blocks["0"]
+    x = torch.randn(2, 9, 64)
+    h = torch.nn.functional.layer_norm(x, (64,), block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
+    torch.testing.assert_close(block(x), x + block.attn(h) + block.mlp(h))
+
+
+def test_sequential_block_is_pre_ln():
+    model = GPT(tiny())
+    model.init_weights(1)
+    block = model.blocks["0"]
+    x = torch.randn(2, 9, 64)
+    y = x + block.attn(block.ln_1(x))
+    torch.testing.assert_close(block(x), y + block.mlp(block.ln_2(y)))
+
+
+def test_causality_and_window():
+    """Changing a future token never changes earlier logits; with SWA a token W or more positions back
+    cannot influence the output of a single-layer model either."""
+    torch.manual_seed(0)
+    W = 4
+    model = GPT(tiny(n_layers=1, attention=AttentionConfig(window=W)))
+    model.init_weights(2)
+    a = torch.randint(0, 128, (1, 16))
+    b = a.clone()
+    b[0, 10] = (a[0, 10] + 1) % 128
+    la, lb = model(a), model(b)
+    torch.testing.assert_close(la[0, :10], lb[0, :10])          # the past is untouched
+    torch.testing.assert_close(la[0, 10 + W:], lb[0, 10 + W:])  # out of the window: untouched
+    assert not torch.allclose(la[0, 10:10 + W], lb[0, 10:10 + W])
+
+
+def naive_window_attention(q, k, v, window):
+    """One query at a time, over an explicit list of the keys it may see."""
+    B, H, T, D = q.shape
+    out = torch.zeros_like(q)
+    for i in range(T):
+        lo = 0 if window is None else max(0, i - window + 1)
+        scores = (q[:, :, i:i + 1] @ k[:, :, lo:i + 1].transpose(-1, -2)) / math.sqrt(D)
+        out[:, :, i] = (scores.softmax(-1) @ v[:, :, lo:i + 1])[:, :, 0]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 8, 20])
+def test_reference_swa_equals_per_token_loop(window):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8) for _ in range(3))
+    expected = naive_window_attention(q.double(), k.double(), v.double(), window)  # the oracle runs in fp64
+    torch.testing.assert_close(kernels.attention_reference(q, k, v, window).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_rotates_pairs_and_preserves_norm():
+    cos, sin = rope_tables(5, 8, 10000.0, "cpu")
+    x = torch.randn(1, 1, 5, 8)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[..., 0, :], x[..., 0, :])  # position 0 is not rotated
+    # Relative positions: <R_m q, R_n k> depends only on m - n.
+    q, k = torch.randn(8), torch.randn(8)
+    cos, sin = rope_tables(12, 8, 10000.0, "cpu")
+    rot = lambda t, pos: apply_rope(t.expand(1, 1, 12, 8), cos, sin)[0, 0, pos]
+    torch.testing.assert_close(rot(q, 7) @ rot(k, 4), rot(q, 5) @ rot(k, 2))
+
+
+def test_init_is_deterministic_and_scales_residual_projections():
+    a, b = GPT(tiny()), GPT(tiny())
+    a.init_weights(7)
+    b.init_weights(7)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    out_std = a.blocks["0"].attn.out.weight.std().item()
+    assert out_std == pytest.approx(0.02 / math.sqrt(2 * 2), rel=0.2)
+
+
+def test_flops_per_token_175B_matches_megascale_table2():
+    cfg = ModelConfig(n_layers=96, n_heads=128, d_model=12288, vocab_size=64000)
+    assert matmul_params(cfg) == 12 * 96 * 12288**2 + 64000 * 12288
+    assert flops_per_token(cfg, 2048) == pytest.approx(1.077e12, rel=0.005)
+
+
+def test_175B_builds_on_meta_with_the_expected_size():
+    cfg = ModelConfig(n_layers=96, n_heads=128, d_model=12288, vocab_size=64000)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    # matmul weights + input embedding + biases and LayerNorms
+    assert 175e9 < n < 176e9
+    assert n > matmul_params(cfg)

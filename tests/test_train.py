@@ -1,0 +1,107 @@
+"""train.py end to end: learning, resume, data parallelism, logging, and bad input."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, read_metrics, run_train, train_env
+
+
+def test_tiny_model_learns_on_the_embedded_corpus(tmp_path, cache_dir):
+    run_train(tmp_path, SMALL + ["train.max_steps=200", "train.eval_interval=100"], cache_dir)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 201))
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert first > 5.5                # about ln(512) = 6.2 at the start
+    assert last < first - 2.0         # a clear fall, not noise
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(vals) == 2 and vals[1] < vals[0]
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["status"] == "finished"
+    assert run["final"]["loss"] == rows[-1]["loss"]
+    assert run["final"]["tokens_per_s"] > 0 and 0 < run["final"]["mfu"] < 1
+    assert run["data"]["python_version"] and run["data"]["content_hash"]
+    assert run["flops_per_token"] > 0 and run["config"]["model"]["name"] == "tiny"
+
+
+def test_sigterm_then_resume_is_bitwise_identical(tmp_path, cache_dir):
+    args = SMALL + ["train.max_steps=24", "precision=fp32"]
+    run_train(tmp_path / "straight", args, cache_dir)
+    reference = [r["loss"] for r in read_metrics(tmp_path / "straight")]
+
+    # Interrupt a second run mid-way with SIGTERM (what a preemption sends), then rerun the same command.
+    run_dir = tmp_path / "interrupted"
+    cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=train_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics_file = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
+    stopped_at = len(read_metrics(run_dir))
+    assert 5 <= stopped_at < 24, "the run must stop early, at a step boundary"
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+    run_train(run_dir, args, cache_dir)  # resume=auto is the default
+    resumed = [r["loss"] for r in read_metrics(run_dir)]
+    assert resumed == reference  # bitwise, every step, not approximately
+    attempts = json.loads((run_dir / "run.json").read_text())["attempts"]
+    assert [a["status"] for a in attempts] == ["interrupted", "finished"]
+
+
+def test_two_ddp_ranks_equal_one_rank_on_the_same_global_batch(tmp_path, cache_dir):
+    args = SMALL + ["train.max_steps=6", "precision=fp32", "checkpoint.interval=6"]
+    run_train(tmp_path / "one", args, cache_dir)
+    run_train(tmp_path / "two", args, cache_dir, nproc=2)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+    assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
+    w1 = torch.load(tmp_path / "one/checkpoints/step_00000006.pt", weights_only=False)["model"]
+    w2 = torch.load(tmp_path / "two/checkpoints/step_00000006.pt", weights_only=False)["model"]
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, cache_dir):
+    args = SMALL + ["train.max_steps=4", "precision=fp32"]
+    run_train(tmp_path / "whole", args, cache_dir)
+    run_train(tmp_path / "accum", args + ["parallel.microbatches=4"], cache_dir)
+    for a, b in zip(read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "accum")):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+def test_metrics_are_appended_not_overwritten(tmp_path, cache_dir):
+    run_train(tmp_path, SMALL + ["train.max_steps=3", "resume=none"], cache_dir)
+    run_train(tmp_path, SMALL + ["train.max_steps=3", "resume=none"], cache_dir)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 1, 2, 3]
+
+
+def test_dry_run_prints_175B_size_without_hardware(tmp_path, cache_dir):
+    proc = run_train(tmp_path, ["model=175B", "dry_run=true", "train.seq_len=2048"], cache_dir)
+    assert "1.077" in proc.stdout and "FLOPs per token" in proc.stdout
+    assert "175" in proc.stdout.split("parameters")[0]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.learning_rate=1", "train.learning_rate"),
+    ("model.n_heads=3", "model.n_heads"),
+    ("model.attention.window=0", "model.attention.window"),
+    ("train.seq_len=4096", "train.seq_len"),
+    ("data.source=/no/such/corpus.txt", "data.source"),
+    ("hardware.device=tpu", "hardware.device"),
+    ("model=175b", "model"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, cache_dir, override, key):
+    proc = run_train(tmp_path, [override], cache_dir, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert key in lines[0] and "Fix:" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -1,0 +1,310 @@
+"""Train a GPT the way MegaScale does, one switch per technique.
+
+    python train.py                                   # the tiny model on this machine's CPU
+    python train.py model=175B dry_run=true           # size, FLOPs and memory with no hardware
+    torchrun --nproc_per_node 2 train.py              # data parallel on 2 processes
+    srun -n 16 python train.py ...                    # SLURM: ranks come from SLURM_* variables
+
+Every run writes metrics.jsonl and run.json to its Hydra run dir (the source of truth for tables)
+and logs to W&B (offline by default). Bad input is one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+import checkpoint
+import config
+import data
+import metrics
+import optim
+import parallel
+from model import GPT, count_params, flops_per_token, matmul_params
+
+log = logging.getLogger("train")
+config.register()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(dict_cfg) -> float:
+    from hydra.core.hydra_config import HydraConfig
+    cfg = config.to_object(dict_cfg)
+    try:
+        config.validate(cfg)
+    except config.ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
+        print(err, file=sys.stderr)
+        sys.exit(2)
+    if cfg.dry_run:
+        return dry_run(cfg)
+    result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    return result.get("val_loss", result.get("loss", float("nan")))  # what a Hydra sweeper optimises
+
+
+def train(cfg: config.Config, run_dir: Path) -> dict:
+    """The training run. Returns the final metrics (also written to run.json)."""
+    # --- Processes, devices, mesh ---
+    device = parallel.pick_device(cfg.hardware.device)
+    rank, world = parallel.init_distributed(device, cfg.hardware.backend)
+    layout = parallel.build_layout(cfg.parallel, rank, world, device)
+    torch.manual_seed(cfg.train.seed)
+    precision = metrics.resolve_precision(cfg.precision, device)
+    autocast_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    # --- Data: every rank prepares (the cache is built once under a file lock) ---
+    corpus = data.prepare(cfg.data, cfg.train.seq_len)
+    if cfg.model.vocab_size < corpus.vocab_size:
+        _fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
+              f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
+    sampler = data.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
+                           layout.dp_rank, layout.dp, seed=cfg.train.seed)
+    loader = data.Loader(corpus, "train", cfg.train.seq_len, sampler, prefetch=cfg.data.prefetch)
+
+    # --- Model and optimizer: the same full init on every rank, then parallelism from outside ---
+    model = GPT(cfg.model, attention_impl=cfg.kernels.attention, fused=cfg.kernels.fused)
+    model.init_weights(cfg.train.seed)
+    model.to(device)
+    n_params = count_params(model)
+    engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused)
+    if cfg.train.compile:
+        engine.chunks = [torch.compile(chunk) for chunk in engine.chunks]
+    optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
+                                      norm_group=engine.norm_group)
+    scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+
+    # --- Resume ---
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader)
+
+    # --- Logging ---
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    peak, peak_source = metrics.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops)
+    meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, world, peak)
+    record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
+              "versions": metrics.versions(), "device": str(device), "precision": precision, "world_size": world,
+              "layout": {**layout.coordinates(), "dp_size": layout.dp, "pp_size": layout.pp, "tp_size": layout.tp,
+                         "order": cfg.parallel.order, "group_setup_s": layout.setup_seconds},
+              "params": n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
+              "peak_tflops": peak, "peak_source": peak_source, "data": corpus.meta}
+    run_log = metrics.RunLog(run_dir, record, cfg.logging.wandb, enabled=rank == 0)
+    if rank == 0:
+        log.info("run dir %s | %s params | %.3g FLOPs/token | world %d (dp %d, pp %d, tp %d) | %s | peak %.3g TFLOP/s (%s)",
+                 run_dir, f"{n_params:,}", fpt, world, layout.dp, layout.pp, layout.tp, precision, peak, peak_source)
+
+    # --- The loop ---
+    stop = _StopFlag()
+    step, history, status = start_step, [], "finished"
+    bar = _progress(cfg, rank, start_step)
+    eval_set = data.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
+                                 layout.dp_rank, layout.dp) if cfg.train.eval_interval > 0 else []
+    try:
+        for step in range(start_step + 1, cfg.train.max_steps + 1):
+            t0 = time.perf_counter()
+            inputs, targets = next(loader)
+            loss, grad_norm = train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
+            scheduler.step()
+            loss, stop_now = _agree(loss, stop.requested, layout)  # one collective: mean loss and stop flag
+            row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                   **meter(time.perf_counter() - t0), "memory_gib": metrics.memory_gib(device)}
+            if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
+                row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
+            run_log.step(row)
+            history.append(row)
+            _report(row, cfg, bar, rank)
+            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                save(ckpt_dir, step, engine, optimizer, scheduler, loader, cfg, layout)
+            if stop_now:
+                status = "interrupted"
+                log.warning("stop requested: saving a checkpoint at step %d and exiting cleanly", step)
+                break
+        if step > start_step and (status == "interrupted" or cfg.checkpoint.interval):
+            if not checkpoint.path_for(ckpt_dir, step).exists():
+                save(ckpt_dir, step, engine, optimizer, scheduler, loader, cfg, layout)
+    finally:
+        loader.close()
+        if bar is not None:
+            bar.close()
+        stop.restore()
+    final = summarize(history, step)
+    run_log.finish(status, final)
+    if rank == 0:
+        print(final_line(final, cfg), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return final
+
+
+def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_dtype) -> tuple[float, float]:
+    """One optimizer step: forward and backward over parallel.microbatches microbatches (a
+    pipeline schedule when pp > 1, gradient accumulation otherwise), then the TP/DP gradient
+    reductions and clipping, the update, and ZeRO's parameter all-gather."""
+    loss = engine.forward_backward(inputs, targets, autocast_dtype)
+    grad_norm = engine.finish_gradients(cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    engine.after_step()
+    return loss, grad_norm
+
+
+@torch.no_grad()
+def evaluate(engine, batches, device, autocast_dtype, layout) -> float:
+    losses = [engine.forward_backward(x.to(device), y.to(device), autocast_dtype, backward=False) for x, y in batches]
+    return _agree(sum(losses) / len(losses), False, layout)[0]
+
+
+def _agree(loss: float, stop: bool, layout) -> tuple[float, bool]:
+    """Average the loss over data-parallel ranks and OR the stop flag over all ranks, in one
+    all-reduce: every rank must stop at the same step or the others hang in a collective."""
+    if layout.world == 1:
+        return loss, stop
+    t = torch.tensor([loss, float(stop)], dtype=torch.float64)
+    dist.all_reduce(t)  # the loss lives on the last pipeline stage, on each of its tp ranks
+    return t[0].item() / (layout.dp * layout.tp), t[1].item() > 0
+
+
+# --- Checkpoints ---
+
+def save(ckpt_dir, step, engine, optimizer, scheduler, loader, cfg, layout) -> None:
+    """Every rank with state of its own writes its file; rank 0 writes the manifest last."""
+    if layout.dp_rank == 0 or cfg.parallel.zero_stage > 0:  # without ZeRO, DP replicas are identical
+        state = {"step": step, "model": engine.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": checkpoint.rng_state(),
+                 "config": OmegaConf.to_container(OmegaConf.structured(cfg))}
+        checkpoint.save_shard(ckpt_dir, step, _shard_name(layout, cfg.parallel.zero_stage), state)
+    if dist.is_initialized():
+        dist.barrier()
+    if layout.rank == 0:
+        log.info("saved %s", checkpoint.mark_complete(ckpt_dir, step, keep=cfg.checkpoint.keep))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _shard_name(layout, zero_stage: int) -> str:
+    dp = layout.dp_rank if zero_stage > 0 else 0
+    return checkpoint.shard_name(layout.pp_rank, layout.tp_rank, dp)
+
+
+def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader) -> int:
+    """Load a checkpoint if asked (resume=auto|PATH, saved at this layout) and return its step."""
+    if how == "none":
+        return 0
+    folder = checkpoint.latest(ckpt_dir) if how == "auto" else Path(how)
+    if folder is None:
+        return 0
+    if not (folder / checkpoint.MANIFEST).exists():
+        _fail(f"config error: resume: no complete checkpoint at {folder}. Fix: give a step folder with a "
+              f"manifest.json, or resume=auto|none")
+    state = checkpoint.load_shard(folder, _shard_name(engine.layout, engine.cfg.zero_stage))
+    engine.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    loader.load_state_dict(state["loader"])
+    checkpoint.set_rng_state(state["rng"])
+    log.info("resumed from %s (step %d)", folder, state["step"])
+    return state["step"]
+
+
+# --- Reporting ---
+
+def summarize(history: list, step: int) -> dict:
+    """Final metrics: the last loss, and throughput as the median over steps after the first few
+    (the first steps pay for warm-up and allocation, and the median is robust to a noisy machine)."""
+    if not history:
+        return {"steps": step}
+    timed = history[min(3, len(history) - 1):]
+    median = lambda key: sorted(r[key] for r in timed)[len(timed) // 2]
+    final = {"steps": step, "loss": history[-1]["loss"], "first_loss": history[0]["loss"],
+             "tokens_per_s": median("tokens_per_s"), "step_time": median("step_time"),
+             "tflops_per_device": median("tflops_per_device"), "mfu": median("mfu"),
+             "memory_gib": history[-1]["memory_gib"]}
+    vals = [r["val_loss"] for r in history if "val_loss" in r]
+    if vals:
+        final["val_loss"] = vals[-1]
+    return final
+
+
+def final_line(final: dict, cfg) -> str:
+    if "loss" not in final:
+        return f"done: nothing to do (already at step {final['steps']} of {cfg.train.max_steps})"
+    val = f" | val loss {final['val_loss']:.3f}" if "val_loss" in final else ""
+    return (f"done: {final['steps']} steps | loss {final['first_loss']:.3f} -> {final['loss']:.3f}{val} | "
+            f"{final['tokens_per_s']:,.0f} tokens/s | {final['tflops_per_device']:.3f} TFLOP/s per device | "
+            f"MFU {100 * final['mfu']:.1f}%")
+
+
+def _report(row: dict, cfg, bar, rank: int) -> None:
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
+    if rank == 0 and (row["step"] % cfg.logging.interval == 0 or row["step"] == 1 or "val_loss" in row):
+        val = f" | val {row['val_loss']:.3f}" if "val_loss" in row else ""
+        line = (f"step {row['step']:>5} | loss {row['loss']:.4f}{val} | lr {row['lr']:.2e} | "
+                f"{row['tokens_per_s']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}%")
+        (bar.write if bar is not None else print)(line)
+        log.debug(line)
+
+
+def _progress(cfg, rank: int, start: int):
+    if rank != 0 or not cfg.logging.progress or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=cfg.train.max_steps, initial=start, desc="train", dynamic_ncols=True, leave=False)
+
+
+class _StopFlag:
+    """Ctrl-C and SIGTERM (preemption) ask for a stop at the next step boundary, so the run saves a
+    checkpoint and exits cleanly instead of dying mid-step. A second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+# --- Dry run: size, FLOPs and memory of any config, with no hardware ---
+
+def dry_run(cfg: config.Config) -> float:
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    n = count_params(model)
+    p = cfg.parallel
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    # Our mixed precision keeps fp32 weights (bf16 only inside autocast), fp32 grads and two fp32
+    # Adam moments: 4 + 4 + 8 bytes per parameter, split over tp*pp, and over dp by ZeRO for the
+    # parts it shards (stage 1: moments; stage 2: also grads).
+    shard = n / (p.tp * p.pp)
+    dp = max(1, p.dp)
+    moment_bytes = 8 / (dp if p.zero_stage >= 1 else 1)
+    grad_bytes = 4 / (dp if p.zero_stage >= 2 else 1)
+    static_gib = shard * (4 + grad_bytes + moment_bytes) / 2**30
+    print(f"model {cfg.model.name}: {n:,} parameters ({n / 1e9:.2f}B), N (matmul) = {matmul_params(cfg.model):,}")
+    print(f"FLOPs per token (6N + 12·L·h·T, T={cfg.train.seq_len}): {fpt:.4e}")
+    print(f"FLOPs per step (batch {cfg.train.batch_size}): {fpt * cfg.train.batch_size * cfg.train.seq_len:.4e}")
+    print(f"weights+grads+optimizer per device at tp={p.tp} pp={p.pp} dp={dp} zero={p.zero_stage}: {static_gib:,.1f} GiB "
+          f"(activations not included)")
+    return 0.0
+
+
+def _fail(line: str) -> None:
+    print(line, file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    config.preflight(sys.argv[1:])
+    main()
