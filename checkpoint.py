@@ -111,3 +111,21 @@ def latest(ckpt_dir: Path) -> Optional[Path]:
 def load_shard(folder: Path, name: str) -> dict:
     # weights_only=False: the state holds RNG tuples and numpy arrays, and we wrote it ourselves.
     return torch.load(Path(folder) / name, map_location="cpu", weights_only=False)
+
+
+def consolidate_model(folder: Path) -> dict:
+    """The full, layout-free model state of a checkpoint: pipeline stages' parameters merged and
+    tensor-parallel slices concatenated back along the dim they were split on."""
+    from parallel import tp_shard_dim
+    files = sorted(Path(folder).glob("pp*_tp*_dp0.pt"))
+    pieces: dict = {}
+    for f in files:
+        tp = int(re.search(r"_tp(\d+)_", f.name).group(1))
+        for name, tensor in load_shard(folder, f.name)["model"].items():
+            pieces.setdefault(name, {})[tp] = tensor
+    full = {}
+    for name, by_tp in pieces.items():
+        dim = tp_shard_dim(name)
+        ordered = [by_tp[t] for t in sorted(by_tp)]
+        full[name] = ordered[0] if dim is None else torch.cat(ordered, dim=dim)
+    return full

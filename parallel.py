@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,9 @@ class ParallelConfig:
     dp: int = -1             # -1: whatever the world size leaves, world / (tp * pp)
     zero_stage: int = 0      # 0: replicated optimizer | 1: sharded optimizer state | 2: + sharded grads
     microbatches: int = 1    # per optimizer step and DP rank: pipeline microbatches, or accumulation
-    order: str = "dp,pp,tp"  # mesh dims, outermost first: TP innermost = consecutive ranks = one host
+    # Mesh dims, outermost first. TP innermost makes a TP group consecutive ranks, i.e. one host
+    # (NVLink); PP next (within a zone); DP outermost (across zones): topology-aware placement.
+    order: List[str] = field(default_factory=lambda: ["dp", "pp", "tp"])
     reduce_dtype: str = "fp32"
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
@@ -49,9 +51,9 @@ def validate(cfg, world: int) -> None:
     if p.tp * p.pp * dp != world:
         raise ConfigError("parallel", f"tp*pp*dp = {p.tp}*{p.pp}*{dp} = {p.tp * p.pp * dp} but the world size is {world}",
                           "launch tp*pp*dp processes, or set parallel.dp=-1 to derive dp from the world size")
-    if sorted(p.order.split(",")) != ["dp", "pp", "tp"]:
-        raise ConfigError("parallel.order", f"{p.order!r} is not an order of dp, pp, tp",
-                          "use a comma-separated order of dp,pp,tp, outermost first")
+    if sorted(p.order) != ["dp", "pp", "tp"]:
+        raise ConfigError("parallel.order", f"{list(p.order)} is not an order of dp, pp, tp",
+                          "list all three, outermost first, e.g. parallel.order=[dp,pp,tp]")
     if p.zero_stage not in (0, 1, 2):
         raise ConfigError("parallel.zero_stage", f"{p.zero_stage}", "use 0, 1 or 2")
     if p.reduce_dtype not in ("fp32", "bf16"):
@@ -150,6 +152,14 @@ class Layout:
     def coordinates(self) -> dict:
         return {"rank": self.rank, "dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
 
+    def all_coordinates(self) -> list:
+        """Every rank's coordinates, for run.json (one all_gather_object at start-up)."""
+        if self.world == 1:
+            return [self.coordinates()]
+        found = [None] * self.world
+        dist.all_gather_object(found, self.coordinates())
+        return found
+
 
 def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.device) -> Layout:
     """One DeviceMesh over the dims in cfg.order (outermost first). init_device_mesh creates every
@@ -162,7 +172,7 @@ def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.devic
     if world == 1:
         return layout
     from torch.distributed.device_mesh import init_device_mesh
-    names = tuple(cfg.order.split(","))
+    names = tuple(cfg.order)
     t0 = time.perf_counter()
     layout.mesh = init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)
     layout.setup_seconds = time.perf_counter() - t0
@@ -296,6 +306,16 @@ def _tp_block_forward(block, x):
     a = _add_bias(ReduceScatterSeq.apply(block.attn(h), g), attn_bias)
     x, h = kernels.add_layer_norm(x, a, block.ln_2, fused=block.fused)
     return x + _add_bias(ReduceScatterSeq.apply(block.mlp(GatherSeq.apply(h, g)), g), mlp_bias)
+
+
+def tp_shard_dim(name: str) -> Optional[int]:
+    """The dim along which apply_tp splits a parameter over the TP group (None: replicated)."""
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc_in.weight", "mlp.fc_in.bias",
+                      "embed.weight", "head.weight")):
+        return 0
+    if name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
+        return 1
+    return None
 
 
 def _add_bias(x, bias):

@@ -90,7 +90,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
               "versions": metrics.versions(), "device": str(device), "precision": precision, "world_size": world,
               "layout": {**layout.coordinates(), "dp_size": layout.dp, "pp_size": layout.pp, "tp_size": layout.tp,
-                         "order": cfg.parallel.order, "group_setup_s": layout.setup_seconds},
+                         "order": list(cfg.parallel.order), "group_setup_s": layout.setup_seconds,
+                         "ranks": layout.all_coordinates()},
               "params": n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
               "peak_tflops": peak, "peak_source": peak_source, "data": corpus.meta}
     run_log = metrics.RunLog(run_dir, record, cfg.logging.wandb, enabled=rank == 0)
@@ -125,7 +126,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                 log.warning("stop requested: saving a checkpoint at step %d and exiting cleanly", step)
                 break
         if step > start_step and (status == "interrupted" or cfg.checkpoint.interval):
-            if not checkpoint.path_for(ckpt_dir, step).exists():
+            if not (checkpoint.step_dir(ckpt_dir, step) / checkpoint.MANIFEST).exists():
                 save(ckpt_dir, step, engine, optimizer, scheduler, loader, cfg, layout)
     finally:
         loader.close()
