@@ -18,7 +18,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"]),
-    "dp2_zero0": (2, ["parallel.zero_stage=0"]),
+    "dp2_zero0": (2, ["parallel.zero_stage=0"]),  # plain data parallelism: 2 ranks = 1 rank
     "dp2_zero1": (2, ["parallel.zero_stage=1"]),
     "dp2_zero2": (2, ["parallel.zero_stage=2"]),
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.zero_stage=1"]),

@@ -6,7 +6,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from conftest import ROOT, SMALL, read_metrics, run_train, train_env
 
@@ -52,20 +51,6 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path, cache_dir):
     assert resumed == reference  # bitwise, every step, not approximately
     attempts = json.loads((run_dir / "run.json").read_text())["attempts"]
     assert [a["status"] for a in attempts] == ["interrupted", "finished"]
-
-
-def test_two_ddp_ranks_equal_one_rank_on_the_same_global_batch(tmp_path, cache_dir):
-    args = SMALL + ["train.max_steps=6", "precision=fp32", "checkpoint.interval=6"]
-    run_train(tmp_path / "one", args, cache_dir)
-    run_train(tmp_path / "two", args, cache_dir, nproc=2)
-    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    for a, b in zip(one, two):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
-    assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
-    w1 = torch.load(tmp_path / "one/checkpoints/step_00000006.pt", weights_only=False)["model"]
-    w2 = torch.load(tmp_path / "two/checkpoints/step_00000006.pt", weights_only=False)["model"]
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6)
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path, cache_dir):

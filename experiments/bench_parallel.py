@@ -1,0 +1,70 @@
+"""Step time and tokens/s of each parallel layout on 2 CPU ranks (gloo over loopback).
+
+    .venv/bin/python experiments/bench_parallel.py [--steps 20] [--layouts tp2 pp2 ...] [overrides ...]
+
+Each layout runs train.py under torchrun on the same model and global batch; the figures are the
+medians over the steps after the first three (warm-up) from the run's own metrics.jsonl. On 2
+cores the two ranks share the CPU with gloo's copies, so this measures overheads of the
+layouts relative to each other, not what a GPU cluster would see (see experiments/emucluster.py).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = {
+    "single (1 rank)": (1, []),
+    "dp2 zero0": (2, ["parallel.zero_stage=0"]),
+    "dp2 zero1": (2, ["parallel=dp2_zero1"]),
+    "dp2 zero2": (2, ["parallel=dp2_zero2"]),
+    "tp2": (2, ["parallel=tp2"]),
+    "pp2 (1F1B)": (2, ["parallel=pp2"]),
+    "pp2 vpp2 (interleaved)": (2, ["parallel=pp2_vpp2"]),
+}
+
+
+def run(name: str, ranks: int, overrides: list, steps: int, extra: list, workdir: Path) -> dict:
+    run_dir = workdir / name.replace(" ", "_").replace("(", "").replace(")", "")
+    launcher = [sys.executable, "train.py"] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py"]
+    cmd = launcher + overrides + [f"train.max_steps={steps}", "logging.wandb.mode=disabled", "logging.progress=false",
+                                  "train.eval_interval=0", "resume=none", f"hydra.run.dir={run_dir}"] + extra
+    env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"name": name, "error": proc.stderr.strip().splitlines()[-1][:120]}
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()][3:]
+    return {"name": name, "ranks": ranks, "step_time": statistics.median(r["step_time"] for r in rows),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), "loss": rows[-1]["loss"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every layout")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.layouts:
+            ranks, overrides = LAYOUTS[name]
+            results.append(run(name, ranks, overrides, args.steps, args.overrides, Path(tmp)))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    base = next((r for r in results if "step_time" in r), None)
+    print("| layout | ranks | step time (s) | tokens/s | vs single | final loss |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['name']} | | failed: {r['error']} | | | |")
+            continue
+        print(f"| {r['name']} | {r['ranks']} | {r['step_time']:.3f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['loss']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
