@@ -23,6 +23,7 @@ LAYOUTS = {
     "dp2 zero1": (2, ["parallel=dp2_zero1"]),
     "dp2 zero2": (2, ["parallel=dp2_zero2"]),
     "tp2": (2, ["parallel=tp2"]),
+    "tp2 PTB": (2, ["parallel=tp2", "model.block=parallel"]),  # MegaScale step 1: half the TP collectives
     "pp2 (1F1B)": (2, ["parallel=pp2"]),
     "pp2 vpp2 (interleaved)": (2, ["parallel=pp2_vpp2"]),
 }

@@ -3,6 +3,7 @@ on the same global batch (fp32, within 1e-5 relative), with real gloo ranks unde
 import json
 import os
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -135,3 +136,65 @@ def test_invalid_layout_is_one_line_before_any_work(overrides, world, key, tmp_p
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"config error: {key}"), proc.stderr
+
+
+def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir: str) -> None:
+    import collections
+    import torch.distributed as dist
+    import parallel
+    from model import GPT, ModelConfig
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = parallel.ParallelConfig(tp=2)
+    layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
+    model = GPT(ModelConfig(n_layers=3, n_heads=4, d_model=64, vocab_size=128, block=block))
+    model.init_weights(0)
+    engine = parallel.build(model, layout, cfg)
+    counts = collections.Counter()
+    for name in ("all_gather_single", "reduce_scatter_tensor"):
+        original = getattr(dist, name)
+        setattr(dist, name, lambda *a, _f=original, _n=name, **k: (counts.update([(phase, _n)]), _f(*a, **k))[1])
+    tokens = torch.randint(0, 128, (2, 16))
+    phase = "forward"
+    loss = engine.loss_fn(engine.chunks[0](tokens), tokens)
+    phase = "backward"
+    loss.backward()
+    (Path(out_dir) / f"{block}_{rank}.json").write_text(json.dumps({f"{p} {n}": c for (p, n), c in counts.items()}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("block, per_layer", [("sequential", 2), ("parallel", 1)])
+def test_ptb_halves_the_tp_collectives_per_layer(block, per_layer, tmp_path):
+    """Under tp2 with sequence parallelism, a sequential block all-gathers and reduce-scatters twice
+    (before/after attention and MLP); PTB does each once, since both branches read one LN output and
+    their outputs are summed before the reduce-scatter. The embedding adds one reduce-scatter and
+    the output projection one all-gather; backward mirrors forward."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_count_tp_collectives, args=(2, port, block, str(tmp_path)), nprocs=2)
+    counts = json.loads((tmp_path / f"{block}_0.json").read_text())
+    layers = 3
+    assert counts == {
+        "forward all_gather_single": per_layer * layers + 1, "forward reduce_scatter_tensor": per_layer * layers + 1,
+        "backward all_gather_single": per_layer * layers + 1, "backward reduce_scatter_tensor": per_layer * layers + 1}
+
+
+def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir):
+    """Per-tensor trust ratios need the norms of whole logical tensors: the TP slices and ZeRO
+    shards' partial norms are summed in one all-reduce over the stage's dp x tp ranks."""
+    lamb = EXACT + ["optim=lamb", "optim.trust_clamp=null"]
+    run_train(tmp_path / "one", lamb, cache_dir)
+    run_train(tmp_path / "four", lamb + ["parallel.tp=2", "parallel.zero_stage=2"], cache_dir, nproc=4)
+    one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
+    for a, b in zip(one, four):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    ref = checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / "one" / "checkpoints", STEPS))
+    got = checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / "four" / "checkpoints", STEPS))
+    names = list(ref)
+    flat = lambda w: torch.cat([w[k].double().flatten() for k in names])
+    assert relative_error(flat(got), flat(ref)) < 1e-5
+    for key in names:
+        assert relative_error(got[key], ref[key]) < 1e-4, key
