@@ -4,15 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-fast venv slurm-up slurm-down clean
 
+# The project is a flat set of scripts run from this folder, so only its dependencies are
+# installed (pinned in pyproject.toml; torch==2.13.0 is the CPU or CUDA build the host provides).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-	# Dependencies only; the project itself is a flat set of scripts run from this folder.
-	$(BIN)/python -c "import tomllib;print('\n'.join(tomllib.load(open('pyproject.toml','rb'))['project']['dependencies']))" > $(VENV)/requirements.txt
-	$(BIN)/python -m pip install -q -r $(VENV)/requirements.txt 2>&1 | grep -v "is ignored" || true
-	$(BIN)/python -c "import torch, hydra, wandb, datasets, tokenizers"
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > $(VENV)/requirements.txt
+	$(BIN)/python -m pip install -q -r $(VENV)/requirements.txt
+	$(BIN)/python -c "import torch, hydra, wandb, datasets, tokenizers, transformers"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -22,6 +23,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slurm"
+
+slurm-up:
+	experiments/slurm/local_cluster.sh start
+
+slurm-down:
+	experiments/slurm/local_cluster.sh stop
 
 clean:
 	rm -rf $(VENV) outputs multirun
