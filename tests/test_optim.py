@@ -123,7 +123,7 @@ def test_param_groups_of_the_model():
 def test_adamw_decays_only_weights():
     model = GPT(ModelConfig(n_layers=1, d_model=32, n_heads=2, vocab_size=64))
     opt = optim.build_optimizer(model.named_parameters(), optim.OptimConfig(), lr=0.1)
-    assert type(opt) is torch.optim.AdamW and opt.defaults["foreach"]
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
     assert "blocks.0.mlp.fc_in.bias" in opt.param_groups[1]["param_names"]  # names reach the state_dict
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
