@@ -170,6 +170,9 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     if (m.d_model // m.n_heads) % 2:
         raise ConfigError("model.n_heads", f"head dim {m.d_model // m.n_heads} is odd and rotary needs it even",
                           "choose n_heads so that d_model/n_heads is even")
+    if cfg.kernels.attention_block < 1:
+        raise ConfigError("kernels.attention_block", f"{cfg.kernels.attention_block} < 1",
+                          "use a positive query block size, e.g. 128")
     if m.attention.window is not None and m.attention.window < 1:
         raise ConfigError("model.attention.window", f"window {m.attention.window} < 1",
                           "use a window >= 1, or null for full causal attention")

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from kernels import KernelsConfig
 
 
 @dataclass
@@ -64,12 +65,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_impl: str = "auto"):
+    def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_heads
         self.window = cfg.attention.window
         self.rope_theta = cfg.rope_theta
-        self.impl = attention_impl
+        self.impl, self.block_size = ops.attention, ops.attention_block
         # Rows grouped as (head, q|k|v, head_dim), the GPT-NeoX/Megatron layout: a tensor-parallel
         # shard of the rows is a whole set of heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
@@ -87,13 +88,13 @@ class Attention(nn.Module):
     def core(self, q, k, v):
         """softmax(QK^T)V: the part selective recomputation re-runs instead of storing (its
         activations grow with s^2 for full attention and are cheap to recompute)."""
-        return kernels.attention(q, k, v, window=self.window, impl=self.impl)
+        return kernels.attention(q, k, v, window=self.window, impl=self.impl, block=self.block_size)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
-        self.fused = fused
+        self.fused = ops.fused
         self.fc_in = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
         self.fc_out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
 
@@ -104,15 +105,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_impl: str = "auto", fused: bool = False):
+    def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
         self.parallel = cfg.block == "parallel"
-        self.fused = fused
+        self.fused = ops.fused
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-        self.attn = Attention(cfg, attention_impl)
+        self.attn = Attention(cfg, ops)
         # PTB shares one LayerNorm between attention and MLP; the sequential block has two.
         self.ln_2 = None if self.parallel else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-        self.mlp = MLP(cfg, fused)
+        self.mlp = MLP(cfg, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
@@ -124,15 +125,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_impl: str = "auto", fused: bool = False):
+    def __init__(self, cfg: ModelConfig, ops: Optional[KernelsConfig] = None):
+        """ops: which operator implementations to run (kernels.py); the eager defaults if None.
+        They change speed, never the maths: every implementation equals the reference."""
         super().__init__()
+        ops = ops or KernelsConfig()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, attention_impl, fused) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, ops) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         # Untied output projection, as in GPT-NeoX and Megatron with untied embeddings.
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.fused = fused
+        self.fused = ops.fused
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V]. A pipeline stage may lack embed or head (set to None):

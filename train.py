@@ -59,7 +59,10 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     autocast_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     # --- Data: every rank prepares (the cache is built once under a file lock) ---
-    corpus = data.prepare(cfg.data, cfg.train.seq_len)
+    try:  # some data problems (an empty file, an offline hub name) only show when the data is read
+        corpus = data.prepare(cfg.data, cfg.train.seq_len)
+    except config.ConfigError as err:
+        _fail(str(err))
     if cfg.model.vocab_size < corpus.vocab_size:
         _fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
               f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
@@ -68,7 +71,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     loader = data.Loader(corpus, "train", cfg.train.seq_len, sampler, prefetch=cfg.data.prefetch)
 
     # --- Model and optimizer: the same full init on every rank, then parallelism from outside ---
-    model = GPT(cfg.model, attention_impl=cfg.kernels.attention, fused=cfg.kernels.fused)
+    model = GPT(cfg.model, cfg.kernels)
     model.init_weights(cfg.train.seed)
     model.to(device)
     n_params = count_params(model)

@@ -1,0 +1,185 @@
+"""Kernel speed: fused vs eager operators, and banded sliding-window vs full causal attention.
+
+    python experiments/bench_kernels.py                       # both parts, bf16
+    python experiments/bench_kernels.py --only fused --shape 16,256,256
+    python experiments/bench_kernels.py --only attention --seqs 2048,4096 --windows 512
+    python experiments/bench_kernels.py --threads 1 --clock cpu   # on a shared machine, see below
+
+Every number is forward + backward, the median of --reps timed runs after --warmup untimed
+ones (the first of which compiles, for the fused path; its time is reported separately).
+
+(a) fused: kernels.fused=true (torch.compile'd functions) against the eager reference for the
+    LayerNorm, the residual add + LayerNorm, bias + GeLU (on the MLP's 4h-wide activation) and
+    the cross-entropy, each on its own, and "LN+GeLU", the two ops the MLP input goes through.
+(b) attention: kernels.attention_banded against one causal SDPA call (which already skips the
+    upper triangle), B=1, for every sequence length and window. "FLOP ratio" is the speed-up the
+    work alone predicts, s / (2·(W + block)); "x2 s" is the time ratio to the previous, half as
+    long sequence at the same window: 2.0 is linear.
+
+--clock cpu times with the process' CPU time instead of the wall clock. With --threads 1 it is
+the time the work takes on one core, and other processes sharing the machine barely change it.
+
+glibc returns every freed block of 32 MiB or more to the kernel, so each new activation of that
+size is page-faulted in again, at about 3 ns per fp32 element on a VM: that, not the kernel,
+dominates a memory-bound op on [8, 1024, 4096]. A GPU run never sees it (the CUDA caching
+allocator recycles memory), so by default this script raises glibc's mmap threshold to keep
+freed memory in the process (mallopt, as MALLOC_MMAP_THRESHOLD_ would); --malloc default
+measures glibc's behaviour instead. Prints Markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the flat repo root
+import kernels  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", choices=("fused", "attention", "all"), default="all")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--malloc", choices=("recycle", "default"), default="recycle",
+                   help="recycle: keep freed memory in the process (see the docstring)")
+    p.add_argument("--shape", default="8,1024,1024", help="B,T,h of the fused part's activations")
+    p.add_argument("--vocab", type=int, default=32768, help="cross-entropy vocabulary")
+    p.add_argument("--seqs", default="2048,4096,8192")
+    p.add_argument("--windows", default="256,512,1024")
+    p.add_argument("--block", type=int, default=kernels.DEFAULT_BLOCK)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    return p.parse_args(argv)
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to serve big blocks from its heap and never trim it, like a caching allocator."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 62))
+
+
+def timed(fn, reps: int, warmup: int, clock) -> tuple[float, float]:
+    """(median seconds of the timed runs, seconds of the first call)."""
+    start = clock()
+    fn()
+    first = clock() - start
+    for _ in range(warmup - 1):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times), first
+
+
+def forward_backward(fn, inputs):
+    """A closure running fn(*inputs) and its backward, under a fixed random output gradient."""
+    grads = None
+
+    def run():
+        nonlocal grads
+        outs = fn(*inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        if grads is None:
+            grads = [torch.randn_like(o) for o in outs]
+        torch.autograd.grad(outs, [t for t in inputs if t.requires_grad], grads)
+    return run
+
+
+def fused_ops(args, dtype):
+    """name -> (fn(fused) -> closure), on the shapes of one transformer layer's activations."""
+    B, T, h = (int(s) for s in args.shape.split(","))
+    leaf = lambda *shape: torch.randn(*shape, dtype=dtype).requires_grad_()
+    norm = nn.LayerNorm(h).to(dtype)
+    x, delta, pre_gelu, bias = leaf(B, T, h), leaf(B, T, h), leaf(B, T, 4 * h), leaf(4 * h)
+    logits, targets = leaf(B * T // 8, args.vocab), torch.randint(0, args.vocab, (B * T // 8,))
+    params = list(norm.parameters())
+
+    def ln(fused):
+        return forward_backward(lambda x, *_: kernels.layer_norm(x, norm, fused), [x, *params])
+
+    def add_ln(fused):
+        return forward_backward(lambda x, d, *_: kernels.add_layer_norm(x, d, norm, fused), [x, delta, *params])
+
+    def gelu(fused):
+        return forward_backward(lambda a, b: kernels.bias_gelu(a, b, fused), [pre_gelu, bias])
+
+    def ln_gelu(fused):
+        a, b = ln(fused), gelu(fused)
+        return lambda: (a(), b())
+
+    def ce(fused):
+        return forward_backward(lambda z: kernels.cross_entropy(z, targets, fused), [logits])
+
+    return {"LayerNorm": ln, "LN+residual": add_ln, "bias+GeLU (4h)": gelu, "LN+GeLU": ln_gelu,
+            f"cross-entropy ({B * T // 8}x{args.vocab})": ce}
+
+
+def bench_fused(args, dtype, clock) -> None:
+    print(f"\n### Fused vs eager, {args.dtype}, activations {args.shape}, forward + backward\n")
+    print("| op | eager ms | fused ms | speed-up | first fused call (compile) s |")
+    print("|---|---:|---:|---:|---:|")
+    for name, make in fused_ops(args, dtype).items():
+        eager, _ = timed(make(False), args.reps, args.warmup, clock)
+        fused, first = timed(make(True), args.reps, args.warmup, clock)
+        print(f"| {name} | {eager * 1e3:.1f} | {fused * 1e3:.1f} | {eager / fused:.2f}x | {first:.1f} |",
+              flush=True)
+
+
+def bench_attention(args, dtype, clock) -> None:
+    seqs = [int(s) for s in args.seqs.split(",")]
+    windows = [int(w) for w in args.windows.split(",")]
+    H, D, blk = args.heads, args.head_dim, args.block
+    print(f"\n### Banded SWA vs causal SDPA, {args.dtype}, B=1 H={H} D={D} block={blk}, forward + backward\n")
+    print("| s | W | causal SDPA ms | banded ms | speed-up | FLOP ratio | x2 s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    banded_times = {}
+    for s in seqs:
+        q, k, v = (torch.randn(1, H, s, D, dtype=dtype).requires_grad_() for _ in range(3))
+        full, _ = timed(forward_backward(lambda a, b, c: kernels.attention_sdpa(a, b, c, None), [q, k, v]),
+                        args.reps, args.warmup, clock)
+        for W in windows:
+            banded, _ = timed(forward_backward(lambda a, b, c: kernels.attention_banded(a, b, c, W, blk), [q, k, v]),
+                              args.reps, args.warmup, clock)
+            banded_times[s, W] = banded
+            half = banded_times.get((s // 2, W))
+            doubling = f"{banded / half:.2f}" if half else "-"
+            print(f"| {s} | {W} | {full * 1e3:.0f} | {banded * 1e3:.0f} | {full / banded:.2f}x "
+                  f"| {s / (2 * (W + blk)):.2f} | {doubling} |", flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    recycled = args.malloc == "recycle" and keep_freed_memory()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    dtype = DTYPES[args.dtype]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
+          f"median of {args.reps} after {args.warmup} warm-up, "
+          f"{'recycled' if recycled else 'default'} malloc")
+    if args.only in ("fused", "all"):
+        bench_fused(args, dtype, clock)
+    if args.only in ("attention", "all"):
+        bench_attention(args, dtype, clock)
+
+
+if __name__ == "__main__":
+    main()

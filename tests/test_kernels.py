@@ -1,0 +1,235 @@
+"""Every fast path of kernels.py against its reference: outputs and gradients.
+
+Attention backends are compared with kernels.attention_reference (itself checked against a
+per-token loop in test_model.py). Fused operators are compared with their eager versions.
+Compiling is what costs here, so the fused tests use one shape per dtype: each compiled
+function is built once and reused across tests.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+BLOCK = 16                      # small blocks, so short sequences still have head, middle and tail
+T_ODD, T_EVEN = 77, 64          # 77: a last partial block; 64: whole blocks only
+WINDOWS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 40, T_ODD, None]
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def qkv(T, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, T, 16, generator=g).to(dtype).requires_grad_() for _ in range(3)]
+
+
+def out_and_grads(fn, q, k, v, grad_out):
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+
+# --- Attention ---
+
+@pytest.mark.parametrize("T", [T_ODD, T_EVEN])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("impl", ["banded", "sdpa", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_backend_equals_reference(impl, window, T, dtype):
+    q, k, v = qkv(T, dtype)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    # The oracle sees the same (rounded) inputs, in fp32: the error left is the backend's own.
+    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected = out_and_grads(lambda a, b, c: kernels.attention_reference(a, b, c, window), *ref_inputs,
+                             grad_out.float())
+    got = out_and_grads(lambda a, b, c: kernels.attention(a, b, c, window, impl=impl, block=BLOCK), q, k, v,
+                        grad_out)
+    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+        assert g.dtype == dtype, name
+        torch.testing.assert_close(g.float(), e, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+
+
+def test_banded_computes_only_the_band(monkeypatch):
+    """The work bound, counted rather than timed: the scores banded asks SDPA for stay within
+    T·(W + block) (plus the first blocks' small square), not T², and only the calls whose
+    blocks stick out of the window carry a mask."""
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def counting_sdpa(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((q.shape[:-1].numel() * k.shape[-2], attn_mask is not None, is_causal))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", counting_sdpa)
+    B, H, T, W, block = 1, 2, 1024, 64, 32
+    q, k, v = (torch.randn(B, H, T, 8) for _ in range(3))
+    out = kernels.attention_banded(q, k, v, W, block)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, kernels.attention_reference(q, k, v, W), atol=2e-5, rtol=1e-4)
+    scores = sum(n for n, _, _ in calls)
+    window_len = -(-(W + block - 1) // 16) * 16
+    assert scores <= B * H * (T * window_len + window_len ** 2)
+    assert scores < B * H * T * T / 8                     # vs T²/2 for causal SDPA
+    assert len(calls) == 2                                # first blocks (causal) + all the rest at once
+    assert calls[0][2] and not calls[0][1]                # the first blocks fit the window: no mask
+
+
+def test_auto_picks_banded_only_where_it_skips_enough():
+    q = torch.randn(1, 1, 1024, 8)
+    assert kernels.pick_attention_impl(q, None, 128) == "sdpa"
+    assert kernels.pick_attention_impl(q, 512, 128) == "sdpa"       # 1024 < 2·(512 + 128)
+    assert kernels.pick_attention_impl(q, 256, 128) == "banded"
+
+
+def test_flash_on_cpu_says_what_to_use_instead():
+    q, k, v = qkv(8, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="banded or sdpa"):
+        kernels.attention(q, k, v, 4, impl="flash")
+
+
+def test_unknown_impl_is_an_error():
+    q, k, v = qkv(8, torch.float32)
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        kernels.attention(q, k, v, impl="tiled")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.flash_attn_importable()),
+                    reason="flash-attn needs CUDA and the optional flash-attn package")
+@pytest.mark.parametrize("window", [1, 63, 64, 65, 300, None])
+def test_flash_equals_reference(window):
+    q, k, v = [t.detach().cuda().requires_grad_() for t in qkv(300, torch.bfloat16)]
+    grad_out = torch.randn_like(q)
+    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected = out_and_grads(lambda a, b, c: kernels.attention_reference(a, b, c, window), *ref_inputs,
+                             grad_out.float())
+    got = out_and_grads(lambda a, b, c: kernels.attention(a, b, c, window, impl="flash"), q, k, v, grad_out)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.float(), e, **TOL[torch.bfloat16])
+
+
+# --- Fused operators: the compiled path against the eager one ---
+
+ROWS, HIDDEN, VOCAB = (2, 24), 32, 96
+
+
+def leaf(*shape, dtype=torch.float32, seed=0, scale=1.0, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + shift).to(dtype).requires_grad_()
+
+
+def check_same(fn_eager, fn_fused, inputs, norm=None):
+    """Fused is as accurate as eager: for every output and every gradient (of the inputs and of
+    the norm's parameters, under a random output gradient), its error against the same
+    computation in fp64 is at most twice eager's, plus a floor of a few units of the last place
+    of fp32. Both round (bf16 outputs, bf16 mean/rstd saved for the backward), only differently,
+    so a direct fused-vs-eager comparison would measure the sum of their errors."""
+    def run(fn, dtype=None):
+        xs = [t.detach().to(dtype or t.dtype).requires_grad_() for t in inputs]
+        mod = copy.deepcopy(norm)
+        if norm is not None and dtype is not None:
+            mod = mod.to(dtype)
+        outs = fn(*xs, mod) if norm is not None else fn(*xs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7 + i)).to(o.dtype)
+                 for i, o in enumerate(outs)]
+        wrt = xs + (list(mod.parameters()) if norm is not None else [])
+        return [*outs, *torch.autograd.grad(outs, wrt, grads)]
+    oracle, eager, fused = run(fn_eager, torch.float64), run(fn_eager), run(fn_fused)
+    assert len(fused) == len(eager) == len(oracle)
+    for i, (want, e, f) in enumerate(zip(oracle, eager, fused)):
+        assert f.dtype == e.dtype and f.shape == e.shape
+        err_eager, err_fused = (e.double() - want).abs().max(), (f.double() - want).abs().max()
+        floor = 1e-5 * max(1.0, want.abs().max().item())
+        assert err_fused <= 2 * err_eager + floor, f"tensor {i}: fused error {err_fused:.3g}, eager {err_eager:.3g}"
+
+
+def layer_norm_module(bias: bool, dtype):
+    norm = nn.LayerNorm(HIDDEN, bias=bias).to(dtype)
+    with torch.no_grad():  # not the identity init, so the weight and bias gradients matter
+        norm.weight.copy_(torch.randn(HIDDEN).to(dtype) * 0.5 + 1)
+        if bias:
+            norm.bias.copy_(torch.randn(HIDDEN).to(dtype) * 0.1)
+    return norm
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
+def test_fused_layer_norm(dtype, bias):
+    x = leaf(*ROWS, HIDDEN, dtype=dtype, scale=3.0, shift=2.0)
+    check_same(lambda x, n: kernels.layer_norm(x, n), lambda x, n: kernels.layer_norm(x, n, fused=True),
+               [x], norm=layer_norm_module(bias, dtype))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_fused_add_layer_norm(x_dtype):
+    """bf16 throughout, and as under autocast: an fp32 residual stream, a bf16 branch output
+    and fp32 LayerNorm parameters."""
+    inputs = [leaf(*ROWS, HIDDEN, dtype=x_dtype), leaf(*ROWS, HIDDEN, dtype=torch.bfloat16, seed=1)]
+    check_same(lambda x, d, n: kernels.add_layer_norm(x, d, n),
+               lambda x, d, n: kernels.add_layer_norm(x, d, n, fused=True), inputs, norm=layer_norm_module(True, x_dtype))
+
+
+def test_fused_add_layer_norm_returns_the_sum():
+    norm = layer_norm_module(True, torch.float32)
+    x, delta = torch.randn(*ROWS, HIDDEN), torch.randn(*ROWS, HIDDEN)
+    s, h = kernels.add_layer_norm(x, delta, norm, fused=True)
+    torch.testing.assert_close(s, x + delta)
+    torch.testing.assert_close(h, F.layer_norm(x + delta, (HIDDEN,), norm.weight, norm.bias, norm.eps))
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
+def test_fused_bias_gelu(dtype, bias):
+    # The bias is fp32 as under autocast (master weights); the activation comes out of a GEMM.
+    inputs = [leaf(*ROWS, 4 * HIDDEN, dtype=dtype, scale=2.0)] + ([leaf(4 * HIDDEN, seed=1)] if bias else [])
+    eager = (lambda x, b=None: kernels.bias_gelu(x, b))
+    fused = (lambda x, b=None: kernels.bias_gelu(x, b, fused=True))
+    check_same(eager, fused, inputs)
+
+
+def test_bias_gelu_is_exact_erf_gelu():
+    x, b = torch.randn(5, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    z = x + b
+    expected = 0.5 * z * (1 + torch.erf(z / 2 ** 0.5))
+    torch.testing.assert_close(kernels.bias_gelu(x, b), expected)
+    torch.testing.assert_close(kernels.bias_gelu(x.float(), b.float(), fused=True), expected.float())
+
+
+def test_fused_cross_entropy_matches_eager_in_fp32():
+    logits = leaf(*ROWS, VOCAB, dtype=torch.bfloat16, scale=4.0)
+    targets = torch.randint(0, VOCAB, ROWS, generator=torch.Generator().manual_seed(3))
+    eager = kernels.cross_entropy(logits, targets)
+    fused = kernels.cross_entropy(logits, targets, fused=True)
+    assert fused.dtype == torch.float32
+    # Both upcast before the reductions, so they agree to fp32 rounding.
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
+    by_hand = (torch.logsumexp(logits.double(), -1) - logits.double().gather(-1, targets[..., None])[..., 0]).mean()
+    torch.testing.assert_close(fused.double(), by_hand, atol=1e-5, rtol=1e-5)
+    (g_eager,) = torch.autograd.grad(eager, logits)
+    (g_fused,) = torch.autograd.grad(fused, logits)
+    assert g_fused.dtype == torch.bfloat16
+    torch.testing.assert_close(g_fused.float(), g_eager.float(), **TOL[torch.bfloat16])
+
+
+# --- The switches inside the model ---
+
+def test_model_with_every_fast_path_equals_eager_model():
+    """kernels.fused=true and kernels.attention=banded change speed, not the maths: the same
+    weights give the same loss and gradients as the eager model, both block types, with SWA."""
+    from model import GPT, ModelConfig, AttentionConfig
+    for block in ("sequential", "parallel"):
+        cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, vocab_size=64, block=block,
+                          attention=AttentionConfig(window=20))
+        eager = GPT(cfg)
+        eager.init_weights(seed=0)
+        fast = GPT(cfg, kernels.KernelsConfig(attention="banded", fused=True, attention_block=16))
+        fast.load_state_dict(eager.state_dict())
+        tokens = torch.randint(0, 64, (2, 77), generator=torch.Generator().manual_seed(1))
+        losses, grads = [], []
+        for net, fused in ((eager, False), (fast, True)):
+            loss = kernels.cross_entropy(net(tokens[:, :-1]), tokens[:, 1:], fused=fused)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad for n, p in net.named_parameters()})
+        torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+        for name, g in grads[0].items():
+            torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
