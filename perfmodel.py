@@ -1,0 +1,665 @@
+"""A performance model: the step time, tokens/s, MFU and memory per GPU of a training config on a
+cluster you don't have (issue 8). Meta plans Llama runs with such a model; Megatron-LM ships only a
+memory estimate. Here it is also how a machine with no GPU checks that the MegaScale techniques'
+effects at cluster scale are understood.
+
+It reads the same Hydra config as train.py (model, parallel and its overlap switches, kernels, data,
+optim, train) plus a description of the machine in conf/hardware/, and prices one optimizer step on
+the busiest rank: every GEMM and attention kernel (efficiency depends on shape), every memory-bound
+op, the TP/SP collectives over NVLink, PP sends and the interleaved-1F1B bubble (p-1)/(m*v), DP
+reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts),
+what each overlap switch hides and what hiding costs, the optimizer and the data loader. Memory is
+counted per rank: weights, gradients and optimizer states by ZeRO stage, activations by schedule
+and recomputation.
+
+Calibration is honest: two constants are fitted, on Table 2's Megatron-LM column only
+(experiments/fit_perfmodel.py writes experiments/data/perfmodel_fit.json): the fraction of peak a
+large GEMM reaches and the fraction of the NIC rate large cross-host collectives reach. Everything
+else is a spec or a stated prior in conf/hardware/*.yaml, so Table 2's MegaScale column, the Table 3
+ablation and the 530B runs are predictions.
+
+What the paper leaves unstated, assumed here:
+- Megatron-LM: TP8 PP8 with 6 virtual stages, seq 2048, micro-batch 1 (microbatches = batch/DP),
+  sequence parallelism, bf16 weights with fp32 gradients and --use-distributed-optimizer (ZeRO-1:
+  fp32 reduce-scatter, bf16 all-gather), Adam, no overlap beyond Megatron's own async backward
+  collectives, materialized-softmax attention (its default core attention), unfused LayerNorm,
+  GeLU and cross-entropy, the naive data loader. Stages hold the embedding (first) and an untied
+  head (last), as model.py. A100s with 80 GB.
+- MegaScale: the same layout with PTB, SWA (window T/4 = 512; the paper gives none), chunked TP
+  overlap (parallel.overlap.tp_chunks, 2 by default), PP and DP overlap (ZeRO-2, a model chunk at
+  a time), FlashAttention-2 and fused LayerNorm/GeLU/cross-entropy, the two-level data pipeline.
+  Adam in Table 2 (same batch as Megatron-LM); LAMB only where the batch grows (Table 3's last step).
+
+Usage: python perfmodel.py [predict|ablation|scaling|plan|530b|validate] [key=value ...]
+       (gpus=N, batch=B, micro_batch=B, scale=cluster|cpu, top=N are perfmodel's own keys)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import config
+import model as gpt
+from config import ConfigError, HardwareConfig
+
+ROOT = Path(__file__).resolve().parent
+DATA_DIR = ROOT / "experiments" / "data"
+FIT_FILE = DATA_DIR / "perfmodel_fit.json"
+FITTED = ("gemm_efficiency", "inter_host_efficiency")
+MEASURED = ("peak_tflops", "peak_tflops_fp32", "memory_GBps", "op_overhead_us", "gemm_half_dim",
+            "gemm_efficiency", "flash_efficiency", "intra_host_GBps", "inter_host_Gbps", "memory_gib")
+
+
+# --- Hardware: conf/hardware completed by the fit, or on a CPU by measuring this machine ---
+
+def fitted_constants() -> Dict[str, float]:
+    """The constants experiments/fit_perfmodel.py fitted on the A100 cluster; a GPU cluster that
+    leaves one null takes it as is (there is no other cluster's data to fit on)."""
+    return json.loads(FIT_FILE.read_text())["constants"] if FIT_FILE.exists() else {}
+
+
+def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
+    """A copy of hw with every number the model needs filled in; ConfigError if one can't be."""
+    hw = copy.copy(hw)
+    on_cpu = hw.device == "cpu" or (hw.device == "auto" and not _cuda_available())
+    if not on_cpu:
+        for key, value in fitted_constants().items():
+            if getattr(hw, key, 0) is None:
+                setattr(hw, key, value)
+    missing = [k for k in MEASURED + FITTED if getattr(hw, k) is None]
+    if missing and on_cpu:
+        measured = local_measurements()
+        for key in missing:
+            setattr(hw, key, measured.get(key))
+        missing = [k for k in missing if getattr(hw, k) is None]
+    if missing:
+        raise ConfigError(f"hardware.{missing[0]}", f"unknown for hardware={hw.name}",
+                          "set it, or use hardware=a100_cluster, h100_cluster or cpu_local")
+    return hw
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+@dataclass
+class Rates:
+    """The resolved hardware as the cost functions use it, for one rank of a given layout."""
+    flops: float            # peak FLOP/s of the run's dtype (a CPU's ranks share the host's)
+    gemm_eff: float
+    half_dim: float
+    flash_eff: float
+    mem: float              # achieved bytes/s of a streaming kernel
+    op: float               # fixed seconds per op
+    additive: bool          # CPU: the fixed cost adds to the work; GPU: launches overlap execution
+
+    @classmethod
+    def of(cls, hw: HardwareConfig, precision: str, ranks: int) -> "Rates":
+        share = min(ranks, hw.devices_per_host) if hw.device == "cpu" else 1
+        peak = hw.peak_tflops if precision == "bf16" else hw.peak_tflops_fp32
+        return cls(peak * 1e12 / share, hw.gemm_efficiency, hw.gemm_half_dim, hw.flash_efficiency,
+                   hw.memory_GBps * 1e9 * hw.memory_efficiency / share, hw.op_overhead_us * 1e-6,
+                   hw.device == "cpu")
+
+
+# --- Primitive costs: a kernel, a collective, a pipeline ---
+
+def _kernel(r: Rates, seconds: float, ops: float = 1) -> float:
+    return seconds + ops * r.op if r.additive else max(seconds, ops * r.op)
+
+
+def gemm_time(r: Rates, M: float, N: float, K: float, count: int = 1, elem: int = 2) -> float:
+    """[M,K] @ [K,N], `count` times in one kernel: a roofline whose compute side loses speed on small
+    dims (tile and wave quantization, modelled as d / (d + half_dim) per dim)."""
+    shape = M / (M + r.half_dim) * N / (N + r.half_dim) * K / (K + r.half_dim)
+    compute = 2 * M * N * K * count / (r.flops * r.gemm_eff * shape)
+    memory = elem * (M * K + K * N + M * N) * count / r.mem
+    return _kernel(r, max(compute, memory))
+
+
+def stream_time(r: Rates, nbytes: float, ops: float = 1) -> float:
+    """A memory-bound op (norm, activation, cast, softmax) that moves nbytes."""
+    return _kernel(r, nbytes / r.mem, ops)
+
+
+def collective_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float,
+                    algo: str = "ring") -> float:
+    """The textbook alpha-beta cost (Thakur, Rabenseifner & Gropp 2005) of one collective over n
+    ranks. nbytes is the whole buffer: what all_gather returns, what reduce_scatter and all_reduce
+    take. A ring takes n-1 steps, a tree (recursive halving/doubling, or NCCL's double binary
+    tree) log2(n); both move (n-1)/n of the buffer per rank, all_reduce twice."""
+    if n <= 1:
+        return 0.0
+    steps = n - 1 if algo == "ring" else math.ceil(math.log2(n))
+    one_pass = steps * latency + (n - 1) / n * nbytes / bandwidth
+    return 2 * one_pass if kind == "all_reduce" else one_pass
+
+
+def bubble_fraction(pp: int, microbatches: int, vpp: int = 1) -> float:
+    """Idle time of (interleaved) 1F1B relative to the ideal m microbatches (Narayanan et al. 2021)."""
+    return (pp - 1) / (microbatches * vpp)
+
+
+def hide(comm: float, compute: float, mode: str, chunks: int = 1) -> Tuple[float, float]:
+    """(exposed, hidden) seconds of a collective next to a GEMM taking `compute` seconds.
+    async: launched beside the GEMM (Megatron's backward), only the excess shows. chunked: both are
+    cut in k pieces and pipelined, so one piece of comm shows plus any excess (MegaScale's TP
+    overlap). domino: row-split chunks hide each other's comm across layers, no tail shows."""
+    if mode == "off":
+        exposed = comm
+    elif mode == "chunked":
+        exposed = comm / chunks + (chunks - 1) / chunks * max(0.0, comm - compute)
+    else:  # async, domino
+        exposed = max(0.0, comm - compute)
+    return exposed, comm - exposed
+
+
+# --- The layout: who holds what, where the groups live ---
+
+@dataclass
+class Layout:
+    gpus: int
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    microbatches: int       # per step and DP rank
+    micro_batch: int        # sequences per microbatch
+    seq: int
+    zero: int
+    order: Tuple[str, ...] = ("dp", "pp", "tp")   # mesh dims, outermost first (parallel.order)
+
+    def members_per_host(self, dim: str, devices_per_host: int) -> int:
+        """How many ranks of one `dim` group share a host, ranks numbered by the mesh order."""
+        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        inner = self.order[self.order.index(dim) + 1:]
+        stride = math.prod(sizes[d] for d in inner)
+        return 1 if stride >= devices_per_host else min(sizes[dim], max(1, devices_per_host // stride))
+
+
+def layout_of(cfg: config.Config, gpus: Optional[int] = None) -> Layout:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    gpus = gpus or p.tp * p.pp * max(p.dp, 1)
+    if gpus % (p.tp * p.pp):
+        raise ConfigError("parallel", f"tp*pp = {p.tp * p.pp} does not divide {gpus} GPUs", "choose tp and pp that divide the GPU count")
+    dp = gpus // (p.tp * p.pp)
+    if p.dp > 0 and p.dp != dp:
+        raise ConfigError("parallel.dp", f"{p.dp} but {gpus} GPUs / (tp*pp) = {dp}", "set parallel.dp=-1 or gpus=tp*pp*dp")
+    if t.batch_size % (dp * p.microbatches):
+        raise ConfigError("train.batch_size", f"{t.batch_size} is not divisible by dp*microbatches = {dp}*{p.microbatches}",
+                          "use a batch that is a multiple of dp*parallel.microbatches")
+    if m.n_layers % (p.pp * p.vpp) or (p.vpp > 1 and p.pp == 1):
+        raise ConfigError("parallel.vpp", f"pp*vpp = {p.pp}*{p.vpp} must divide n_layers={m.n_layers} (and vpp>1 needs pp>1)",
+                          "choose pp and vpp whose product divides the layer count")
+    if m.n_heads % p.tp or m.vocab_size % p.tp or (p.tp > 1 and t.seq_len % p.tp):
+        raise ConfigError("parallel.tp", f"tp={p.tp} must divide n_heads, vocab_size and seq_len", "choose a tp that divides them")
+    return Layout(gpus, p.tp, p.pp, p.vpp, dp, p.microbatches, t.batch_size // (dp * p.microbatches),
+                  t.seq_len, p.zero_stage, tuple(p.order.split(",") if isinstance(p.order, str) else p.order))
+
+
+class Network:
+    """Collectives and sends of one layout: NVLink (or loopback) inside a host, the NICs across."""
+
+    def __init__(self, hw: HardwareConfig, lay: Layout):
+        self.hw, self.lay = hw, lay
+        self.intra = (hw.intra_host_GBps * 1e9 * hw.intra_host_efficiency, hw.intra_host_latency_us * 1e-6)
+        nic = hw.inter_host_Gbps / 8 * 1e9 / hw.devices_per_host          # bytes/s per device
+        self.inter = (nic * hw.inter_host_efficiency, hw.inter_host_latency_us * 1e-6)
+        self.nic = nic
+
+    def collective(self, kind: str, nbytes: float, dim: str) -> float:
+        n = getattr(self.lay, dim)
+        k = self.lay.members_per_host(dim, self.hw.devices_per_host)
+        if k >= n:
+            return collective_time(kind, nbytes, n, *self.intra, self.hw.collective_algo)
+        if k == 1 or self.hw.collective_algo == "ring":  # a flat ring runs at its slowest (network) hop
+            return collective_time(kind, nbytes, n, *self.inter, self.hw.collective_algo)
+        # tree: inside each host over NVLink, then across hosts on 1/k of the buffer, every GPU on its NIC
+        return (collective_time(kind, nbytes, k, *self.intra, "ring")
+                + collective_time(kind, nbytes / k, n // k, *self.inter, "tree"))
+
+    def pp_send(self, nbytes: float) -> float:
+        """One activation (or its gradient) to the next pipeline stage, over NVLink if the whole
+        pipeline shares a host, else over the NIC (the slowest hop paces the pipeline)."""
+        if self.lay.members_per_host("pp", self.hw.devices_per_host) < self.lay.pp:
+            return self.inter[1] + nbytes / (self.nic * self.hw.p2p_efficiency)
+        return self.intra[1] + nbytes / (self.hw.intra_host_GBps * 1e9 * self.hw.p2p_efficiency)
+
+
+# --- One layer, one microbatch, one rank ---
+
+# Passes over a tensor (forward, backward) and op counts (forward, backward) of the memory-bound
+# ops, unfused and fused (kernels.fused). Unfused: every torch op reads and writes its tensor.
+ELEMENTWISE = {
+    "add_norm": {False: (5, 7, 2, 3), True: (4, 5, 1, 1)},     # residual add + LayerNorm
+    "bias_gelu": {False: (4, 4, 2, 2), True: (2, 3, 1, 1)},
+    "rope": {False: (10, 8, 12, 12), True: (10, 8, 12, 12)},  # model.apply_rope on q and k; never fused
+    "copy": {False: (2, 2, 1, 1), True: (2, 2, 1, 1)},        # attention output back to [tokens, h]
+    "add": {False: (3, 3, 1, 1), True: (3, 3, 1, 1)},         # PTB's three-way residual sum
+}
+
+
+def _add(into: Dict[str, float], other: Dict[str, float], scale: float = 1.0) -> Dict[str, float]:
+    for key, value in other.items():
+        into[key] = into.get(key, 0.0) + scale * value
+    return into
+
+
+def _comm(c: Dict[str, float], key: str, comm: float, compute: float, mode: str, chunks: int = 1):
+    exposed, hidden = hide(comm, compute, mode, chunks)
+    c[key] = c.get(key, 0.0) + exposed
+    c["hidden"] = c.get("hidden", 0.0) + hidden
+
+
+def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, float]:
+    """softmax(QK^T)V for one microbatch on one rank: (forward, backward) seconds.
+    reference (Megatron's core attention) materializes every score of the causal square, the window
+    only masks them; banded materializes the band; flash/sdpa/auto run a fused kernel that skips
+    masked blocks (flash also outside the window; sdpa/auto get an explicit mask and can't)."""
+    m, T, e = cfg.model, lay.seq, _elem(cfg)
+    hd, n = m.d_model // m.n_heads, lay.micro_batch * m.n_heads // lay.tp
+    impl, W = cfg.kernels.attention, m.attention.window
+    if impl in ("reference", "banded"):
+        Tk = min(W, T) if impl == "banded" and W else T
+        # Forward: S = QK^T, softmax (read S, write P), O = PV. Backward: dP = dO V^T, dV = P^T dO,
+        # softmax backward (read P and dP, write dS), dQ = dS K, dK = dS^T Q.
+        fwd = gemm_time(r, T, Tk, hd, n, e) + stream_time(r, 2 * n * T * Tk * e) + gemm_time(r, T, hd, Tk, n, e)
+        bwd = (gemm_time(r, T, Tk, hd, n, e) + gemm_time(r, Tk, hd, T, n, e) + stream_time(r, 3 * n * T * Tk * e)
+               + gemm_time(r, T, hd, Tk, n, e) + gemm_time(r, Tk, hd, T, n, e))
+        return fwd, bwd
+    keys = T if W and impl != "flash" else mean_keys(T, W)
+    fwd = _kernel(r, 4 * n * T * keys * hd / (r.flops * r.flash_eff))
+    return fwd, 2.5 * fwd  # backward recomputes the scores: 5 GEMMs against the forward's 2
+
+
+def mean_keys(T: int, window: Optional[int]) -> float:
+    """Keys a query attends to, averaged over positions: (T+1)/2 causal, about W with a window."""
+    W = min(window or T, T)
+    return (W * T - W * (W - 1) / 2) / T
+
+
+def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
+    """One transformer layer, one microbatch, on one rank: (forward, backward) seconds by category,
+    plus the attention core's forward (what selective recomputation re-runs)."""
+    m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, _elem(cfg)
+    h, ff, ptb = m.d_model, m.mlp_ratio * m.d_model, m.block == "parallel"
+    mode = cfg.parallel.overlap.tp if t > 1 else "off"
+    k = cfg.parallel.overlap.tp_chunks if mode in ("chunked", "domino") else 1
+    shapes = {"qkv": (3 * h // t, h), "out": (h, h // t), "fc1": (ff // t, h), "fc2": (h, ff // t)}
+    # Overlap cuts a GEMM into k row chunks: chunked, those next to a blocking collective (every
+    # forward GEMM, the row-parallel input gradients); domino, every GEMM (it splits the batch).
+    kd = {n: k if mode == "domino" or n in ("out", "fc2") else 1 for n in shapes}
+    kw = k if mode == "domino" else 1
+    g_fwd = {n: k * gemm_time(r, M / k, N, K, 1, e) for n, (N, K) in shapes.items()}
+    g_dgrad = {n: kd[n] * gemm_time(r, M / kd[n], K, N, 1, e) for n, (N, K) in shapes.items()}
+    g_wgrad = {n: kw * gemm_time(r, N, K, M / kw, 1, e) for n, (N, K) in shapes.items()}
+    attn_f, attn_b = attention_time(cfg, lay, r)
+    fwd = {"gemm": sum(g_fwd.values()), "attention": attn_f}
+    bwd = {"gemm": sum(g_dgrad.values()) + sum(g_wgrad.values()), "attention": attn_b}
+
+    shard = h // t  # sequence parallelism keeps the residual stream split over the TP group
+    items = [("add_norm", shard * (1 if ptb else 2)), ("bias_gelu", ff // t), ("rope", 2 * h // t), ("copy", h // t)]
+    if ptb:
+        items.append(("add", shard))
+    for name, width in items:
+        pf, pb, of, ob = ELEMENTWISE[name][cfg.kernels.fused]
+        fwd["elementwise"] = fwd.get("elementwise", 0.0) + stream_time(r, pf * width * M * e, of)
+        bwd["elementwise"] = bwd.get("elementwise", 0.0) + stream_time(r, pb * width * M * e, ob)
+
+    if t > 1:  # SP: all-gather before each column-parallel GEMM, reduce-scatter after each row-parallel
+        ag = net.collective("all_gather", M * h * e, "tp")
+        rs = net.collective("reduce_scatter", M * h * e, "tp")
+        if ptb:  # attention and MLP share one all-gather and one reduce-scatter
+            f_sync = [(ag, g_fwd["qkv"] + g_fwd["fc1"]), (rs, g_fwd["out"] + g_fwd["fc2"])]
+            b_sync = [(ag, g_dgrad["out"] + g_dgrad["fc2"])]
+            b_async = [(ag, g_dgrad["qkv"] + g_dgrad["fc1"]), (rs, g_wgrad["qkv"] + g_wgrad["fc1"])]
+        else:
+            f_sync = [(ag, g_fwd["qkv"]), (rs, g_fwd["out"]), (ag, g_fwd["fc1"]), (rs, g_fwd["fc2"])]
+            b_sync = [(ag, g_dgrad["out"]), (ag, g_dgrad["fc2"])]
+            b_async = [(ag, g_dgrad["qkv"]), (rs, g_wgrad["qkv"]), (ag, g_dgrad["fc1"]), (rs, g_wgrad["fc1"])]
+        for comm, gemm in f_sync:
+            _comm(fwd, "tp_comm", comm, gemm, mode, k)
+        for comm, gemm in b_sync:
+            _comm(bwd, "tp_comm", comm, gemm, mode, k)
+        for comm, gemm in b_async:  # re-gather for the weight gradient, reduce-scatter of the input grad
+            _comm(bwd, "tp_comm", comm, gemm, "async")
+    return fwd, bwd, attn_f
+
+
+def precision(cfg: config.Config) -> str:
+    """bf16 or fp32. precision=auto means bf16 wherever bf16 is fast, which is every machine this
+    models (A100, H100, and CPUs with bf16 matmul units like this one)."""
+    return "fp32" if cfg.precision == "fp32" else "bf16"
+
+
+def _elem(cfg: config.Config) -> int:
+    return 2 if precision(cfg) == "bf16" else 4
+
+
+def ends_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
+    """The first rank's embedding and the last rank's norm, head and loss: ((fwd, bwd), (fwd, bwd))."""
+    m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, _elem(cfg)
+    h, V, fused = m.d_model, m.vocab_size // lay.tp, cfg.kernels.fused
+    emb_f = {"elementwise": stream_time(r, 2 * M * h * e)}
+    emb_b = {"elementwise": stream_time(r, M * h * (e + 8), 2)}  # scatter-add into the fp32 grad
+    head_f = {"gemm": gemm_time(r, M, V, h, 1, e)}
+    head_b = {"gemm": gemm_time(r, M, h, V, 1, e) + gemm_time(r, V, h, M, 1, e)}
+    pf, pb, of, ob = ELEMENTWISE["add_norm"][fused]
+    # Cross-entropy over [tokens, V/tp]: unfused, logits go through an fp32 copy and log_softmax.
+    ce_f, ce_b, ops = ((e, 2 * e, 1) if fused else (e + 12, e + 20, 5))
+    head_f["elementwise"] = stream_time(r, pf * M * h // t * e, of) + stream_time(r, ce_f * M * V, ops)
+    head_b["elementwise"] = stream_time(r, pb * M * h // t * e, ob) + stream_time(r, ce_b * M * V, ops)
+    if t > 1:  # vocab-parallel embedding and loss; the head needs the whole sequence
+        _comm(emb_f, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), 0.0, "off")
+        _comm(emb_b, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
+        mode = cfg.parallel.overlap.tp
+        _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), head_f["gemm"], mode,
+              cfg.parallel.overlap.tp_chunks)
+        _comm(head_b, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), head_b["gemm"] / 2, "async")
+        _comm(head_f, "tp_comm", 3 * net.collective("all_reduce", M * 4, "tp"), 0.0, "off")  # max, sum, target
+    return (emb_f, emb_b), (head_f, head_b)
+
+
+# --- Parameters and memory ---
+
+def layer_params(m: gpt.ModelConfig, tp: int = 1) -> Tuple[int, int]:
+    """(split over TP, replicated) parameters of one block, counted as model.Block builds them."""
+    h, ff, b = m.d_model, m.mlp_ratio * m.d_model, int(m.bias)
+    split = (4 * h * h + 2 * ff * h) // tp + b * (3 * h + ff) // tp
+    norms = 1 if m.block == "parallel" else 2
+    return split, b * 2 * h + norms * h * (1 + b)
+
+
+def rank_params(m: gpt.ModelConfig, lay: Layout) -> Tuple[int, int]:
+    """Parameters held by the first and the last pipeline rank (the same rank when pp=1)."""
+    split, replicated = layer_params(m, lay.tp)
+    body = m.n_layers // lay.pp * (split + replicated)
+    embed = m.vocab_size * m.d_model // lay.tp
+    head = m.vocab_size * m.d_model // lay.tp + m.d_model * (1 + int(m.bias))
+    return (body + embed + head, body + embed + head) if lay.pp == 1 else (body + embed, body + head)
+
+
+def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
+    """Bytes one layer keeps per token for its backward (no recomputation); cf. Korthikanti et al.
+    2022, without dropout. Under SP, norm inputs and outputs are split over TP like the heads."""
+    m, e = cfg.model, _elem(cfg)
+    h, ff = m.d_model, m.mlp_ratio * m.d_model
+    norms = 1 if m.block == "parallel" else 2
+    kept = 2 * norms * h + 3 * h + h + 2 * ff   # norm in/out, q k v, attention out, fc1 out, GeLU out
+    if cfg.kernels.attention in ("reference", "banded"):  # the materialized probabilities
+        window = m.attention.window if cfg.kernels.attention == "banded" and m.attention.window else seq
+        return e * kept / tp + e * m.n_heads / tp * min(window, seq)
+    return e * kept / tp + 4 * m.n_heads / tp  # flash keeps only the log-sum-exp
+
+
+def in_flight_layers(lay: Layout, n_layers: int, rank: int) -> float:
+    """Layers' worth of one microbatch's activations a pipeline rank holds at its peak: 1F1B's
+    warm-up depth p - rank microbatches, interleaved 1F1B's (p-rank-1)*2 + (v-1)*p + 1 chunks."""
+    if lay.pp == 1:
+        return n_layers
+    per_rank = n_layers // lay.pp
+    if lay.vpp == 1:
+        return min(lay.microbatches, lay.pp - rank) * per_rank
+    chunks = min(lay.microbatches * lay.vpp, (lay.pp - rank - 1) * 2 + (lay.vpp - 1) * lay.pp) + 1
+    return chunks * per_rank / lay.vpp
+
+
+@dataclass
+class Memory:
+    """Peak memory of the fullest rank, GiB."""
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    capacity: Optional[float]
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.total <= self.capacity
+
+
+def memory(cfg: config.Config, lay: Layout, capacity_gib: Optional[float] = None) -> Memory:
+    """bf16: bf16 weights, fp32 gradients, fp32 master + two moments (Adam and LAMB alike), the
+    mixed-precision recipe of Megatron-LM and ZeRO. ZeRO-1 splits the optimizer over DP, ZeRO-2 the
+    fp32 gradients too, keeping an unsplit gradient in the compute dtype while microbatches add up."""
+    e, GiB = _elem(cfg), 2.0 ** 30
+    m, M = cfg.model, lay.micro_batch * lay.seq
+    states = 8 + (4 if precision(cfg) == "bf16" else 0)
+    per_layer = activation_bytes(cfg, lay.tp, lay.seq) * M
+    best = None
+    for rank, params in zip((0, lay.pp - 1), rank_params(m, lay)):
+        grads = 4 * params if lay.zero < 2 else 4 * params / lay.dp + (e * params if lay.microbatches > 1 else 0)
+        optimizer = states * params / (lay.dp if lay.zero >= 1 else 1)
+        layers = in_flight_layers(lay, m.n_layers, rank)
+        if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
+            acts = layers * M * e * m.d_model / lay.tp + per_layer
+        elif cfg.train.recompute == "selective" and cfg.kernels.attention in ("reference", "banded"):
+            acts = layers * (per_layer - M * e * m.n_heads / lay.tp * lay.seq) + per_layer
+        else:
+            acts = layers * per_layer
+        if rank == lay.pp - 1:
+            acts += M * m.vocab_size / lay.tp * (e + (0 if cfg.kernels.fused else 4))  # logits
+        mem = Memory(e * params / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)
+        best = mem if best is None or mem.total > best.total else best
+    return best
+
+
+# --- One step ---
+
+@dataclass
+class Prediction:
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    breakdown: Dict[str, float]   # seconds per step: compute, exposed comm, bubble, optimizer, ...
+    exposed_comm_s: float
+    hidden_comm_s: float
+    memory: Memory
+    layout: Layout
+
+
+def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[HardwareConfig] = None) -> Prediction:
+    """Predict one optimizer step of cfg on `gpus` devices of cfg.hardware (or hw, already resolved)."""
+    lay = layout_of(cfg, gpus)
+    hw = hw or resolve_hardware(cfg.hardware)
+    r, net = Rates.of(hw, precision(cfg), lay.gpus), Network(hw, lay)
+    m, ov = cfg.model, cfg.parallel.overlap
+
+    fwd, bwd, attn_fwd = layer_time(cfg, lay, r, net)
+    layer = _add(_add({}, fwd), bwd)
+    if cfg.train.recompute == "full":
+        _add(layer, fwd)
+    elif cfg.train.recompute == "selective" and cfg.kernels.attention in ("reference", "banded"):
+        layer["attention"] += attn_fwd
+    body = _add({}, layer, m.n_layers // lay.pp)
+    (emb_f, emb_b), (head_f, head_b) = ends_time(cfg, lay, r, net)
+    first = _add(_add(dict(body), emb_f), emb_b)
+    last = _add(_add(dict(body), head_f), head_b)
+    if lay.pp == 1:
+        first = _add(_add(first, head_f), head_b)
+    busy = lambda c: sum(v for k, v in c.items() if k != "hidden")
+    mb = max(first, last, key=busy)
+    fwd_s = busy(fwd) * (m.n_layers // lay.pp)  # one microbatch's forward; recomputation runs in the backward
+    bwd_s = busy(mb) - fwd_s
+
+    send = net.pp_send(lay.micro_batch * lay.seq * m.d_model * _elem(cfg) / lay.tp) if lay.pp > 1 else 0.0
+    sends = 2 * lay.vpp * send  # each chunk sends an activation forward and a gradient back
+    _comm(mb, "pp_comm", sends, sends, "async" if ov.pp else "off")
+    step = _add({}, mb, lay.microbatches)
+    # The fill and drain idle every rank for (p-1)/v microbatches; with PP overlap the sends along
+    # that critical path still cost their latency.
+    step["bubble"] = bubble_fraction(lay.pp, lay.microbatches, lay.vpp) * busy(step)
+    step["bubble"] += 2 * (lay.pp - 1) * send if ov.pp else 0.0
+    step.update(dp_time(cfg, lay, net, fwd_s, bwd_s))
+    step["optimizer"] = optimizer_time(cfg, lay, r)
+    step["data"] = hw.loader_step_s if cfg.data.pipeline != "megascale" else 0.0
+    hidden = step.pop("hidden", 0.0) + step.pop("dp_hidden", 0.0)
+    step["overlap_slowdown"] = hw.overlap_slowdown * hidden
+    step_s = sum(step.values())
+    tokens = cfg.train.batch_size * lay.seq
+    mfu = tokens / step_s * gpt.flops_per_token(m, lay.seq) / (lay.gpus * r.flops)
+    exposed = step.get("tp_comm", 0.0) + step.get("pp_comm", 0.0) + step.get("dp_comm", 0.0)
+    return Prediction(step_s, tokens / step_s, mfu, step, exposed, hidden,
+                      memory(cfg, lay, hw.memory_gib), lay)
+
+
+def dp_time(cfg: config.Config, lay: Layout, net: Network, fwd_s: float, bwd_s: float) -> Dict[str, float]:
+    """Gradient reduce-scatter and parameter all-gather over DP (an all-reduce without ZeRO), given
+    one microbatch's forward and backward seconds on this rank. DP overlap works a model chunk at a
+    time, as in MegaScale: in interleaved 1F1B chunk j's all-gather must land before its first
+    forward, j*p forward chunk-steps into the step, and its reduce-scatter can start j*p backward
+    chunk-steps before the end. Chunk 0's transfers have nothing to hide behind; a chunk that takes
+    longer than p chunk-steps of compute stalls the step, and the stalls add up over the chunks."""
+    if lay.dp == 1:
+        return {"dp_comm": 0.0}
+    params = max(rank_params(cfg.model, lay))
+    grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
+    rs = net.collective("reduce_scatter", params * grad_bytes, "dp")
+    ag = net.collective("all_gather", params * (grad_bytes if lay.zero == 0 else _elem(cfg)), "dp")
+    if not cfg.parallel.overlap.dp:
+        return {"dp_comm": rs + ag, "dp_hidden": 0.0}
+    v, group = lay.vpp, min(lay.pp, lay.microbatches)
+    exposed = sum(x / v + (v - 1) * max(0.0, x / v - group * step / v) for x, step in ((ag, fwd_s), (rs, bwd_s)))
+    return {"dp_comm": exposed, "dp_hidden": rs + ag - exposed}
+
+
+def optimizer_time(cfg: config.Config, lay: Layout, r: Rates) -> float:
+    """A memory-bound pass over this rank's optimizer shard: Adam reads grad, master, two moments
+    and writes them back with the bf16 weights (30 B/param); LAMB also reads the update and weights
+    for its per-tensor norms (38 B/param, two reductions per tensor); clipping reads the grads."""
+    params = max(rank_params(cfg.model, lay)) / (lay.dp if lay.zero >= 1 else 1)
+    lamb = cfg.optim.name == "lamb"
+    per_param = (38 if lamb else 30) + (4 if cfg.train.grad_clip > 0 else 0)
+    tensors = cfg.model.n_layers // lay.pp * (12 if cfg.model.block == "sequential" else 10) + 3
+    return stream_time(r, per_param * params, 12 + (2 * tensors if lamb else 0))
+
+
+# --- This machine, measured (hardware=cpu_local) ---
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEGAREPRO_CACHE") or Path.home() / ".cache" / "megarepro")
+
+
+def local_measurements(remeasure: bool = False) -> Dict[str, float]:
+    """This machine's numbers for cpu_local, measured once (~20 s) and cached per torch version,
+    CPU model and thread count, since they don't change between runs."""
+    import torch
+    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": _cpu_model()}
+    path = cache_dir() / "cpu_local.json"
+    if path.exists() and not remeasure:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return cached["measured"]
+    measured = measure_local_hardware()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "measured": measured}, indent=1))
+    return measured
+
+
+def _cpu_model() -> str:
+    try:
+        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def _best_time(fn, repeats: int = 5) -> float:
+    """The fastest of a few runs after a warm-up: on a shared machine the minimum is the closest to
+    what the hardware does unloaded (timeit's rule); the median measures the neighbours too."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_local_hardware() -> Dict[str, float]:
+    """Microbenchmarks, none of them the model being predicted: matmul rates (a 2048^3 GEMM gives the
+    peak, as train.py's MFU uses; a K=64 one the size effect), a copy (DRAM bandwidth), a chain of
+    tiny autograd ops (fixed cost per op), causal SDPA at a generic shape, gloo all-reduce.
+    GEMMs go through F.linear, the oneDNN path nn.Linear and autocast take: on CPUs without native
+    bf16 (this one: AVX2), a bare bf16 `a @ b` falls back to a path ~10x slower."""
+    import torch
+    import torch.nn.functional as F
+
+    def gemm_rate(M, N, K, dtype):
+        a, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
+        return 2 * M * N * K / _best_time(lambda: F.linear(a, w), 3)
+
+    peak = gemm_rate(2048, 2048, 2048, torch.bfloat16)
+    skinny = gemm_rate(2048, 2048, 64, torch.bfloat16) / peak
+    lo, hi = 0.01, 4096.0  # solve (64/(64+d)) / (2048/(2048+d)) = skinny for the half-speed dim d
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 64 / (64 + mid) * (2048 + mid) / 2048 > skinny else (lo, mid)
+    half = (lo + hi) / 2
+    x = torch.empty(2 ** 26)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() * 4 / _best_time(lambda: y.copy_(x))
+
+    leaf = torch.ones(16, requires_grad=True)
+
+    def chain():
+        z = leaf
+        for _ in range(200):
+            z = z * 1.0001
+        z.sum().backward()
+    op_us = _best_time(chain) / 400 * 1e6  # 200 forward ops and their 200 backward nodes
+
+    q, k, v = (torch.randn(8, 8, 512, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    attn_s = _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3)
+    attn_flops = 3.5 * 4 * 8 * 8 * 512 * mean_keys(512, None) * 64
+    gloo = measure_gloo_GBps()
+    ranks = 2  # cpu_local's devices_per_host: the measured host is shared by its ranks
+    return {"peak_tflops": peak / 1e12, "peak_tflops_fp32": gemm_rate(2048, 2048, 2048, torch.float32) / 1e12,
+            "gemm_half_dim": half, "gemm_efficiency": 1 / (2048 / (2048 + half)) ** 3,
+            "memory_GBps": bandwidth / 1e9, "op_overhead_us": op_us,
+            "flash_efficiency": attn_flops / attn_s / peak,
+            "intra_host_GBps": gloo, "inter_host_Gbps": gloo * 8 * ranks,
+            "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / ranks}
+
+
+def measure_gloo_GBps(nbytes: int = 2 ** 24) -> float:
+    """All-reduce bus bandwidth between two local gloo processes of one thread each."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = 29000 + os.getpid() % 1000
+    procs = [ctx.Process(target=_gloo_worker, args=(rank, port, nbytes, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    seconds = queue.get()
+    for p in procs:
+        p.join()
+    return nbytes / seconds / 1e9  # ring all-reduce on 2 ranks moves 2*(n-1)/n = 1 buffer per rank
+
+
+def _gloo_worker(rank: int, port: int, nbytes: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = torch.ones(nbytes // 4)
+    seconds = _best_time(lambda: dist.all_reduce(buf))
+    if rank == 0:
+        queue.put(seconds)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import perfmodel_cli  # the studies, their tables and the command line live there (file length)
+    sys.exit(perfmodel_cli.main(sys.argv[1:]))
