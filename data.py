@@ -645,6 +645,12 @@ class Loader:
         batch, self._consumed = item
         return batch
 
+    def skip(self) -> None:
+        """Advance one batch without reading it: for a rank that receives its batch from another."""
+        assert self.prefetch == 0, "skip() is for a loader that does not prefetch"
+        self.sampler.next_indices()
+        self._consumed = self.sampler.state_dict()
+
     def state_dict(self) -> dict:
         return {"sampler": dict(self._consumed)}
 
@@ -661,6 +667,57 @@ class Loader:
             self._thread.join()
             self._thread, self._queue = None, None
         self.sampler.load_state_dict(self._consumed)
+
+
+class TPSharedLoader:
+    """data.pipeline=megascale with TP > 1. The TP ranks of a DP slice need identical batches, and
+    reading them once per rank repeats the work tp times. MegaScale has one reader per host that
+    writes into shared memory; here TP rank 0 reads (with background prefetch) and broadcasts the
+    [2, batch, seq] tokens to its TP group. The other ranks advance their own sampler without
+    reading, so every rank's checkpointed data position stays the same."""
+
+    def __init__(self, loader: Loader, group, is_reader: bool, shape: tuple, device: torch.device):
+        import torch.distributed as dist
+        self.loader, self.group, self.is_reader, self.shape, self.device = loader, group, is_reader, shape, device
+        self.src = dist.get_global_rank(group, 0)
+
+    def __iter__(self) -> "TPSharedLoader":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+        if self.is_reader:
+            tokens = torch.stack(next(self.loader)).to(self.device)
+        else:
+            self.loader.skip()
+            tokens = torch.empty((2, *self.shape), dtype=torch.int64, device=self.device)
+        dist.broadcast(tokens, src=self.src, group=self.group)
+        return tokens[0], tokens[1]
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def train_loader(corpus: Corpus, cfg: DataConfig, seq_len: int, sampler: Sampler, tp_group=None,
+                 tp_rank: int = 0, device: torch.device = torch.device("cpu")):
+    """The training batches as data.pipeline asks (ablation step 7, "misc"):
+    naive:     every rank reads and prepares its own batch, in the training loop, when it needs it.
+    megascale: the next batches are prepared in the background (data.prefetch deep) while the
+               current step computes and synchronises gradients, and under TP one rank per TP
+               group reads them for the whole group (TPSharedLoader)."""
+    if cfg.pipeline == "naive":
+        return Loader(corpus, "train", seq_len, sampler, prefetch=0)
+    reader = tp_group is None or tp_rank == 0
+    loader = Loader(corpus, "train", seq_len, sampler, prefetch=cfg.prefetch if reader else 0)
+    if tp_group is None:
+        return loader
+    return TPSharedLoader(loader, tp_group, reader, (sampler.global_batch // sampler.dp_size, seq_len), device)
 
 
 def eval_batches(corpus: Corpus, seq_len: int, n_batches: int, global_batch: int,

@@ -27,8 +27,10 @@ LAYOUTS = {  # name: (ranks, overrides)
     "pp2_dp2": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=2"]),
     "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=2",
                         "parallel.zero_stage=1"]),
-    "tp2_recompute_full": (2, ["parallel.tp=2", "train.recompute=full"]),
-    "recompute_selective": (1, ["train.recompute=selective"]),
+    # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
+    # background prefetch must hand every rank the very batches it would have read itself.
+    "tp2_recompute_full_megascale_data": (2, ["parallel.tp=2", "train.recompute=full", "data.pipeline=megascale"]),
+    "recompute_selective_megascale_data": (1, ["train.recompute=selective", "data.pipeline=megascale"]),
 }
 
 
