@@ -91,6 +91,17 @@ class LoggingConfig:
 
 
 @dataclass
+class StudyConfig:
+    """Which study and row a run belongs to, for experiments/tables.py and the W&B group. Set by
+    the conf/experiment presets; a plain run leaves it empty."""
+    name: Optional[str] = None    # megascale_ablation | strong_scaling | convergence
+    step: Optional[int] = None    # the ablation step (Table 3 numbering, 0 = baseline)
+    label: Optional[str] = None   # the table's row name, e.g. "+PTB"
+    scale: str = "cpu"            # cpu | cluster
+    fabric: str = "loopback"      # loopback | emulated:<hosts>x<ranks>@<rate> | cluster
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -101,6 +112,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    study: StudyConfig = field(default_factory=StudyConfig)
     precision: str = "auto"       # auto | bf16 (autocast, fp32 master weights) | fp32; auto: bf16 where it is fast
     resume: str = "auto"          # auto (newest complete checkpoint, if any) | none | PATH
     dry_run: bool = False         # build on the meta device, print size/FLOPs/memory, exit

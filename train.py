@@ -10,6 +10,7 @@ and logs to W&B (offline by default). Bad input is one line on stderr and exit c
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -68,7 +69,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
               f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
     sampler = data.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
                            layout.dp_rank, layout.dp, seed=cfg.train.seed)
-    loader = data.Loader(corpus, "train", cfg.train.seq_len, sampler, prefetch=cfg.data.prefetch)
+    loader = data.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler, layout.group("tp") if layout.tp > 1 else None,
+                               layout.tp_rank, device)
 
     # --- Model and optimizer: the same full init on every rank, then parallelism from outside ---
     model = GPT(cfg.model, cfg.kernels)
@@ -91,6 +93,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     peak, peak_source = metrics.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops)
     meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, world, peak)
     record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
+              "study": dataclasses.asdict(cfg.study),
               "versions": metrics.versions(), "device": str(device), "precision": precision, "world_size": world,
               "layout": {**layout.coordinates(), "dp_size": layout.dp, "pp_size": layout.pp, "tp_size": layout.tp,
                          "order": list(cfg.parallel.order), "group_setup_s": layout.setup_seconds,
