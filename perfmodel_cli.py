@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import config
 import perfmodel as pm
 from config import ConfigError
+# Table 3's row names and the number formats: one definition, shared with the tables of measured runs.
+from experiments.tables import ABLATION_LABELS, markdown_table, pct, seconds
 
 # --- The paper's runs, as configs (the assumptions behind them: perfmodel.py's docstring) ---
 
@@ -31,17 +33,20 @@ LAYOUTS = {"175B": ["model=175B", "parallel.pp=8", "parallel.vpp=6"],     # Tabl
            "530B": ["model=530B", "parallel.pp=35", "parallel.vpp=3"]}
 
 # The cumulative ablation of Table 3: (step, overrides on top of the previous step, batch multiplier).
-ABLATION_STEPS: List[Tuple[str, List[str], int]] = [
-    ("baseline (Megatron-LM)", [], 1),
-    ("+PTB", ["model.block=parallel"], 1),
-    ("+SWA", ["model.attention.window={window}", "kernels.attention=banded"], 1),
-    ("+TP overlap", ["parallel.overlap.tp=chunked"], 1),
-    ("+PP overlap", ["parallel.overlap.pp=true"], 1),
-    ("+DP overlap", ["parallel.overlap.dp=true", "parallel.zero_stage=2"], 1),
-    ("+efficient operators", ["kernels.fused=true", "kernels.attention=flash"], 1),
-    ("+misc (data pipeline)", ["data.pipeline=megascale"], 1),
-    ("+LAMB (batch x3)", ["optim.name=lamb"], 3),
-]
+# The step names come from experiments/tables.py, in the same order (strict zip: a step added there
+# and not here, or the other way round, fails at import).
+ABLATION_STEPS: List[Tuple[str, List[str], int]] = [(name, overrides, factor) for name, (overrides, factor) in zip(
+    ABLATION_LABELS, [
+        ([], 1),                                                                  # baseline (Megatron-LM)
+        (["model.block=parallel"], 1),                                            # +PTB
+        (["model.attention.window={window}", "kernels.attention=banded"], 1),     # +SWA
+        (["parallel.overlap.tp=chunked"], 1),                                     # +TP overlap
+        (["parallel.overlap.pp=true"], 1),                                        # +PP overlap
+        (["parallel.overlap.dp=true", "parallel.zero_stage=2"], 1),               # +DP overlap
+        (["kernels.fused=true", "kernels.attention=flash"], 1),                   # +efficient operators
+        (["data.pipeline=megascale"], 1),                                         # +misc (data pipeline)
+        (["optim.name=lamb"], 3),                                                 # +LAMB (batch x3)
+    ], strict=True)]
 # Table 2's MegaScale column: every switch but LAMB, which only comes with a larger batch (Table 2
 # keeps the batch), and with flash attention rather than the banded kernel of the SWA step.
 MEGASCALE = [o for _, step, _ in ABLATION_STEPS for o in step if o not in ("kernels.attention=banded", "optim.name=lamb")]
@@ -153,21 +158,7 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
     return sorted(ranked, key=lambda p: -p.mfu)
 
 
-# --- Markdown tables (experiments/tables.py can reuse these) ---
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def pct(x: Optional[float], signed: bool = False) -> str:
-    return "" if x is None else (f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}%")
-
-
-def seconds(x: float) -> str:
-    return f"{x:.3g} s" if x < 10 else f"{x:.1f} s"
-
+# --- Markdown tables of predictions (markdown_table, pct, seconds: experiments/tables.py) ---
 
 def ablation_table(results, paper: Optional[Dict[str, str]] = None) -> str:
     """Columns: step, MFU, ΔMFU vs the previous step, tokens/s, step time, exposed comm, paper MFU."""

@@ -1,0 +1,209 @@
+"""experiments/tables.py and figures.py on hand-written run dirs (no training): the exact tables,
+missing / failed / pending rows, the files, refusal to overwrite, and the offline W&B path."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments import figures, tables
+
+CPU = {"scale": "cpu", "fabric": "loopback"}
+EMU = {"scale": "cpu", "fabric": "emulated:2x2@1gbit"}
+
+
+def final(mfu: float, tokens_per_s: float, step_time: float, **extra) -> dict:
+    return {"steps": 10, "loss": 3.0, "first_loss": 6.0, "tokens_per_s": tokens_per_s, "step_time": step_time,
+            "tflops_per_device": 0.1, "mfu": mfu, "memory_gib": 1.0, **extra}
+
+
+def curve(step_time: float, parts: bool = False) -> list:
+    rows = [{"step": s, "loss": 6.0 - 0.3 * s, "step_time": step_time} for s in range(1, 11)]
+    rows[-1]["val_loss"] = 3.2
+    for r in rows if parts else []:
+        r.update(compute_s=0.6 * step_time, exposed_comm_s=0.1 * step_time, bubble_s=0.1 * step_time)
+    return rows
+
+
+def write_run(job: Path, study: dict, status: str, result: dict | None = None, world: int = 1, batch: int = 8,
+              rows: list = (), started: str = "2025-01-01T00:00:00") -> None:
+    job.mkdir(parents=True)
+    record = {"config": {"train": {"batch_size": batch, "seq_len": 16}, "study": study}, "study": study,
+              "status": status, "world_size": world, "attempts": [{"started": started, "status": status}]}
+    if result:
+        record["final"] = result
+    (job / "run.json").write_text(json.dumps(record))
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def write_dead_job(job: Path, study: dict, batch: int = 8) -> None:
+    """A job that died before train.py wrote run.json: only Hydra's config is there."""
+    (job / ".hydra").mkdir(parents=True)
+    config = {"train": {"batch_size": batch, "seq_len": 16}, "study": study}
+    (job / ".hydra" / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+
+
+def ablation_study(step: int, label: str) -> dict:
+    return {"name": "megascale_ablation", "step": step, "label": label, **CPU}
+
+
+@pytest.fixture
+def ablation_dir(tmp_path) -> Path:
+    """Steps 0-8 with: two ok, a job that died (2), a pending one (3), a missing one (4), train.py's
+    "finished" (7) and "interrupted" (8), a later failed rerun of step 1, and a run with no study."""
+    root = tmp_path / "ablation"
+    write_run(root / "0", ablation_study(0, "baseline (Megatron-LM)"), "ok", final(0.30, 1000, 0.5), rows=curve(0.5))
+    write_run(root / "1", ablation_study(1, "+PTB"), "ok", final(0.35, 1200, 0.42, exposed_comm_s=0.05),
+              rows=curve(0.42, parts=True))
+    write_dead_job(root / "2", ablation_study(2, "+SWA"))
+    write_run(root / "3", ablation_study(3, "+TP overlap"), "pending")
+    write_run(root / "4", ablation_study(5, "+DP overlap"), "ok", final(0.40, 1400, 0.36, exposed_comm_s=0.02))
+    write_run(root / "5", ablation_study(6, "+efficient operators"), "ok", final(0.42, 1500, 1 / 3))
+    write_run(root / "6", ablation_study(7, "+misc (data pipeline)"), "finished", final(0.43, 1520, 0.33))
+    write_run(root / "7", ablation_study(8, "+LAMB (batch x3)"), "interrupted", final(0.50, 4000, 0.5), batch=24)
+    write_run(root / "8", ablation_study(1, "+PTB"), "failed", started="2025-01-02T00:00:00")
+    write_run(root / "9", {}, "ok", final(0.1, 1, 1.0))
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    return root
+
+
+@pytest.fixture
+def scaling_dir(tmp_path) -> Path:
+    root = tmp_path / "scaling"
+    study = lambda gpus, batch: {"name": "strong_scaling", "step": None, "label": f"gpus={gpus} batch={batch}", **EMU}
+    write_run(root / "0", study(2, 16), "ok", final(0.50, 2000, 2.0), world=2, batch=16)
+    write_run(root / "1", study(1, 8), "ok", final(0.50, 1000, 1.0), world=1)
+    write_run(root / "2", study(2, 8), "ok", final(0.45, 1800, 0.556), world=2)
+    write_dead_job(root / "3", study(4, 8))
+    write_run(root / "4", study(4, 16), "ok", final(0.45, 3600, 1.11), world=4, batch=16)
+    return root
+
+
+@pytest.fixture
+def convergence_dir(tmp_path) -> Path:
+    root = tmp_path / "convergence"
+    study = lambda label: {"name": "convergence", "step": None, "label": label, **CPU}
+    write_run(root / "0", study("AdamW"), "ok", final(0.3, 1000, 0.5, val_loss=3.2), rows=curve(0.5))
+    write_run(root / "1", study("LAMB x4"), "ok", final(0.3, 4000, 0.5), batch=32, rows=curve(0.5))
+    write_run(root / "2", study("LAMB x3"), "failed")
+    return root
+
+
+ABLATION = """\
+Table 3 ablation (megascale_ablation): scale cpu, fabric loopback (5 ok, 1 failed, 1 pending, 1 missing, 1 stopped)
+
+| step | MFU | ΔMFU | tokens/s | step time | exposed comm |
+|---|---|---|---|---|---|
+| baseline (Megatron-LM) | 30.0% |  | 1,000 | 0.5 s | n/a |
+| +PTB | 35.0% | +5.0 | 1,200 | 0.42 s | 0.05 s |
+| +SWA | failed |  |  |  |  |
+| +TP overlap | pending |  |  |  |  |
+| +PP overlap | missing |  |  |  |  |
+| +DP overlap | 40.0% | +5.0 (vs +PTB) | 1,400 | 0.36 s | 0.02 s |
+| +efficient operators | 42.0% | +2.0 | 1,500 | 0.333 s | n/a |
+| +misc (data pipeline) | 43.0% | +1.0 | 1,520 | 0.33 s | n/a |
+| +LAMB (batch x3) (stopped) | 50.0% | +7.0 | 4,000 | 0.5 s | n/a |
+
+ΔMFU: MFU points against the previous step with a measurement. Exposed comm: median per step, n/a where the run did not log it."""
+
+SCALING = """\
+Table 2 strong scaling (strong_scaling): scale cpu, fabric emulated:2x2@1gbit (4 ok, 1 failed)
+
+| GPUs | batch | step time | tokens/s | MFU | scaling eff. |
+|---|---|---|---|---|---|
+| 1 | 8 | 1 s | 1,000 | 50.0% | 100.0% |
+| 2 | 8 | 0.556 s | 1,800 | 45.0% | 90.0% |
+| 4 | 8 | failed |  |  |  |
+| 2 | 16 | 2 s | 2,000 | 50.0% | 100.0% |
+| 4 | 16 | 1.11 s | 3,600 | 45.0% | 90.0% |
+
+Scaling efficiency: (tokens/s / GPUs) / (tokens/s / GPUs of the fewest-GPU measured run at the same batch)."""
+
+CONVERGENCE = """\
+Convergence (convergence): scale cpu, fabric loopback (2 ok, 1 failed)
+
+| variant | tokens seen | final loss | val loss |
+|---|---|---|---|
+| AdamW | 1.28k | 3.000 | 3.200 |
+| LAMB x4 | 5.12k | 3.000 | n/a |
+| LAMB x3 | failed |  |  |"""
+
+
+def test_ablation_table_exact(ablation_dir):
+    assert tables.ablation_table(tables.load_runs([ablation_dir])) == ABLATION
+
+
+def test_scaling_and_convergence_tables_exact(scaling_dir, convergence_dir):
+    runs = tables.load_runs([scaling_dir, convergence_dir])
+    assert tables.scaling_table(runs) == SCALING
+    assert tables.convergence_table(runs) == CONVERGENCE
+
+
+def test_fabrics_are_separate_tables(ablation_dir, tmp_path):
+    """MFU over loopback and over an emulated network don't compare: each fabric gets its own table."""
+    study = {**ablation_study(0, "baseline (Megatron-LM)"), **EMU}
+    write_run(tmp_path / "other" / "0", study, "ok", final(0.2, 900, 0.6))
+    built = tables.ablation(tables.load_runs([ablation_dir, tmp_path / "other"]))
+    assert [t.title.split(": ", 1)[1].split(" (")[0] for t in built] == [
+        "scale cpu, fabric loopback", "scale cpu, fabric emulated:2x2@1gbit"]
+    assert [c[1] for c in built[1].cells] == ["20.0%"] + ["missing"] * 8
+
+
+def test_cli_writes_csv_and_latex_then_refuses(ablation_dir, scaling_dir, tmp_path, capsys):
+    out = tmp_path / "results"
+    assert tables.main([str(ablation_dir), str(scaling_dir), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ABLATION in printed and SCALING in printed and "left out (no study in run.json): 1 runs" in printed
+    assert sorted(p.name for p in out.iterdir()) == [
+        "megascale_ablation.csv", "megascale_ablation.tex", "strong_scaling.csv", "strong_scaling.tex"]
+    rows = list(csv.DictReader(open(out / "megascale_ablation.csv")))
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed", "pending", "missing", "ok", "ok", "ok", "stopped"]
+    assert rows[4]["mfu"] == "" and float(rows[5]["delta_mfu"]) == pytest.approx(0.05)
+    assert rows[5]["delta_vs"] == "+PTB" and rows[0]["fabric"] == "loopback"
+    tex = (out / "megascale_ablation.tex").read_text()
+    assert r"\begin{tabular}{lrrrrr}" in tex and r"$\Delta$MFU" in tex and r"30.0\%" in tex
+    assert r"\caption{Table 3 ablation (megascale\_ablation): scale cpu, fabric loopback" in tex
+    before = {p: p.read_text() for p in out.iterdir()}
+    assert tables.main([str(ablation_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to overwrite" in err and err.count("\n") == 1
+    assert {p: p.read_text() for p in out.iterdir()} == before
+
+
+def test_default_out_is_the_multirun_dir(scaling_dir, capsys):
+    assert tables.main([str(scaling_dir)]) == 0
+    assert (scaling_dir / "strong_scaling.csv").exists() and (scaling_dir / "strong_scaling.tex").exists()
+
+
+def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    assert tables.main([str(tmp_path / "nope")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert tables.main([str(tmp_path / "empty")]) == 2
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert tables.main(["--wandb-group", "g", "--out", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and "W&B online" in err[2]
+    assert not (tmp_path / "w").exists()
+
+
+def test_figures_written_then_refused(ablation_dir, convergence_dir, tmp_path, capsys):
+    out = tmp_path / "figs"
+    assert figures.main([str(ablation_dir), str(convergence_dir), "--out", str(out)]) == 0
+    stems = ["loss_convergence_cpu_loopback", "loss_megascale_ablation_cpu_loopback", "mfu_cpu_loopback",
+             "step_time_cpu_loopback"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{s}.{e}" for s in stems for e in ("png", "pdf"))
+    for stem in stems:
+        png, pdf = (out / f"{stem}.png").read_bytes(), (out / f"{stem}.pdf").read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000 and pdf.startswith(b"%PDF")
+    assert str(out / "mfu_cpu_loopback.png") in capsys.readouterr().out
+    assert figures.main([str(ablation_dir), "--out", str(out)]) == 2
+
+
+def test_step_time_breakdown_parts_or_total(ablation_dir):
+    records = tables.ablation(tables.load_runs([ablation_dir]))[0].records
+    parts, logged = figures.breakdown(records[1])  # +PTB logged compute / exposed comm / bubble
+    assert logged and [n for n, _ in parts] == ["compute", "exposed comm", "pipeline bubble", "other"]
+    assert sum(v for _, v in parts) == pytest.approx(0.42)
+    assert figures.breakdown(records[0]) == ([("total (no breakdown logged)", 0.5)], False)
