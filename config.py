@@ -97,8 +97,24 @@ class StudyConfig:
     name: Optional[str] = None    # megascale_ablation | strong_scaling | convergence
     step: Optional[int] = None    # the ablation step (Table 3 numbering, 0 = baseline)
     label: Optional[str] = None   # the table's row name, e.g. "+PTB"
-    scale: str = "cpu"            # cpu | cluster
+    scale: str = "cpu"            # cpu | cluster (conf/scale/)
     fabric: str = "loopback"      # loopback | emulated:<hosts>x<ranks>@<rate> | cluster
+    pending: bool = False         # this row's switch has not landed: record the run as pending, train nothing
+    without: List[int] = field(default_factory=list)  # earlier steps left out of this cumulative row (pending)
+
+
+@dataclass
+class AblationConfig:
+    """MegaScale's Table 3 as one knob: conf/experiment/megascale_ablation.yaml names each step's
+    switch as ${ablation:K,on,off}, so `ablation.step=K` turns on steps 1..K and the multirun
+    `ablation.step=range(0,9)` is the whole table. A step listed in `pending` (its switch has not
+    landed; tests/test_experiments.py checks the list against what validate() refuses) is
+    recorded as pending, never faked, and the later steps run without it."""
+    step: int = 0
+    pending: List[int] = field(default_factory=list)
+    window: int = 512             # the SWA step's window (the paper gives none; a quarter of its 2048)
+    batch: int = 16               # the global batch of steps 0-7
+    lamb_batch: int = 48          # step 8: LAMB with the batch tripled (256 -> 768 in the paper)
 
 
 @dataclass
@@ -113,6 +129,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     study: StudyConfig = field(default_factory=StudyConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
     precision: str = "auto"       # auto | bf16 (autocast, fp32 master weights) | fp32; auto: bf16 where it is fast
     resume: str = "auto"          # auto (newest complete checkpoint, if any) | none | PATH
     dry_run: bool = False         # build on the meta device, print size/FLOPs/memory, exit
@@ -157,6 +174,26 @@ def register() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
+    if not OmegaConf.has_resolver("ablation"):
+        OmegaConf.register_new_resolver("ablation", ablation_switch)
+        OmegaConf.register_new_resolver("ablation_study", ablation_study)
+
+
+def ablation_switch(step: int, on: Any, off: Any, *, _root_) -> Any:
+    """${ablation:K,on,off}: `on` when the run's ablation.step reaches step K and K is not pending."""
+    a = _root_.ablation
+    return on if a.step >= step and step not in a.pending else off
+
+
+def ablation_study(what: str, *, _root_) -> Any:
+    """${ablation_study:label|pending|without}: the run's Table 3 row, for run.json and W&B."""
+    a = _root_.ablation
+    if what == "label":
+        from experiments.tables import ABLATION_LABELS
+        return ABLATION_LABELS[a.step] if 0 <= a.step < len(ABLATION_LABELS) else f"step {a.step}"
+    if what == "pending":
+        return a.step in a.pending
+    return [k for k in a.pending if k < a.step]
 
 
 def world_size() -> int:
@@ -195,13 +232,19 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
                        ("train.max_steps", t.max_steps), ("model.n_layers", m.n_layers)):
         if value < 1:
             raise ConfigError(key, f"{value} < 1", "use a positive value")
-    if cfg.hardware.device == "cuda":
+    if cfg.hardware.device == "cuda" and not cfg.dry_run:  # a dry run needs no hardware
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
                               "use hardware.device=cpu (or auto) on this machine")
+    if not 0 <= cfg.ablation.step <= 8:
+        raise ConfigError("ablation.step", f"{cfg.ablation.step} is not a step of Table 3",
+                          "use 0 (baseline) to 8 (+LAMB), or the multirun ablation.step=range(0,9)")
     import parallel
-    parallel.validate(cfg, world if world is not None else world_size())
+    if world is None:  # a dry run plans for the world its layout names, with no processes to count
+        planned = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        world = planned if cfg.dry_run and cfg.parallel.dp > 0 else world_size()
+    parallel.validate(cfg, world)
     import data
     import optim
     data.check_config(cfg.data)

@@ -5,6 +5,7 @@ detection), the device mesh, and the functions that shard the model.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -111,12 +112,17 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Opt
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return 0, 1
+    if dist.is_initialized():  # the next job of a Hydra multirun in the same processes
+        return dist.get_rank(), dist.get_world_size()
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {} if timeout_s is None else {"timeout": __import__("datetime").timedelta(seconds=timeout_s)}
     dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    # Once per process, not per job: a second init after destroy reuses torchrun's store keys and
+    # hangs, and a multirun runs its jobs one after another in the same ranks.
+    atexit.register(dist.destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -45,6 +46,8 @@ def main(dict_cfg) -> float:
         sys.exit(2)
     if cfg.dry_run:
         return dry_run(cfg)
+    if cfg.study.pending:
+        return record_pending(cfg, Path(HydraConfig.get().runtime.output_dir))
     result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     return result.get("val_loss", result.get("loss", float("nan")))  # what a Hydra sweeper optimises
 
@@ -134,6 +137,9 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         if step > start_step and (status == "interrupted" or cfg.checkpoint.interval):
             if not (checkpoint.step_dir(ckpt_dir, step) / checkpoint.MANIFEST).exists():
                 save(ckpt_dir, step, engine, optimizer, scheduler, loader, cfg, layout)
+    except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
+        run_log.finish("failed", summarize(history, step))
+        raise
     finally:
         loader.close()
         if bar is not None:
@@ -143,9 +149,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     run_log.finish(status, final)
     if rank == 0:
         print(final_line(final, cfg), flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return final
+    return final  # the process group stays up for the next job of a multirun (parallel.init_distributed)
 
 
 def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_dtype) -> tuple[float, float]:
@@ -281,6 +285,18 @@ class _StopFlag:
     def restore(self):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+def record_pending(cfg: config.Config, run_dir: Path) -> float:
+    """A study row whose switch has not landed yet (ablation.pending): its run.json says so, so the
+    table shows "pending" in its place, and no process trains or joins a process group."""
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
+        record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
+                  "study": dataclasses.asdict(cfg.study), "world_size": config.world_size()}
+        run_log = metrics.RunLog(run_dir, record, dataclasses.replace(cfg.logging.wandb, mode="disabled"))
+        run_log.finish("pending", {})
+        print(f"pending: {cfg.study.label} (step {cfg.study.step}) has no switch yet; recorded in {run_dir}", flush=True)
+    return float("nan")
 
 
 # --- Dry run: size, FLOPs and memory of any config, with no hardware ---

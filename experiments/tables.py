@@ -91,6 +91,7 @@ class Run:
     batch: Optional[int] = None
     seq_len: Optional[int] = None
     started: str = ""     # the last attempt's start time: the newest of duplicate runs wins
+    without: List[int] = field(default_factory=list)  # earlier ablation steps this row lacks (pending)
 
     @property
     def measured(self) -> bool:
@@ -144,7 +145,8 @@ def run_from_record(record: dict, status: str, where: str) -> Run:
     return Run(dir=where, study=study.get("name"), step=study.get("step"), label=label,
                scale=study.get("scale") or "unknown", fabric=study.get("fabric") or "unknown", status=status,
                final=record.get("final") or {}, world=record.get("world_size") or _gpus_in(label),
-               batch=train.get("batch_size"), seq_len=train.get("seq_len"), started=attempts[-1].get("started", ""))
+               batch=train.get("batch_size"), seq_len=train.get("seq_len"), started=attempts[-1].get("started", ""),
+               without=list(study.get("without") or []))
 
 
 def _gpus_in(label: str) -> Optional[int]:
@@ -241,6 +243,10 @@ def _empty(status: str) -> str:
 
 
 def _name(text: str, run: Optional[Run]) -> str:
+    """A row's label, with what makes its numbers not the plain step: a stopped run, or a
+    cumulative step run without earlier steps that are still pending."""
+    if run is not None and run.without:
+        text += f" (without step{'s' if len(run.without) > 1 else ''} {', '.join(map(str, run.without))})"
     return text + (" (stopped)" if run is not None and run.status == "stopped" and run.measured else "")
 
 
@@ -276,6 +282,8 @@ def _ablation_group(key: Tuple[str, str], runs: List[Run]) -> Table:
     title = _title("Table 3 ablation (megascale_ablation)", key, [r["status"] for r in records])
     notes = ["ΔMFU: MFU points against the previous step with a measurement. "
              "Exposed comm: median per step, n/a where the run did not log it."]
+    if "pending" in [r["status"] for r in records]:
+        notes.append("pending: the step's switch has not landed yet; the later steps ran without it (their rows say so).")
     return Table(title, ["step", "MFU", "ΔMFU", "tokens/s", "step time", "exposed comm"], cells, records, notes)
 
 

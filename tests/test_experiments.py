@@ -1,0 +1,101 @@
+"""The studies of conf/experiment: they compose and validate at both scales, the ablation's steps
+turn on exactly their own switches, pending steps are exactly the switches that have not landed,
+and a torchrun multirun of the ablation leaves run dirs that tables.py reads back."""
+import pytest
+from omegaconf import OmegaConf
+
+import config
+from conftest import SMALL, run_train
+from config import ConfigError
+from experiments import tables
+
+EXPERIMENTS = sorted(p.stem for p in (config.CONF_DIR / "experiment").glob("*.yaml"))
+CLUSTER_VARIANTS = sorted(p.stem[:-len("_cluster")] for p in (config.CONF_DIR / "study_scale").glob("*_cluster.yaml"))
+PENDING = config.compose(["experiment=megascale_ablation"]).ablation.pending
+# What each step of Table 3 turns on, on top of the step before it (leaf keys of the config).
+STEP_SWITCHES = {
+    1: {"model.block"},
+    2: {"model.attention.window", "kernels.attention"},
+    3: {"parallel.overlap.tp"},
+    4: {"parallel.overlap.pp"},
+    5: {"parallel.overlap.dp"},
+    6: {"kernels.fused", "kernels.attention"},
+    7: {"data.pipeline"},
+    8: {"optim.name", "optim.betas", "optim.eps", "optim.weight_decay", "optim.trust_clamp", "train.batch_size"},
+}
+
+
+def planned_world(cfg) -> int:
+    return cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates_at_cpu_scale(experiment):
+    cfg = config.compose([f"experiment={experiment}", "scale=cpu"])
+    config.validate(cfg, planned_world(cfg))
+    assert cfg.study.scale == "cpu"
+
+
+@pytest.mark.parametrize("step", range(9))
+@pytest.mark.parametrize("experiment", CLUSTER_VARIANTS)
+def test_cluster_variants_validate_as_a_dry_run(experiment, step):
+    cfg = config.compose([f"experiment={experiment}", "scale=cluster", f"ablation.step={step}", "dry_run=true"])
+    config.validate(cfg)  # no world given: a dry run plans for the layout's own world size
+    assert (cfg.study.scale, cfg.model.name, planned_world(cfg)) == ("cluster", "175B", 256)
+    if experiment == "megascale_ablation":  # the paper's setting: batch 256, x3 with LAMB, TP8 PP8 vpp6
+        batch = 768 if step == 8 else 256
+        assert (cfg.train.batch_size, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp) == (batch, 8, 8, 6)
+        assert cfg.train.batch_size == cfg.parallel.dp * cfg.parallel.microbatches
+
+
+def resolved(step: int, pending=()) -> dict:
+    cfg = config.compose(["experiment=megascale_ablation", f"ablation.step={step}", f"ablation.pending={list(pending)}"])
+    return cfg
+
+
+def leaves(tree, prefix="") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+@pytest.mark.parametrize("step", range(1, 9))
+def test_each_step_turns_on_exactly_its_switches(step):
+    ignored = ("study.", "ablation.", "logging.wandb.name")
+    before, after = (leaves(OmegaConf.to_container(OmegaConf.structured(resolved(k)))) for k in (step - 1, step))
+    changed = {k for k in after if after[k] != before[k] and not k.startswith(ignored)}
+    assert changed == STEP_SWITCHES[step]
+    assert resolved(step).study.label == tables.ABLATION_LABELS[step]
+
+
+def test_pending_steps_are_exactly_the_switches_validate_refuses():
+    """The list in megascale_ablation.yaml cannot go stale: a step is pending if and only if
+    turning on its own switch (and no other pending one) is refused as not implemented."""
+    refused = set()
+    for step in range(9):
+        cfg = resolved(step, pending=[k for k in PENDING if k != step])
+        try:
+            config.validate(cfg, planned_world(cfg))
+        except ConfigError as err:
+            assert "not implemented" in str(err), err
+            refused.add(step)
+    assert refused == set(PENDING)
+
+
+def test_later_steps_record_the_pending_steps_they_lack():
+    assert resolved(8, pending=[3, 4, 5]).study.without == [3, 4, 5]
+    assert resolved(4, pending=[3, 4, 5]).study.pending and resolved(4, pending=[3, 4, 5]).study.without == [3]
+    assert not resolved(2, pending=[3, 4, 5]).study.pending and resolved(2, pending=[3, 4, 5]).study.without == []
+
+
+def test_torchrun_multirun_gives_measured_and_pending_rows(tmp_path, cache_dir):
+    """One multirun over two steps in the same two ranks (the process group outlives the first job):
+    step 1 trains and is measured, step 3 is recorded as pending, and tables.py shows both."""
+    sweep = tmp_path / "sweep"
+    run_train(tmp_path / "unused", ["-m", "experiment=megascale_ablation", "ablation.step=1,3"] + SMALL +
+              ["train.max_steps=5", f"hydra.sweep.dir={sweep}"], cache_dir, nproc=2)
+    runs = {r.step: r for r in tables.load_runs([sweep])}
+    assert runs[1].status == "ok" and runs[1].world == 2 and runs[1].final["mfu"] > 0
+    assert runs[3].status == "pending" and runs[3].final == {}
+    text = tables.ablation_table(list(runs.values()))
+    assert "| +TP overlap | pending |" in text and "| +PTB | " in text and "| baseline (Megatron-LM) | missing |" in text
