@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast venv slurm-up slurm-down clean
+.PHONY: demo ablation test test-fast venv slurm-up slurm-down clean
 
 # The project is a flat set of scripts run from this folder, so only its dependencies are
 # installed (pinned in pyproject.toml; torch==2.13.0 is the CPU or CUDA build the host provides).
@@ -20,6 +20,16 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python train.py
+
+# MegaScale's Table 3 at CPU scale: the 9 steps as one multirun on 2 gloo ranks (tp2), then the
+# table (Markdown here; CSV and LaTeX beside the runs) and the figures.
+SWEEP ?= multirun/ablation-$(shell date +%Y-%m-%d_%H-%M-%S)
+ablation: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc_per_node 2 train.py -m experiment=megascale_ablation 'ablation.step=range(0,9)' \
+		logging.progress=false hydra.sweep.dir=$(SWEEP)
+	$(BIN)/python experiments/tables.py $(SWEEP)
+	$(BIN)/python experiments/figures.py $(SWEEP)
+	@echo "runs, W&B offline runs (wandb/ in each) and the CSV/LaTeX/figures: $(SWEEP)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
