@@ -194,11 +194,13 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         # m̂ / (sqrt(v̂) + eps) = m / d with d = (sqrt(v) + eps·sqrt(bc2)) · bc1 / sqrt(bc2): the bias
-        # corrections are per-tensor scalars, and u is built in place in ONE temporary per tensor.
-        # (Two temporaries save two passes, but measured slower on CPU, where each big
-        # temporary is fresh pages to fault in, and they raise the step's peak memory everywhere.)
+        # corrections are per-tensor scalars, and u is built in place in ONE buffer per tensor.
+        # The buffer is kept between steps (not in state_dict): the step's peak memory is the same
+        # as with a temporary, and on CPU a fresh temporary is pages to fault in on every step.
         sqrt_bc2 = [math.sqrt(1 - beta2 ** t) for t in steps]
-        updates = torch._foreach_sqrt(exp_avg_sqs)
+        updates = self._update_buffers(params)
+        torch._foreach_copy_(updates, exp_avg_sqs)
+        torch._foreach_sqrt_(updates)
         torch._foreach_add_(updates, [group["eps"] * s for s in sqrt_bc2])
         torch._foreach_mul_(updates, [(1 - beta1 ** t) / s for s, t in zip(sqrt_bc2, steps)])
         torch._foreach_reciprocal_(updates)
@@ -206,6 +208,13 @@ class Lamb(torch.optim.Optimizer):
         if group["weight_decay"] != 0:
             torch._foreach_add_(updates, params, alpha=group["weight_decay"])
         return params, updates, slots
+
+    def _update_buffers(self, params: list) -> list:
+        buffers = self.__dict__.setdefault("_updates", {})
+        for p in params:
+            if p not in buffers or buffers[p].shape != p.shape:
+                buffers[p] = torch.empty_like(p, memory_format=torch.preserve_format)
+        return [buffers[p] for p in params]
 
     def _trust_ratios(self, work) -> list[Optional[torch.Tensor]]:
         """Per group: a vector of r for its tensors with grads, or None where r = 1 throughout."""
