@@ -7,7 +7,7 @@ Two switches belong to the ablation:
 - attention.window=null|W: sliding-window attention (SWA). Each token sees itself and the W-1
   tokens before it, in every attention backend of kernels.py.
 
-This file makes no torch.distributed call. parallel.py shards this model from outside
+This file holds no collectives and no process groups. parallel.py shards this model from outside
 (torchtitan-style), which is why the QKV rows are grouped per head (so a TP shard is a
 contiguous slice of heads) and why blocks live in a ModuleDict (a pipeline stage deletes the
 blocks it doesn't own and every parameter keeps its name, so checkpoints stay layout-free).
