@@ -23,7 +23,8 @@ demo: $(STAMP)
 
 # MegaScale's Table 3 at CPU scale: the 9 steps as one multirun on 2 gloo ranks (tp2), then the
 # table (Markdown here; CSV and LaTeX beside the runs) and the figures.
-SWEEP ?= multirun/ablation-$(shell date +%Y-%m-%d_%H-%M-%S)
+NOW := $(shell date +%Y-%m-%d_%H-%M-%S)   # := expands once, so all three commands see one dir
+SWEEP ?= multirun/ablation-$(NOW)
 ablation: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node 2 train.py -m experiment=megascale_ablation 'ablation.step=range(0,9)' \
 		logging.progress=false hydra.sweep.dir=$(SWEEP)
