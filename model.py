@@ -77,13 +77,17 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
+        return self.out(self.mix(self.qkv(x)))
+
+    def mix(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3*d] projections -> [B, T, d] attention output before the output projection: the
+        only part that needs the whole sequence (TP overlap chunks the token-wise rest)."""
+        B, T, _ = qkv.shape
         # The head count comes from the weight, not the config: under TP this rank holds a slice.
-        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
-        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, x.device)
+        q, k, v = qkv.view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v)
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+        return self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
 
     def core(self, q, k, v):
         """softmax(QK^T)V: the part selective recomputation re-runs instead of storing (its

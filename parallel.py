@@ -13,6 +13,10 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+import overlap
+from overlap import CLOCK, timed_wait
+from pipeline import Pipeline, split_for_pipeline
+
 
 @dataclass
 class OverlapConfig:
@@ -76,6 +80,14 @@ def validate(cfg, world: int) -> None:
                           "use a global batch that is a multiple of dp*parallel.microbatches")
     if p.overlap.tp not in ("off", "chunked", "domino"):
         raise ConfigError("parallel.overlap.tp", f"unknown value {p.overlap.tp!r}", "use off, chunked or domino")
+    k = p.overlap.tp_chunks
+    if p.tp > 1 and p.overlap.tp == "chunked" and (k < 1 or t.seq_len % (p.tp * k)):
+        raise ConfigError("parallel.overlap.tp_chunks", f"chunked cuts each rank's seq_len/tp = {t.seq_len}/{p.tp} "
+                          f"tokens into {k} pieces", "use a chunk count that divides seq_len/tp")
+    rows = t.batch_size // (dp * p.microbatches)
+    if p.tp > 1 and p.overlap.tp == "domino" and (k < 1 or rows % k):
+        raise ConfigError("parallel.overlap.tp_chunks", f"domino cuts each microbatch's {rows} rows "
+                          f"(batch_size/(dp*microbatches)) into {k} pieces", "use a chunk count that divides the rows")
     unimplemented = [(k, v) for k, v in (("parallel.tp", p.tp > 1), ("parallel.pp", p.pp > 1),
                                           ("parallel.vpp", p.vpp > 1), ("parallel.zero_stage", p.zero_stage > 0),
                                           ("parallel.overlap.tp", p.overlap.tp != "off"),
@@ -87,7 +99,8 @@ def validate(cfg, world: int) -> None:
 
 
 # Switches whose code has landed; validate() refuses the others rather than ignore them.
-IMPLEMENTED = {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.zero_stage"}
+IMPLEMENTED = {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.zero_stage", "parallel.overlap.tp",
+               "parallel.overlap.pp", "parallel.overlap.dp"}
 
 
 # --- Process group and device ---
@@ -196,7 +209,8 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] * world, *xs.shape[1:]))
-    dist.all_gather_single(out, xs, group=group)
+    with CLOCK.waiting("comm", x.device):
+        dist.all_gather_single(out, xs, group=group)
     return out.transpose(0, 1)
 
 
@@ -204,7 +218,8 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] // world, *xs.shape[1:]))
-    dist.reduce_scatter_tensor(out, xs, group=group)
+    with CLOCK.waiting("comm", x.device):
+        dist.reduce_scatter_tensor(out, xs, group=group)
     return out.transpose(0, 1)
 
 
@@ -246,14 +261,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         v_local = logits.shape[-1]
         row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        with CLOCK.waiting("comm", logits.device):
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
         local_t = targets - vocab_start
         mine = (local_t >= 0) & (local_t < v_local)
         picked = shifted.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
         sums = torch.stack([exp.sum(-1), picked])
-        dist.all_reduce(sums, group=group)
+        with CLOCK.waiting("comm", logits.device):
+            dist.all_reduce(sums, group=group)
         losses = sums[0].log() - sums[1]
         ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local_t.clamp(0, v_local - 1), mine)
         return losses.mean()
@@ -298,20 +315,51 @@ class VocabParallelEmbedding(torch.nn.Embedding):
 
 
 def _tp_block_forward(block, x):
-    """A transformer block on a sequence-sharded residual stream. PTB shares one all-gather (its
-    attention and MLP read the same LN output) and one reduce-scatter (their outputs are summed
-    before it): half the TP collectives of the sequential block (MegaScale §3.1)."""
+    """A transformer block on a sequence-sharded residual stream, its TP collectives run as
+    parallel.overlap.tp says: one after another (off), MegaScale's sequence pieces (chunked), or
+    Domino's row pieces that go through the block independently (domino)."""
+    if block.tp_overlap == "chunked":
+        return _chunked_block(block, x)
+    if block.tp_overlap == "domino":
+        rows = [_block_steps(block, r, overlap.gather_async, overlap.reduce_scatter_async)
+                for r in x.chunk(block.tp_chunks, dim=0)]
+        return torch.cat(overlap.interleave(rows), dim=0)
+    sync_gather = lambda h, g: overlap.Ready(GatherSeq.apply(h, g))
+    sync_reduce_scatter = lambda y, g: overlap.Ready(ReduceScatterSeq.apply(y, g))
+    return overlap.interleave([_block_steps(block, x, sync_gather, sync_reduce_scatter)])[0]
+
+
+def _block_steps(block, x, gather, reduce_scatter):
+    """The block as a generator that yields at each TP collective (overlap.interleave runs it).
+    PTB shares one all-gather (its attention and MLP read the same LN output) and one
+    reduce-scatter (their outputs are summed before it): half the TP collectives of the
+    sequential block (MegaScale §3.1)."""
     import kernels
     g = block.tp_group
     attn_bias, mlp_bias = block.attn.out.bias, block.mlp.fc_out.bias
+    full = yield gather(kernels.layer_norm(x, block.ln_1, fused=block.fused), g)
     if block.parallel:
-        h = GatherSeq.apply(kernels.layer_norm(x, block.ln_1, fused=block.fused), g)
-        y = ReduceScatterSeq.apply(block.attn(h) + block.mlp(h), g)
+        y = yield reduce_scatter(block.attn(full) + block.mlp(full), g)
         return x + _add_bias(_add_bias(y, attn_bias), mlp_bias)
-    h = GatherSeq.apply(kernels.layer_norm(x, block.ln_1, fused=block.fused), g)
-    a = _add_bias(ReduceScatterSeq.apply(block.attn(h), g), attn_bias)
-    x, h = kernels.add_layer_norm(x, a, block.ln_2, fused=block.fused)
-    return x + _add_bias(ReduceScatterSeq.apply(block.mlp(GatherSeq.apply(h, g)), g), mlp_bias)
+    a = yield reduce_scatter(block.attn(full), g)
+    x, h = kernels.add_layer_norm(x, _add_bias(a, attn_bias), block.ln_2, fused=block.fused)
+    full = yield gather(h, g)
+    return x + _add_bias((yield reduce_scatter(block.mlp(full), g)), mlp_bias)
+
+
+def _chunked_block(block, x):
+    """MegaScale's TP overlap: the token-wise GEMMs (QKV, MLP, output projections) run on pieces of
+    the sequence while the other pieces' all-gathers and reduce-scatters are on the wire."""
+    import kernels
+    g, k, attn, mlp = block.tp_group, block.tp_chunks, block.attn, block.mlp
+    h = kernels.layer_norm(x, block.ln_1, fused=block.fused)
+    if block.parallel:  # PTB: one region; the MLP's partial sums join attention's before the shared reduce-scatter
+        y = overlap.chunked_region(h, g, k, pre=lambda f: (attn.qkv(f), mlp(f)), mix=attn.mix,
+                                   post=lambda a, m: attn.out(a) + m)
+        return x + _add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias)
+    a = overlap.chunked_region(h, g, k, pre=lambda f: (attn.qkv(f),), mix=attn.mix, post=attn.out)
+    x, h = kernels.add_layer_norm(x, _add_bias(a, attn.out.bias), block.ln_2, fused=block.fused)
+    return x + _add_bias(overlap.chunked_region(h, g, k, pre=mlp), mlp.fc_out.bias)
 
 
 def tp_shard_dim(name: str) -> Optional[int]:
@@ -334,7 +382,7 @@ def _keep_slice(module, name: str, dim: int, rank: int, parts: int) -> None:
         setattr(module, name, torch.nn.Parameter(param.detach().chunk(parts, dim)[rank].clone()))
 
 
-def apply_tp(model: torch.nn.Module, layout: Layout) -> None:
+def apply_tp(model: torch.nn.Module, layout: Layout, overlap_mode: str = "off", chunks: int = 1) -> None:
     """Megatron's split: column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
     vocab-parallel embedding and output projection; LayerNorms run on sequence slices."""
     group, rank, tp = layout.group("tp"), layout.tp_rank, layout.tp
@@ -345,7 +393,7 @@ def apply_tp(model: torch.nn.Module, layout: Layout) -> None:
         for linear in (block.attn.out, block.mlp.fc_out):      # input features
             _keep_slice(linear, "weight", 1, rank, tp)
             linear.__class__ = RowParallelLinear
-        block.tp_group = group
+        block.tp_group, block.tp_overlap, block.tp_chunks = group, overlap_mode, chunks
         block.forward = _tp_block_forward.__get__(block)
     if model.embed is not None:
         _keep_slice(model.embed, "weight", 0, rank, tp)
@@ -375,117 +423,6 @@ def apply_recompute(model: torch.nn.Module, mode: str) -> None:
             block.attn.core = lambda q, k, v, inner=inner: checkpoint(inner, q, k, v, use_reentrant=False)
 
 
-# --- Pipeline parallelism ---
-
-def split_for_pipeline(model: torch.nn.Module, layout: Layout, vpp: int) -> list:
-    """This rank's model chunks. Virtual stage s = v*pp + pp_rank holds layers [s*k, (s+1)*k):
-    rank r gets stages r, r+pp, ... (Megatron's interleaving). Blocks keep their global index."""
-    import copy
-    stages = layout.pp * vpp
-    per_stage = len(model.blocks) // stages
-    chunks = []
-    for v in range(vpp):
-        stage = v * layout.pp + layout.pp_rank
-        chunk = copy.deepcopy(model) if vpp > 1 or layout.pp > 1 else model
-        for name in list(chunk.blocks):
-            if not stage * per_stage <= int(name) < (stage + 1) * per_stage:
-                del chunk.blocks[name]
-        if stage != 0:
-            chunk.embed = None
-        if stage != stages - 1:
-            chunk.norm, chunk.head = None, None
-        chunk.stage = stage
-        chunks.append(chunk)
-    return chunks
-
-
-def pipeline_order(pp: int, rank: int, vpp: int, microbatches: int) -> list:
-    """(kind, microbatch, chunk) actions of 1F1B (vpp=1) or interleaved 1F1B (vpp>1) on one rank.
-    Warm-up runs enough forwards to fill the pipe, the steady phase alternates one forward and one
-    backward, cool-down drains the backwards. Interleaving walks microbatches in groups of pp
-    through each chunk in turn, so a rank's bubble shrinks by vpp: (pp-1)/(m*vpp)."""
-    total = microbatches * vpp
-
-    def chunk(k, forward):
-        c = (k // pp) % vpp
-        return c if forward else vpp - 1 - c
-
-    def microbatch(k):
-        return (k // (pp * vpp)) * pp + k % pp
-
-    warmup = min(total, pp - rank - 1 if vpp == 1 else (pp - rank - 1) * 2 + (vpp - 1) * pp)
-    order = [("F", k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    order += [("B", k) for k in range(total - warmup, total)]
-    return [(kind, microbatch(k), chunk(k, kind == "F")) for kind, k in order]
-
-
-class Pipeline:
-    """Runs this rank's chunks over a list of microbatches. Sends are non-blocking and waited for
-    at the end of the step; a receive is posted right before the compute that needs it. Every
-    message carries a tag naming (microbatch, stage, direction), so the two directions of a link
-    (interleaving wraps the last rank back to the first) never mix."""
-
-    def __init__(self, chunks: list, layout: Layout):
-        self.chunks, self.layout = chunks, layout
-        self.stages = layout.pp * len(chunks)
-        self.group = layout.group("pp")
-        self.device = next(chunks[0].parameters()).device
-        self.sends: list = []
-
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, stage % self.layout.pp)
-
-    def _tag(self, mb: int, stage: int, backward: bool) -> int:
-        return (mb * self.stages + stage) * 2 + int(backward)
-
-    def _send(self, tensor, stage_to: int, mb: int, backward: bool):
-        self.sends.append((dist.isend(tensor.contiguous(), self._peer(stage_to), group=self.group,
-                                      tag=self._tag(mb, stage_to, backward)), tensor))
-
-    def _recv(self, shape, stage_from: int, stage_to: int, mb: int, backward: bool):
-        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
-        dist.recv(buf, self._peer(stage_from), group=self.group, tag=self._tag(mb, stage_to, backward))
-        return buf
-
-    def run(self, inputs: list, targets: list, loss_fn, autocast_dtype, backward: bool = True) -> float:
-        """Forward (and backward) over all microbatches; returns the summed mean loss on the last
-        stage, 0 elsewhere. Losses are divided by the microbatch count so gradients accumulate
-        to the mean over the whole batch."""
-        m = len(inputs)
-        order = (pipeline_order(self.layout.pp, self.layout.pp_rank, len(self.chunks), m) if backward
-                 else [("F", mb, c) for mb in range(m) for c in range(len(self.chunks))])
-        stage_inputs, stage_outputs, total = {}, {}, 0.0
-        b, t = inputs[0].shape[0], inputs[0].shape[1] // self.layout.tp
-        act_shape = (b, t, self.chunks[0].cfg.d_model)
-        for kind, mb, c in order:
-            chunk = self.chunks[c]
-            stage = chunk.stage
-            if kind == "F":
-                x = inputs[mb] if stage == 0 else self._recv(act_shape, stage - 1, stage, mb, False).requires_grad_(backward)
-                with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32), \
-                        torch.set_grad_enabled(backward):
-                    y = chunk(x)
-                if stage == self.stages - 1:
-                    y = loss_fn(y, targets[mb]) / m
-                    total += y.item()
-                else:
-                    self._send(y.detach().float(), stage + 1, mb, False)
-                if backward:
-                    stage_inputs[(mb, c)], stage_outputs[(mb, c)] = x, y
-            else:
-                x, y = stage_inputs.pop((mb, c)), stage_outputs.pop((mb, c))
-                grad = None if stage == self.stages - 1 else self._recv(act_shape, stage + 1, stage, mb, True)
-                torch.autograd.backward(y, grad)
-                if stage != 0:
-                    self._send(x.grad, stage - 1, mb, True)
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
-        return total
-
-
 # --- Data parallelism with ZeRO stages 0, 1, 2 ---
 # Written over plain collectives rather than DDP/FSDP2 because the DP-overlap ablation must control
 # when each bucket's reduce-scatter and all-gather launches. Each parameter is sharded on its own
@@ -493,9 +430,19 @@ class Pipeline:
 # mixing tensors, so that LAMB's per-tensor norms stay exact under ZeRO.
 
 class ZeroDataParallel:
-    def __init__(self, params: list, layout: Layout, stage: int, reduce_dtype: torch.dtype):
+    """Gradients are averaged and (ZeRO-1/2) parameters re-gathered per bucket. Without DP overlap
+    one bucket holds every parameter and both happen between backward and forward. With
+    parallel.overlap.dp a bucket is one module's parameters (the embedding, each block, the final
+    norm with the head): its reduction launches from a hook as soon as backward has produced its
+    last gradient, and its all-gather from the forward pre-hook of the bucket before it (the
+    first at the end of the previous step), so launches follow the order compute needs the data.
+    ParallelModel registers the forward hooks, at the module each bucket's wait must precede
+    (a wait at the wrong module is Megatron-LM #950: a layer computing with last step's weights)."""
+
+    def __init__(self, params: list, layout: Layout, stage: int, reduce_dtype: torch.dtype,
+                 buckets: list, microbatches: int = 1, overlap: bool = False):
         self.params, self.layout, self.stage, self.reduce_dtype = params, layout, stage, reduce_dtype
-        self.group = layout.group("dp")
+        self.group, self.buckets, self.overlap = layout.group("dp"), buckets, overlap
         dp, r = layout.dp, layout.dp_rank
         self.shard_sizes = [-(-p.numel() // dp) for p in params]
         self.shards = []
@@ -511,35 +458,78 @@ class ZeroDataParallel:
             tp_owner = not getattr(p, "_tp_replicated", False) or layout.tp_rank == 0
             shard._norm_owner = tp_owner and (stage > 0 or layout.dp_rank == 0)
             self.shards.append(shard)
+        self.reducing, self.gathering = {}, {}  # bucket -> collective in flight
+        self.current = set(range(len(buckets)))  # buckets whose full parameters are this step's
+        self.grads_due = [0] * len(buckets)
+        if overlap:
+            self.expected = [len(b) * microbatches for b in buckets]
+            for b, bucket in enumerate(buckets):
+                for i in bucket:
+                    params[i].register_post_accumulate_grad_hook(lambda _, b=b: self._grad_ready(b))
+
+    # Gradients
+
+    def _grad_ready(self, b: int) -> None:
+        self.grads_due[b] += 1
+        if self.grads_due[b] == self.expected[b]:
+            self._launch_reduction(b)
+
+    def _launch_reduction(self, b: int) -> None:
+        """TP-sum the bucket's replicated gradients (LayerNorms, row-parallel biases: each TP rank
+        saw a slice of the sequence), then launch its DP all-reduce (stages 0, 1) or its
+        reduce-scatter straight into each rank's gradient shards (stage 2, which frees the full
+        gradients at once)."""
+        idx = self.buckets[b]
+        grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
+                 for i in idx]
+        replicated = [g for i, g in zip(idx, grads) if getattr(self.params[i], "_tp_replicated", False)]
+        if self.layout.tp > 1 and replicated:
+            flat = torch.cat([g.flatten() for g in replicated])
+            with CLOCK.waiting("comm", flat.device):
+                dist.all_reduce(flat, group=self.layout.group("tp"))
+            for g, piece in zip(replicated, flat.split([g.numel() for g in replicated])):
+                g.copy_(piece.view_as(g))
+        dp, work = self.layout.dp, None
+        if self.stage < 2:
+            buf = torch.cat([g.flatten().to(self.reduce_dtype) for g in grads])
+            if dp > 1:
+                work = dist.all_reduce(buf, group=self.group, async_op=True)
+        else:  # rows = ranks; rank r receives the concatenation of the bucket's shards r
+            table = torch.cat([self._pad(g.to(self.reduce_dtype), self.shard_sizes[i]) for i, g in zip(idx, grads)], dim=1)
+            buf = table.new_empty(table.shape[1])
+            if dp > 1:
+                work = dist.reduce_scatter_tensor(buf, table.flatten(), group=self.group, async_op=True)
+            else:
+                buf.copy_(table[0])
+            for i in idx:
+                self.params[i].grad = None
+        self.reducing[b] = (work, buf, grads)
+
+    def _finish_reduction(self, b: int) -> None:
+        work, buf, grads = self.reducing.pop(b)
+        if work is not None:
+            timed_wait(work, buf.device)
+        buf.div_(self.layout.dp)
+        idx = self.buckets[b]
+        if self.stage == 2:
+            for i, piece in zip(idx, buf.split([self.shard_sizes[i] for i in idx])):
+                self.shards[i].grad = piece.to(self.shards[i].dtype)
+            return
+        for i, g, piece in zip(idx, grads, buf.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+            if self.stage == 1:
+                self.shards[i].grad = self._pad(g, self.shard_sizes[i])[self.layout.dp_rank]
+            else:
+                self.params[i].grad = g
 
     def reduce_gradients(self) -> None:
-        """Average gradients over DP ranks: an all-reduce (stages 0, 1) or a reduce-scatter straight
-        into each rank's gradient shard (stage 2, which then frees the full gradients)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        dp = self.layout.dp
-        if self.stage < 2:
-            if dp > 1:
-                flat = torch.cat([g.flatten().to(self.reduce_dtype) for g in grads])
-                dist.all_reduce(flat, group=self.group)
-                flat.div_(dp)
-                for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(piece.view_as(g))
-            if self.stage == 1:
-                for g, shard, size in zip(grads, self.shards, self.shard_sizes):
-                    shard.grad = self._pad(g, size)[self.layout.dp_rank]
-            else:
-                for p, g in zip(self.params, grads):
-                    p.grad = g
-            return
-        # Stage 2: rows = ranks; rank r receives the concatenation of every parameter's shard r.
-        table = torch.cat([self._pad(g.to(self.reduce_dtype), size) for g, size in zip(grads, self.shard_sizes)], dim=1)
-        mine = table.new_empty(table.shape[1])
-        dist.reduce_scatter_tensor(mine, table.flatten(), group=self.group) if dp > 1 else mine.copy_(table[0])
-        mine.div_(dp)
-        for shard, piece in zip(self.shards, mine.split(self.shard_sizes)):
-            shard.grad = piece.to(shard.dtype)
-        for p in self.params:
-            p.grad = None
+        """After backward: launch what the hooks have not, then wait for every bucket."""
+        for b in range(len(self.buckets)):
+            if b not in self.reducing:
+                self._launch_reduction(b)
+        for b in range(len(self.buckets)):
+            self._finish_reduction(b)
+        self.grads_due = [0] * len(self.buckets)
 
     def _pad(self, t: torch.Tensor, size: int) -> torch.Tensor:
         """[dp, size] view of t's values, zero-padded at the end."""
@@ -547,17 +537,54 @@ class ZeroDataParallel:
         flat[:t.numel()] = t.flatten()
         return flat.view(self.layout.dp, size)
 
+    # Parameters
+
     @torch.no_grad()
-    def gather_parameters(self) -> None:
-        """After the optimizer step (stages 1, 2): every rank's updated shards -> full parameters."""
-        if self.stage == 0:
-            return
-        mine = torch.cat([s.detach() for s in self.shards])
+    def launch_gather(self, b: int) -> None:
+        """Launch bucket b's all-gather of the updated shards (stages 1, 2), unless under way."""
+        if self.stage == 0 or b >= len(self.buckets) or b in self.gathering or b in self.current:
+            return  # (the later microbatches' forwards, or a pipeline's, find it current)
+        mine = torch.cat([self.shards[i].detach() for i in self.buckets[b]])
         table = mine.new_empty(self.layout.dp * mine.numel())
-        dist.all_gather_single(table, mine, group=self.group) if self.layout.dp > 1 else table.copy_(mine)
-        table = table.view(self.layout.dp, -1)
-        for p, piece in zip(self.params, table.split(self.shard_sizes, dim=1)):
-            p.copy_(piece.flatten()[:p.numel()].view_as(p))
+        work = None
+        if self.layout.dp > 1:
+            work = dist.all_gather_single(table, mine, group=self.group, async_op=True)
+        else:
+            table.copy_(mine)
+        self.gathering[b] = (work, table)
+
+    @torch.no_grad()
+    def wait_gather(self, b: int) -> None:
+        """Bucket b's parameters are this step's once this returns."""
+        if b not in self.gathering:
+            return
+        work, table = self.gathering.pop(b)
+        self.current.add(b)
+        if work is not None:
+            timed_wait(work, table.device)
+        idx = self.buckets[b]
+        for i, piece in zip(idx, table.view(self.layout.dp, -1).split([self.shard_sizes[i] for i in idx], dim=1)):
+            self.params[i].copy_(piece.flatten()[:self.params[i].numel()].view_as(self.params[i]))
+
+    def before_forward(self, b: int) -> None:
+        """The forward pre-hook of bucket b: wait for its parameters, prefetch the next bucket's."""
+        self.wait_gather(b)
+        self.launch_gather(b + 1)
+
+    def after_step(self) -> None:
+        """After the optimizer: with overlap, prefetch the first bucket (the hooks chain the rest);
+        without, gather everything now."""
+        self.current.clear()
+        if self.overlap:
+            self.launch_gather(0)
+        else:
+            self.gather_all()
+
+    def gather_all(self) -> None:
+        for b in range(len(self.buckets)):
+            self.launch_gather(b)
+        for b in range(len(self.buckets)):
+            self.wait_gather(b)
 
 
 # --- This rank's share of the model, and the collectives its training step needs ---
@@ -573,15 +600,39 @@ class ParallelModel:
         self.chunks = split_for_pipeline(model, layout, cfg.vpp)
         for chunk in self.chunks:
             if layout.tp > 1:
-                apply_tp(chunk, layout)
+                apply_tp(chunk, layout, cfg.overlap.tp, cfg.overlap.tp_chunks)
             if recompute != "none":
                 apply_recompute(chunk, recompute)
-        self.pipeline = Pipeline(self.chunks, layout) if layout.pp > 1 else None
+        self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp) if layout.pp > 1 else None
         named = self.named_model_parameters()
         self.names = [n for n, _ in named]
+        params = [p for _, p in named]
         reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else torch.bfloat16
-        self.zero = ZeroDataParallel([p for _, p in named], layout, cfg.zero_stage, reduce_dtype)
+        buckets = self._module_buckets(params) if cfg.overlap.dp else [(list(range(len(params))), None)]
+        self.zero = ZeroDataParallel(params, layout, cfg.zero_stage, reduce_dtype, [b for b, _ in buckets],
+                                     cfg.microbatches, overlap=cfg.overlap.dp)
+        if cfg.overlap.dp:
+            for b, (_, hook) in enumerate(buckets):
+                hook(lambda *_, b=b: self.zero.before_forward(b))
         self.norm_group = _norm_group(layout)
+
+    def _module_buckets(self, params: list) -> list:
+        """DP-overlap buckets in the order forward first uses them, each with the registration of
+        the hook that must run before that use: the embedding and each block wait in their own
+        pre-hook; the final norm (run as a function, so it has no hook of its own) and the head
+        wait in the post-hook of the last block, before the norm reads its weights."""
+        index = {id(p): i for i, p in enumerate(params)}
+        buckets = []
+        for chunk in self.chunks:
+            blocks = list(chunk.blocks.values())
+            if chunk.embed is not None:
+                buckets.append(([index[id(chunk.embed.weight)]], chunk.embed.register_forward_pre_hook))
+            for block in blocks:
+                buckets.append(([index[id(p)] for p in block.parameters()], block.register_forward_pre_hook))
+            tail = [index[id(p)] for m in (chunk.norm, chunk.head) if m is not None for p in m.parameters()]
+            if tail:
+                buckets.append((tail, blocks[-1].register_forward_hook))
+        return buckets
 
     def named_model_parameters(self) -> list:
         seen, named = set(), []
@@ -625,12 +676,6 @@ class ParallelModel:
     def finish_gradients(self, max_norm: float) -> float:
         """TP then DP reductions, then clipping by the global norm over every shard of every
         parameter, each element counted once. Returns the norm before clipping."""
-        if self.layout.tp > 1:
-            replicated = [p for _, p in self.named_model_parameters() if getattr(p, "_tp_replicated", False)]
-            flat = torch.cat([p.grad.flatten() for p in replicated])
-            dist.all_reduce(flat, group=self.layout.group("tp"))
-            for p, piece in zip(replicated, flat.split([p.numel() for p in replicated])):
-                p.grad.copy_(piece.view_as(p))
         self.zero.reduce_gradients()
         shards = [s for s in self.zero.shards if s.grad is not None]
         sq = torch.zeros((), dtype=torch.float64)
@@ -638,7 +683,8 @@ class ParallelModel:
             if s._norm_owner:
                 sq += s.grad.double().pow(2).sum()
         if self.layout.world > 1:
-            dist.all_reduce(sq)
+            with CLOCK.waiting("comm", sq.device):
+                dist.all_reduce(sq)
         norm = sq.sqrt().item()
         if norm > max_norm:
             scale = max_norm / (norm + 1e-6)
@@ -647,16 +693,18 @@ class ParallelModel:
         return norm
 
     def after_step(self) -> None:
-        self.zero.gather_parameters()
         for _, p in self.named_model_parameters():
             p.grad = None
+        self.zero.after_step()
 
     def state_dict(self) -> dict:
+        self.zero.gather_all()  # with DP overlap, the parameters may still be on the wire
         return {name: p.detach() for name, p in self.named_model_parameters()} | {
             name: b for chunk in self.chunks for name, b in chunk.named_buffers()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        self.zero.gather_all()
         for name, p in self.named_model_parameters():
             p.copy_(state[name])
         for shard, p in zip(self.zero.shards, self.zero.params):  # re-derive ZeRO shards

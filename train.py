@@ -29,6 +29,7 @@ import data
 import metrics
 import optim
 import parallel
+from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
 log = logging.getLogger("train")
@@ -116,13 +117,15 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                                  layout.dp_rank, layout.dp) if cfg.train.eval_interval > 0 else []
     try:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
+            CLOCK.read()  # start the step's wait clock from zero
             t0 = time.perf_counter()
             inputs, targets = next(loader)
             loss, grad_norm = train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
             scheduler.step()
             loss, stop_now = _agree(loss, stop.requested, layout)  # one collective: mean loss and stop flag
             row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   **meter(time.perf_counter() - t0), "memory_gib": metrics.memory_gib(device)}
+                   **meter(time.perf_counter() - t0), **breakdown(time.perf_counter() - t0, CLOCK.read()),
+                   "memory_gib": metrics.memory_gib(device)}
             if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
                 row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
             run_log.step(row)
@@ -152,6 +155,14 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     return final  # the process group stays up for the next job of a multirun (parallel.init_distributed)
 
 
+def breakdown(step_time: float, waits: dict) -> dict:
+    """Where this rank's step went: blocked on collectives and sends (exposed communication),
+    blocked on pipeline receives or on the slowest rank (bubble or idle), and the rest (compute,
+    including the optimizer and the data loader's share)."""
+    return {"exposed_comm_s": waits["comm"], "bubble_s": waits["bubble"],
+            "compute_s": max(0.0, step_time - waits["comm"] - waits["bubble"])}
+
+
 def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_dtype) -> tuple[float, float]:
     """One optimizer step: forward and backward over parallel.microbatches microbatches (a
     pipeline schedule when pp > 1, gradient accumulation otherwise), then the TP/DP gradient
@@ -176,7 +187,8 @@ def _agree(loss: float, stop: bool, layout) -> tuple[float, bool]:
     if layout.world == 1:
         return loss, stop
     t = torch.tensor([loss, float(stop)], dtype=torch.float64)
-    dist.all_reduce(t)  # the loss lives on the last pipeline stage, on each of its tp ranks
+    with CLOCK.waiting("bubble", "cpu"):  # mostly waiting for the slowest rank (a pipeline's last stage)
+        dist.all_reduce(t)  # the loss lives on the last pipeline stage, on each of its tp ranks
     return t[0].item() / (layout.dp * layout.tp), t[1].item() > 0
 
 
@@ -234,6 +246,8 @@ def summarize(history: list, step: int) -> dict:
     final = {"steps": step, "loss": history[-1]["loss"], "first_loss": history[0]["loss"],
              "tokens_per_s": median("tokens_per_s"), "step_time": median("step_time"),
              "tflops_per_device": median("tflops_per_device"), "mfu": median("mfu"),
+             "exposed_comm_s": median("exposed_comm_s"), "bubble_s": median("bubble_s"),
+             "compute_s": median("compute_s"),
              "memory_gib": history[-1]["memory_gib"]}
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     if vals:

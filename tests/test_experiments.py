@@ -90,9 +90,10 @@ def test_later_steps_record_the_pending_steps_they_lack():
 
 def test_torchrun_multirun_gives_measured_and_pending_rows(tmp_path, cache_dir):
     """One multirun over two steps in the same two ranks (the process group outlives the first job):
-    step 1 trains and is measured, step 3 is recorded as pending, and tables.py shows both."""
+    step 1 trains and is measured, step 3 (marked pending here, as a switch that has not landed
+    would be) is recorded as pending, and tables.py shows both."""
     sweep = tmp_path / "sweep"
-    run_train(tmp_path / "unused", ["-m", "experiment=megascale_ablation", "ablation.step=1,3"] + SMALL +
+    run_train(tmp_path / "unused", ["-m", "experiment=megascale_ablation", "ablation.step=1,3", "ablation.pending=[3]"] + SMALL +
               ["train.max_steps=5", f"hydra.sweep.dir={sweep}"], cache_dir, nproc=2)
     runs = {r.step: r for r in tables.load_runs([sweep])}
     assert runs[1].status == "ok" and runs[1].world == 2 and runs[1].final["mfu"] > 0

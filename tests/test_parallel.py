@@ -25,8 +25,15 @@ LAYOUTS = {  # name: (ranks, overrides)
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.zero_stage=1"]),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]),
     "pp2_dp2": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=2"]),
-    "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=2",
-                        "parallel.zero_stage=1"]),
+    # The overlap switches change when collectives run, never the maths (issue 5): each layout the
+    # 3D matrix has, with its overlap on, equals the single process.
+    "tp2_overlap_chunked": (2, ["parallel.tp=2", "parallel.overlap.tp=chunked", "parallel.overlap.tp_chunks=2"]),
+    "tp2_overlap_domino": (2, ["parallel.tp=2", "parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"]),
+    "pp2_vpp2_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"]),
+    "dp2_zero2_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
+    "tp2_pp2_dp2_overlap": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=2",
+                                "parallel.zero_stage=1", "parallel.overlap.tp=chunked", "parallel.overlap.pp=true",
+                                "parallel.overlap.dp=true"]),
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
     # background prefetch must hand every rank the very batches it would have read itself.
     "tp2_recompute_full_megascale_data": (2, ["parallel.tp=2", "train.recompute=full", "data.pipeline=megascale"]),
@@ -200,3 +207,43 @@ def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir
     assert relative_error(flat(got), flat(ref)) < 1e-5
     for key in names:
         assert relative_error(got[key], ref[key]) < 1e-4, key
+
+
+@pytest.fixture(scope="module")
+def ptb_tp2(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("ptb_tp2")
+    run_train(run_dir, EXACT + ["model.block=parallel", "parallel.tp=2"], cache_dir, nproc=2)
+    return read_metrics(run_dir), checkpoint.consolidate_model(checkpoint.step_dir(run_dir / "checkpoints", STEPS))
+
+
+@pytest.mark.parametrize("mode", ["chunked"])  # domino runs PTB through the same steps as off
+def test_tp_overlap_keeps_ptb_exact(mode, ptb_tp2, tmp_path, cache_dir):
+    """PTB's shared collectives under chunked TP overlap: one region whose attention core sees
+    the sequence reassembled in order from the gathered pieces; it equals overlap off."""
+    run_train(tmp_path, EXACT + ["model.block=parallel", "parallel.tp=2", f"parallel.overlap.tp={mode}",
+                                 "parallel.overlap.tp_chunks=2"], cache_dir, nproc=2)
+    want_rows, want = ptb_tp2
+    for got_row, want_row in zip(read_metrics(tmp_path), want_rows):
+        assert got_row["loss"] == pytest.approx(want_row["loss"], rel=1e-5)
+    got = checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))
+    flat = lambda w: torch.cat([w[k].double().flatten() for k in sorted(w)])
+    assert relative_error(flat(got), flat(want)) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["correct", "misordered"])
+def test_dp_overlap_layers_compute_with_this_steps_weights(mode):
+    """Megatron-LM #950: with DP overlap every module's forward must see the weights the optimizer
+    just produced. The probe compares each module's parameters, at its forward, with an
+    independent all-gather of the updated shards; shifting every bucket's wait one module late
+    (the bug) must be caught, by the probe or by autograd's in-place check on saved weights."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/dp_overlap_probe.py", mode], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(lines[-1])
+    if mode == "correct":
+        assert result["error"] is None and result["checked"] > 0 and result["moved"] > 1e-3
+        assert result["stale"] == 0.0
+    else:
+        assert result["stale"] > 0 or "modified by an inplace operation" in (result["error"] or "")

@@ -1,0 +1,215 @@
+"""Communication/computation overlap: the schedules MegaScale (§3.3) and Domino ablate, and the
+clock that measures how much communication is left exposed.
+
+Written by hand over async collectives, not left to DDP/FSDP/async-TP, because the ablation must
+control when each collective launches and when compute waits for it:
+
+- CLOCK: seconds blocked on communication per step, by kind: "comm" (TP and DP collectives, PP
+  sends) and "bubble" (PP receives: idle until the neighbouring stage delivers). train.py logs
+  compute = step - comm - bubble.
+- TP (parallel.overlap.tp, with tp_chunks pieces), on the sequence-parallel block of parallel.py:
+  - chunked (MegaScale): this rank's sequence slice is cut into pieces. Each piece's all-gather
+    is in flight while the previous piece's GEMMs run, and each piece's reduce-scatter while the
+    next piece's GEMMs run. Only token-wise work is chunked (QKV, MLP, output projections);
+    attention's core sees the whole sequence, reassembled in order.
+  - domino (Domino, arXiv 2409.15241): the batch rows are cut into pieces that go through the
+    whole block independently; a piece's collective is in flight while the other pieces compute,
+    and its wait comes when its turn comes round again.
+  In backward the same overlap falls out of autograd: a wait's backward launches the gradient's
+  collective and the matching start's backward waits for it, and the engine runs ready nodes
+  latest-created first, so the other pieces' backward runs in between.
+- DP (parallel.overlap.dp) lives in parallel.ZeroDataParallel (per-bucket launches from hooks).
+- PP (parallel.overlap.pp) lives in pipeline.Pipeline.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class WaitClock:
+    """Seconds this rank spent blocked on communication since the last read(). On CPU the wall
+    clock around the wait; on CUDA a pair of events on the compute stream (a wait there only makes
+    the stream wait, so the host clock would read zero), resolved at read()."""
+
+    def __init__(self):
+        self.seconds, self.events = {"comm": 0.0, "bubble": 0.0}, []
+
+    @contextlib.contextmanager
+    def waiting(self, kind: str, device):
+        if torch.device(device).type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((kind, start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        self.seconds[kind] += time.perf_counter() - t0
+
+    def read(self) -> dict:
+        if self.events:
+            torch.cuda.synchronize()
+            for kind, start, end in self.events:
+                self.seconds[kind] += start.elapsed_time(end) / 1e3
+        out = self.seconds
+        self.seconds, self.events = {"comm": 0.0, "bubble": 0.0}, []
+        return out
+
+
+CLOCK = WaitClock()
+
+
+def timed_wait(work, device) -> None:
+    with CLOCK.waiting("comm", device):
+        work.wait()
+
+
+# --- Sequence-parallel collectives, async, as autograd pairs ---
+# A collective is two autograd nodes: Start launches it and returns the buffer it fills, Wait
+# waits and returns the result. Backward reverses them: Wait's backward launches the gradient's
+# collective (all-gather <-> reduce-scatter), Start's backward waits for it.
+
+class _InFlight:
+    """A launched collective: its work handle, the buffer it fills (sequence-major) and its input,
+    kept alive until the wait."""
+
+    def __init__(self, work, out, src):
+        self.work, self.out, self.src = work, out, src
+
+    def wait(self) -> torch.Tensor:
+        timed_wait(self.work, self.out.device)
+        return self.out.transpose(0, 1)
+
+
+def _launch_gather(x: torch.Tensor, group) -> _InFlight:
+    """[B, t, ...] sequence slices -> [B, world*t, ...], rank order along the sequence."""
+    xs = x.transpose(0, 1).contiguous()
+    out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
+    return _InFlight(dist.all_gather_single(out, xs, group=group, async_op=True), out, xs)
+
+
+def _launch_reduce_scatter(x: torch.Tensor, group) -> _InFlight:
+    """[B, world*t, ...] partial sums -> this rank's [B, t, ...] slice of their sum."""
+    xs = x.transpose(0, 1).contiguous()
+    out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
+    return _InFlight(dist.reduce_scatter_tensor(out, xs, group=group, async_op=True), out, xs)
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pending):
+        ctx.pending = pending
+        if pending.gather and torch.is_autocast_enabled(x.device.type):  # the next GEMM casts anyway: half the bytes
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        pending.forward = (_launch_gather if pending.gather else _launch_reduce_scatter)(x, pending.group)
+        return pending.forward.out
+
+    @staticmethod
+    def backward(ctx, _):
+        grad = ctx.pending.backward.wait()
+        ctx.pending.backward = None
+        return grad, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buffer, pending):
+        ctx.pending = pending
+        out = pending.forward.wait()
+        pending.forward = None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.pending
+        p.backward = (_launch_reduce_scatter if p.gather else _launch_gather)(grad, p.group)
+        return grad.transpose(0, 1), None
+
+
+class Pending:
+    """A sequence-parallel collective in flight; wait() gives its result, differentiably."""
+
+    def __init__(self, x: torch.Tensor, group, gather: bool):
+        self.group, self.gather, self.forward, self.backward = group, gather, None, None
+        self.buffer = _Start.apply(x, self)
+
+    def wait(self) -> torch.Tensor:
+        out, self.buffer = _Wait.apply(self.buffer, self), None
+        return out
+
+
+def gather_async(x: torch.Tensor, group) -> Pending:
+    return Pending(x, group, gather=True)
+
+
+def reduce_scatter_async(x: torch.Tensor, group) -> Pending:
+    return Pending(x, group, gather=False)
+
+
+class Ready:
+    """A collective that already ran (synchronously): the same interface as Pending."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+def interleave(steps: list) -> list:
+    """Runs generators round-robin and returns their return values. Each runs until it launches
+    a collective and yields its Pending; the others run next, and its wait comes when its turn
+    comes round again: as late as this schedule allows."""
+    results, pending, live = [None] * len(steps), [None] * len(steps), list(range(len(steps)))
+    while live:
+        for i in list(live):
+            try:
+                pending[i] = steps[i].send(None if pending[i] is None else pending[i].wait())
+            except StopIteration as stop:
+                results[i] = stop.value
+                live.remove(i)
+    return results
+
+
+# --- MegaScale's chunked overlap: pieces of the sequence through the token-wise GEMMs ---
+
+def chunked_region(h: torch.Tensor, group, pieces: int, pre, mix=None, post=None) -> torch.Tensor:
+    """reduce_scatter(post(mix(pre(all_gather(h))))) with the collectives overlapped, for h this
+    rank's [B, t, d] sequence slice. pre and post are token-wise (GEMMs), so each runs on one
+    gathered piece while another piece's collective is on the wire. pre returns a tuple; mix sees
+    its first element over the whole sequence (attention's core), the rest stay in pieces."""
+    if mix is None:
+        def piece_steps(piece):
+            full = yield gather_async(piece, group)
+            return (yield reduce_scatter_async(pre(full), group))
+        return torch.cat(interleave([piece_steps(p) for p in h.chunk(pieces, dim=1)]), dim=1)
+
+    def gathered(piece):
+        return pre((yield gather_async(piece, group)))
+    outs = interleave([gathered(p) for p in h.chunk(pieces, dim=1)])
+    tp = dist.get_world_size(group)
+    mixed = _as_pieces(mix(_in_order([o[0] for o in outs], tp)), tp, pieces)
+
+    def scattered(j):
+        return (yield reduce_scatter_async(post(mixed[j], *outs[j][1:]), group))
+    return torch.cat(interleave([scattered(j) for j in range(pieces)]), dim=1)
+
+
+def _in_order(pieces: list, tp: int) -> torch.Tensor:
+    """Gathered pieces ([B, tp*c, ...] each: rank 0's j-th piece, rank 1's, ...) -> [B, s, ...] in
+    sequence order (rank 0's pieces 0..k-1, then rank 1's, ...)."""
+    x = torch.stack(pieces, dim=1)
+    b, k, c = x.shape[0], x.shape[1], x.shape[2] // tp
+    return x.view(b, k, tp, c, *x.shape[3:]).transpose(1, 2).reshape(b, k * tp * c, *x.shape[3:])
+
+
+def _as_pieces(x: torch.Tensor, tp: int, k: int) -> list:
+    """The inverse of _in_order."""
+    b, c = x.shape[0], x.shape[1] // (tp * k)
+    x = x.view(b, tp, k, c, *x.shape[2:]).transpose(1, 2)
+    return [piece.reshape(b, tp * c, *x.shape[4:]) for piece in x.unbind(1)]

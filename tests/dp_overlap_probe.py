@@ -1,0 +1,91 @@
+"""Run under torchrun with 2 ranks: ZeRO-2 with DP overlap for 3 steps on random tokens, checking
+at every module's forward that its parameters are this step's, i.e. equal to an independent
+all-gather of the shards the optimizer just updated (Megatron-LM #950: a bucket waited for at
+the wrong module lets a layer compute with last step's weights).
+
+    torchrun --nproc_per_node 2 tests/dp_overlap_probe.py [correct|misordered]
+
+Prints one JSON line on rank 0: the largest stale difference seen, how many parameters were
+checked, how far the weights moved over the run (so a zero difference is not vacuous), and the
+error that stopped the run, if any.
+"misordered" shifts every bucket's wait one module later, the #950 bug, to show the check sees it.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import optim  # noqa: E402
+import parallel  # noqa: E402
+from model import GPT, ModelConfig  # noqa: E402
+from optim import OptimConfig  # noqa: E402
+
+
+def misordered(build):
+    """Each bucket's wait registered at the next bucket's module (the last keeps its own)."""
+    def shifted(self, params):
+        buckets = build(self, params)
+        hooks = [hook for _, hook in buckets[1:]] + [buckets[-1][1]]
+        return [(b, hook) for (b, _), hook in zip(buckets, hooks)]
+    return shifted
+
+
+def main(mode: str) -> None:
+    if mode == "misordered":
+        parallel.ParallelModel._module_buckets = misordered(parallel.ParallelModel._module_buckets)
+    rank, world = parallel.init_distributed(torch.device("cpu"), "gloo")
+    cfg = parallel.ParallelConfig(zero_stage=2)
+    cfg.overlap.dp = True
+    layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
+    model = GPT(ModelConfig(n_layers=3, d_model=64, n_heads=4, vocab_size=128))
+    model.init_weights(0)
+    engine = parallel.build(model, layout, cfg)
+    optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), OptimConfig(), 1e-2, norm_group=engine.norm_group)
+    zero = engine.zero
+    worst, checked = [0.0], [0]
+
+    def check(module, *_):
+        for p in module.parameters(recurse=True):
+            i = next(i for i, q in enumerate(zero.params) if q is p)
+            mine = zero.shards[i].detach()
+            table = torch.empty(world * mine.numel())
+            dist.all_gather_single(table, mine.contiguous())
+            want = table[:p.numel()].view_as(p)
+            worst[0] = max(worst[0], (p.detach() - want).abs().max().item())
+            checked[0] += 1
+
+    chunk = engine.chunks[0]
+    modules = [chunk.embed, *chunk.blocks.values()]
+    for m in modules:  # registered after ParallelModel's hooks, so each check runs after the wait
+        m.register_forward_pre_hook(check)
+
+    def check_tail(*_):  # the final norm runs as a function (no hook): check it and the head before it
+        check(chunk.norm)
+        check(chunk.head)
+    list(chunk.blocks.values())[-1].register_forward_hook(check_tail)
+
+    start = {n: p.detach().clone() for n, p in engine.named_model_parameters()}
+    g = torch.Generator().manual_seed(rank)
+    error = None
+    try:
+        for _ in range(3):
+            tokens = torch.randint(0, 128, (4, 33), generator=g)
+            engine.forward_backward(tokens[:, :-1], tokens[:, 1:], torch.float32)
+            engine.finish_gradients(1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            engine.after_step()
+        engine.forward_backward(tokens[:, :-1], tokens[:, 1:], torch.float32, backward=False)  # step 3's weights
+    except RuntimeError as err:  # a late wait overwrites weights autograd saved: torch may catch it too
+        error = str(err).splitlines()[0]
+    moved = max((p.detach() - start[n]).abs().max().item() for n, p in engine.named_model_parameters())
+    if rank == 0:
+        print(json.dumps({"mode": mode, "stale": worst[0], "checked": checked[0], "moved": moved, "error": error}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "correct")
