@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo ablation test test-fast venv slurm-up slurm-down clean
+.PHONY: demo ablation train scaling convergence test test-fast venv slurm-up slurm-down clean
 
 # The project is a flat set of scripts run from this folder, so only its dependencies are
 # installed (pinned in pyproject.toml; torch==2.13.0 is the CPU or CUDA build the host provides).
@@ -18,19 +18,42 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/python train.py
-
-# MegaScale's Table 3 at CPU scale: the 9 steps as one multirun on 2 gloo ranks (tp2), then the
-# table (Markdown here; CSV and LaTeX beside the runs) and the figures.
-NOW := $(shell date +%Y-%m-%d_%H-%M-%S)   # := expands once, so all three commands see one dir
+# The main job: MegaScale's Table 3 at CPU scale. The 9 cumulative steps as one Hydra multirun on
+# 2 gloo ranks (tp2), each with a progress bar, then the table (Markdown here; CSV and LaTeX beside
+# the runs) and the figures. W&B runs offline (wandb/ in each job's dir; `wandb sync` uploads).
+NOW := $(shell date +%Y-%m-%d_%H-%M-%S)   # := expands once, so every command sees one dir
 SWEEP ?= multirun/ablation-$(NOW)
-ablation: $(STAMP)
+demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node 2 train.py -m experiment=megascale_ablation 'ablation.step=range(0,9)' \
-		logging.progress=false hydra.sweep.dir=$(SWEEP)
+		logging.wandb.mode=offline hydra.sweep.dir=$(SWEEP)
 	$(BIN)/python experiments/tables.py $(SWEEP)
 	$(BIN)/python experiments/figures.py $(SWEEP)
-	@echo "runs, W&B offline runs (wandb/ in each) and the CSV/LaTeX/figures: $(SWEEP)"
+	@echo "runs and their W&B offline runs (<job>/wandb/): $(SWEEP)/<job>/"
+	@echo "table as CSV and LaTeX, figures as PNG and PDF: $(SWEEP)/"
+
+ablation: demo
+
+# One training run of the tiny model on the embedded defaults (a few minutes).
+train: $(STAMP)
+	$(BIN)/python train.py
+
+# Table 2 at CPU scale: one torchrun per row, since each row has its own world size.
+SCALING ?= multirun/scaling-$(NOW)
+scaling: $(STAMP)
+	for row in 0 1 2; do \
+		ranks=$$($(BIN)/python -c "import config; c = config.compose(['experiment=strong_scaling', 'scaling.row=$$row']); print(c.scaling.rows[$$row]['gpus'])"); \
+		$(BIN)/torchrun --standalone --nproc_per_node $$ranks train.py experiment=strong_scaling scaling.row=$$row \
+			logging.progress=false hydra.run.dir=$(SCALING)/$$row || exit 1; \
+	done
+	$(BIN)/python experiments/tables.py $(SCALING)/0 $(SCALING)/1 $(SCALING)/2 --out $(SCALING)
+
+# Fig. 10 at CPU scale: baseline, PTB+SWA and LAMB at 4x the batch, one process, equal tokens.
+CONVERGENCE ?= multirun/convergence-$(NOW)
+convergence: $(STAMP)
+	$(BIN)/python train.py -m experiment=convergence 'convergence.variant=baseline,ptb_swa,lamb_4x' \
+		hydra.sweep.dir=$(CONVERGENCE)
+	$(BIN)/python experiments/tables.py $(CONVERGENCE)
+	$(BIN)/python experiments/figures.py $(CONVERGENCE)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -118,6 +118,27 @@ class AblationConfig:
 
 
 @dataclass
+class ScalingConfig:
+    """MegaScale's Table 2: `rows` lists the (GPUs, nodes, batch, microbatches) of each row
+    (conf/study_scale/strong_scaling_<scale>.yaml) and `row` picks one, so the multirun
+    `scaling.row=range(0,N)` is the table."""
+    row: int = 0
+    rows: List[Any] = field(default_factory=list)
+
+
+@dataclass
+class ConvergenceConfig:
+    """Fig. 10's variants (conf/experiment/convergence.yaml): baseline, ptb_swa (PTB + SWA at the
+    baseline's batch) and lamb_4x (LAMB at 4x the batch, a quarter of the steps: equal tokens)."""
+    variant: str = "baseline"
+    window: int = 512
+    batch: int = 16
+    steps: int = 1000
+    lamb_batch: int = 64          # 4 x batch
+    lamb_steps: int = 250         # steps / 4: the same tokens
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -130,6 +151,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     study: StudyConfig = field(default_factory=StudyConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    convergence: ConvergenceConfig = field(default_factory=ConvergenceConfig)
     precision: str = "auto"       # auto | bf16 (autocast, fp32 master weights) | fp32; auto: bf16 where it is fast
     resume: str = "auto"          # auto (newest complete checkpoint, if any) | none | PATH
     dry_run: bool = False         # build on the meta device, print size/FLOPs/memory, exit
@@ -177,6 +200,10 @@ def register() -> None:
     if not OmegaConf.has_resolver("ablation"):
         OmegaConf.register_new_resolver("ablation", ablation_switch)
         OmegaConf.register_new_resolver("ablation_study", ablation_study)
+        # ${pick:key,{k1: v1, k2: v2},default}: a study variant's value of a setting
+        OmegaConf.register_new_resolver("pick", lambda key, table, default: table.get(key, default))
+        # ${scaling_row:batch}: a value of the strong-scaling row scaling.row picks
+        OmegaConf.register_new_resolver("scaling_row", lambda key, *, _root_: _root_.scaling.rows[_root_.scaling.row][key])
 
 
 def ablation_switch(step: int, on: Any, off: Any, *, _root_) -> Any:

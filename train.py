@@ -344,4 +344,9 @@ def _fail(line: str) -> None:
 
 if __name__ == "__main__":
     config.preflight(sys.argv[1:])
+    if {"-m", "--multirun"} & set(sys.argv[1:]):
+        # Fix the sweep dir's name now: the submitit launcher's jobs re-resolve hydra.sweep.dir in
+        # their own processes (under SLURM, where ${run_id:} would name their array job instead),
+        # and they inherit this environment.
+        os.environ.setdefault("MEGAREPRO_RUN_ID", config.run_id())
     main()

@@ -289,7 +289,7 @@ def run_loopback(args, reason: str) -> int:
     ranks = args.hosts * args.ranks_per_host
     print(f"emucluster: {reason}; running one torchrun with {ranks} ranks on loopback instead "
           "(no links, no bandwidth limits)", flush=True)
-    env = dict(job_env(), EMUCLUSTER_HOST="lo")
+    env = dict(job_env(), EMUCLUSTER_HOST="lo", EMUCLUSTER_FABRIC="loopback")
     host = Host("lo", torchrun("--standalone", "--nproc_per_node", str(ranks), *args.command), env,
                 args.rundir / "host0.log" if args.rundir else None)
 
@@ -316,7 +316,10 @@ def run_hosts(args, topo: Topology, hosts: List[Host]) -> int:
         cmd = ["ip", "netns", "exec", ns, *torchrun(
             "--nnodes", str(args.hosts), "--nproc_per_node", str(args.ranks_per_host), "--node_rank", str(k),
             "--master_addr", topo.addr(0), "--master_port", str(MASTER_PORT), *args.command)]
-        hosts.append(Host(f"h{k}", cmd, dict(env, GLOO_SOCKET_IFNAME=HOST_IFACE, EMUCLUSTER_HOST=f"h{k}"),
+        # study.fabric (config.yaml reads it): what the tables group runs by
+        fabric = f"emulated:{args.hosts}x{args.ranks_per_host}@" + "/".join(sorted(set(args.rates.values())))
+        hosts.append(Host(f"h{k}", cmd, dict(env, GLOO_SOCKET_IFNAME=HOST_IFACE, EMUCLUSTER_HOST=f"h{k}",
+                                             EMUCLUSTER_FABRIC=fabric),
                           args.rundir / f"host{k}.log" if args.rundir else None))
 
     def kill_all():

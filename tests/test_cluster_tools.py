@@ -230,3 +230,73 @@ def test_slurm_two_task_allreduce(local_slurm, tmp_path):
     # ranks and world came from SLURM_PROCID / SLURM_NTASKS via parallel.init_distributed
     assert sorted(r["rank"] for r in rows) == [0, 1], text
     assert all(r["world"] == 2 and r["correct"] for r in rows), text
+
+
+TRAIN_SBATCH = REPO / "experiments" / "slurm" / "train.sbatch"
+TINY = ["model=tiny", "model.vocab_size=512", "data.bpe_vocab_size=512", "data.max_bytes=1500000",
+        "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled", "logging.progress=false",
+        "train.eval_interval=0", "precision=fp32"]
+
+
+def wait_for_job(job_id: str, timeout: float) -> str:
+    """Poll squeue until the job has left the queue; returns `scontrol show job`'s text."""
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id])
+            pytest.fail(f"SLURM job {job_id} still queued or running after {timeout:.0f} s")
+        time.sleep(0.5)
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slurm
+def test_sbatch_training_job_requeues_on_preemption_and_resumes(local_slurm, tmp_path, cache_dir):
+    """experiments/slurm/train.sbatch on the local cluster: a 2-rank tp2 CPU job (srun, then torchrun
+    rendezvous) gets the preemption signal mid-run, checkpoints, requeues itself, resumes from
+    its checkpoint in the same run dir, and finishes every step, each logged once."""
+    run_dir, output = tmp_path / "run", tmp_path / "job.out"
+    env = dict(os.environ, PYTHON=sys.executable, NPROC="2", RUN_DIR=str(run_dir), OMP_NUM_THREADS="1",
+               MEGAREPRO_CACHE=str(cache_dir), HF_DATASETS_OFFLINE="1")
+    steps = 40
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", f"--output={output}", f"--chdir={REPO}", "--cpus-per-task=2", "--time=10",
+         str(TRAIN_SBATCH), *TINY, "parallel.tp=2", f"train.max_steps={steps}", "checkpoint.interval=5"],
+        capture_output=True, text=True, check=True, timeout=30, env=env).stdout.strip().split(";")[0]
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
+        assert time.monotonic() < deadline, output.read_text() if output.exists() else "no output"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+    state = wait_for_job(job_id, 400)
+    text = output.read_text()
+    assert "JobState=COMPLETED" in state and "Restarts=1" in state, state + text[-3000:]
+    assert "preemption signal" in text and "requeued" in text, text[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), text[-3000:]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "finished" and record["final"]["steps"] == steps
+
+
+@pytest.mark.slurm
+def test_submitit_multirun_runs_each_job_as_slurm_tasks(local_slurm, tmp_path, cache_dir):
+    """hydra/launcher=submitit_slurm: a 2-step ablation multirun, each job one SLURM job of 2 tasks
+    (no torchrun: the ranks come from SLURM_PROCID/SLURM_NTASKS); the run dirs land in the sweep
+    dir the submitting process named, and tables.py reads their metrics back."""
+    sweep = tmp_path / "sweep"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGAREPRO_CACHE=str(cache_dir), HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm", "experiment=megascale_ablation",
+         "ablation.step=0,1", *TINY, "train.max_steps=4", "checkpoint.interval=0",
+         "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",
+         "hydra.launcher.timeout_min=10", "hydra.launcher.partition=debug",
+         "++hydra.launcher.additional_parameters={overcommit: true}", f"hydra.sweep.dir={sweep}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sys.path.insert(0, str(REPO))
+    from experiments import tables
+    runs = {r.step: r for r in tables.load_runs([sweep])}
+    assert sorted(runs) == [0, 1], list(sweep.rglob("*"))
+    for run in runs.values():
+        assert run.status == "ok" and run.world == 2 and run.final["steps"] == 4, run
+    assert "| +PTB |" in tables.ablation_table(list(runs.values()))
