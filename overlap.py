@@ -18,7 +18,7 @@ control when each collective launches and when compute waits for it:
   In backward the same overlap falls out of autograd: a wait's backward launches the gradient's
   collective and the matching start's backward waits for it, and the engine runs ready nodes
   latest-created first, so the other pieces' backward runs in between.
-- DP (parallel.overlap.dp) lives in parallel.ZeroDataParallel (per-bucket launches from hooks).
+- DP (parallel.overlap.dp) lives in zero.ZeroDataParallel (per-bucket launches from hooks).
 - PP (parallel.overlap.pp) lives in pipeline.Pipeline.
 """
 from __future__ import annotations

@@ -31,11 +31,11 @@ COMMON = ["model=tiny", "train.batch_size=16", "train.seq_len=256", "precision=f
           "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0", "resume=none"]
 CASES = {  # name: (link rate, layout overrides, {overlap label: overrides})
     "tp": ("1gbit", ["parallel.tp=2"], {
-        "off": [], "chunked": ["parallel.overlap.tp=chunked", "parallel.overlap.tp_chunks=2"],
-        "domino": ["parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"]}),
-    "pp": ("100mbit", ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"], {
+        "off": [], "chunked": ["parallel.overlap.tp=chunked", "parallel.overlap.tp_chunks=4"],
+        "domino": ["parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=4"]}),
+    "pp": ("400mbit", ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"], {
         "off": [], "on": ["parallel.overlap.pp=true"]}),
-    "dp": ("1gbit", ["parallel.zero_stage=2"], {
+    "dp": ("250mbit", ["parallel.zero_stage=2"], {
         "off": [], "on": ["parallel.overlap.dp=true"]}),
 }
 
