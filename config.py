@@ -230,8 +230,9 @@ def world_size() -> int:
     return 1
 
 
-def validate(cfg: Config, world: Optional[int] = None) -> None:
-    """Every check that can fail before training starts. Raises ConfigError."""
+def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> None:
+    """Every check that can fail before training starts. Raises ConfigError. remote: the job will
+    run elsewhere (a SLURM launcher's nodes), so this machine's devices do not matter."""
     m, t = cfg.model, cfg.train
     _choice("model.block", m.block, ("sequential", "parallel"))
     _choice("precision", cfg.precision, ("auto", "bf16", "fp32"))
@@ -259,7 +260,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
                        ("train.max_steps", t.max_steps), ("model.n_layers", m.n_layers)):
         if value < 1:
             raise ConfigError(key, f"{value} < 1", "use a positive value")
-    if cfg.hardware.device == "cuda" and not cfg.dry_run:  # a dry run needs no hardware
+    if cfg.hardware.device == "cuda" and not (cfg.dry_run or remote):  # a dry run needs no hardware
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
@@ -316,9 +317,12 @@ def compose(overrides: List[str]) -> Config:
         return to_object(hydra_compose(config_name="config", overrides=overrides))
 
 
+HYDRA_OVERRIDE = ("hydra.", "hydra/", "+hydra", "++hydra", "~hydra")
+
+
 def job_overrides(argv: List[str]) -> List[List[str]]:
     """The override lists of every job a command line launches (one, or a multirun's product)."""
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/", "+hydra"))]
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(HYDRA_OVERRIDE)]
     if "-m" not in argv and "--multirun" not in argv:
         return [overrides]
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -335,15 +339,29 @@ def preflight(argv: List[str]) -> None:
         jobs = job_overrides(argv)
     except Exception as err:  # a malformed override string
         _fail(describe_composition_error(err))
+    hydra_args = [a for a in argv if a.startswith(HYDRA_OVERRIDE)]
     for overrides in jobs:
         try:
             cfg = compose(overrides)
+            world = launcher_world(overrides + hydra_args) if "-m" in argv or "--multirun" in argv else None
         except Exception as err:
             _fail(describe_composition_error(err))
         try:
-            validate(cfg)
+            validate(cfg, world, remote=world is not None)
         except ConfigError as err:
             _fail(str(err))
+
+
+def launcher_world(overrides: List[str]) -> Optional[int]:
+    """The ranks a SLURM launcher (submitit) will start for this job, nodes x tasks per node; None
+    where they come from the environment (torchrun, srun, one process)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        launcher = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra.launcher
+    if "SlurmLauncher" not in str(launcher.get("_target_", "")):
+        return None
+    return int(launcher.nodes) * int(launcher.tasks_per_node)
 
 
 def _fail(line: str) -> None:

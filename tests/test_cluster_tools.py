@@ -268,6 +268,14 @@ def test_sbatch_training_job_requeues_on_preemption_and_resumes(local_slurm, tmp
         assert time.monotonic() < deadline, output.read_text() if output.exists() else "no output"
         time.sleep(0.5)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+    # SLURM holds a requeued job back for a while (its begin time moves ~2 minutes ahead); a
+    # test need not wait for that, so release it once it is pending again
+    deadline = time.monotonic() + 120
+    while "JobState=PENDING" not in (show := subprocess.run(["scontrol", "show", "job", job_id],
+                                                             capture_output=True, text=True).stdout):
+        assert time.monotonic() < deadline and "JobState=COMPLETED" not in show, show
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
     state = wait_for_job(job_id, 400)
     text = output.read_text()
     assert "JobState=COMPLETED" in state and "Restarts=1" in state, state + text[-3000:]

@@ -132,3 +132,21 @@ def test_torchrun_multirun_gives_measured_and_pending_rows(tmp_path, cache_dir):
     assert runs[3].status == "pending" and runs[3].final == {}
     text = tables.ablation_table(list(runs.values()))
     assert "| +TP overlap | pending |" in text and "| +PTB | " in text and "| baseline (Megatron-LM) | missing |" in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "experiment=megascale_ablation", "scale=cluster", "ablation.step=range(0,9)"],
+    ["-m", "experiment=strong_scaling", "scale=cluster", "scaling.row=range(0,8)"],
+    ["-m", "experiment=convergence", "scale=cluster", "convergence.variant=baseline,ptb_swa,lamb_4x"]])
+def test_cluster_sweeps_pass_preflight_on_a_login_node(argv):
+    """Submitting through the submitit launcher from a machine with no GPU: every job validates
+    against the world the launcher will start (nodes x tasks per node), not this process."""
+    config.preflight(argv)  # exits 2 with a one-line error on failure
+
+
+def test_a_submitit_job_whose_layout_needs_other_ranks_fails_preflight(capsys):
+    with pytest.raises(SystemExit) as stop:
+        config.preflight(["-m", "experiment=megascale_ablation", "scale=cluster", "ablation.step=0",
+                          "hydra.launcher.nodes=2"])
+    assert stop.value.code == 2
+    assert "world size is 16" in capsys.readouterr().err
