@@ -21,7 +21,8 @@ venv: $(STAMP)
 # The main job: MegaScale's Table 3 at CPU scale. The 9 cumulative steps as one Hydra multirun on
 # 2 gloo ranks (tp2), each with a progress bar, then the table (Markdown here; CSV and LaTeX beside
 # the runs) and the figures. W&B runs offline (wandb/ in each job's dir; `wandb sync` uploads).
-NOW := $(shell date +%Y-%m-%d_%H-%M-%S)   # := expands once, so every command sees one dir
+# := expands once, so every command sees one dir (no comment after a value: make keeps its spaces)
+NOW := $(shell date +%Y-%m-%d_%H-%M-%S)
 SWEEP ?= multirun/ablation-$(NOW)
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node 2 train.py -m experiment=megascale_ablation 'ablation.step=range(0,9)' \

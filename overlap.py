@@ -97,7 +97,7 @@ def _launch_reduce_scatter(x: torch.Tensor, group) -> _InFlight:
     """[B, world*t, ...] partial sums -> this rank's [B, t, ...] slice of their sum."""
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.reduce_scatter_tensor(out, xs, group=group, async_op=True), out, xs)
+    return _InFlight(dist.reduce_scatter_single(out, xs, group=group, async_op=True), out, xs)
 
 
 class _Start(torch.autograd.Function):

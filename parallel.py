@@ -220,7 +220,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] // world, *xs.shape[1:]))
     with CLOCK.waiting("comm", x.device):
-        dist.reduce_scatter_tensor(out, xs, group=group)
+        dist.reduce_scatter_single(out, xs, group=group)
     return out.transpose(0, 1)
 
 

@@ -82,7 +82,7 @@ class ZeroDataParallel:
             table = torch.cat([self._pad(g.to(self.reduce_dtype), self.shard_sizes[i]) for i, g in zip(idx, grads)], dim=1)
             buf = table.new_empty(table.shape[1])
             if dp > 1:
-                work = dist.reduce_scatter_tensor(buf, table.flatten(), group=self.group, async_op=True)
+                work = dist.reduce_scatter_single(buf, table.flatten(), group=self.group, async_op=True)
             else:
                 buf.copy_(table[0])
             for i in idx:

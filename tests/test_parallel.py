@@ -15,13 +15,12 @@ from conftest import ROOT, SMALL, read_metrics, run_train, train_env
 STEPS = 3
 EXACT = SMALL + [f"train.max_steps={STEPS}", "precision=fp32", f"checkpoint.interval={STEPS}", "train.eval_interval=3"]
 
-LAYOUTS = {  # name: (ranks, overrides)
+LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside tp2_pp2 and pp2_dp2, and the
+    # ZeRO-2 path inside dp2_zero2_overlap (the same reductions, per bucket) and pp2_dp2.
     "tp2": (2, ["parallel.tp=2"]),
-    "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"]),
     "dp2_zero0": (2, ["parallel.zero_stage=0"]),  # plain data parallelism: 2 ranks = 1 rank
     "dp2_zero1": (2, ["parallel.zero_stage=1"]),
-    "dp2_zero2": (2, ["parallel.zero_stage=2"]),
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.zero_stage=1"]),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]),
     "pp2_dp2": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=2"]),
@@ -31,7 +30,8 @@ LAYOUTS = {  # name: (ranks, overrides)
     "tp2_overlap_domino": (2, ["parallel.tp=2", "parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"]),
     "pp2_vpp2_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"]),
     "dp2_zero2_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
-    "tp2_pp2_dp2_overlap": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=2",
+    # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
+    "tp2_pp2_dp2_overlap": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
                                 "parallel.zero_stage=1", "parallel.overlap.tp=chunked", "parallel.overlap.pp=true",
                                 "parallel.overlap.dp=true"]),
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
@@ -160,7 +160,7 @@ def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir:
     model.init_weights(0)
     engine = parallel.build(model, layout, cfg)
     counts = collections.Counter()
-    for name in ("all_gather_single", "reduce_scatter_tensor"):
+    for name in ("all_gather_single", "reduce_scatter_single"):
         original = getattr(dist, name)
         setattr(dist, name, lambda *a, _f=original, _n=name, **k: (counts.update([(phase, _n)]), _f(*a, **k))[1])
     tokens = torch.randint(0, 128, (2, 16))
@@ -187,8 +187,8 @@ def test_ptb_halves_the_tp_collectives_per_layer(block, per_layer, tmp_path):
     counts = json.loads((tmp_path / f"{block}_0.json").read_text())
     layers = 3
     assert counts == {
-        "forward all_gather_single": per_layer * layers + 1, "forward reduce_scatter_tensor": per_layer * layers + 1,
-        "backward all_gather_single": per_layer * layers + 1, "backward reduce_scatter_tensor": per_layer * layers + 1}
+        "forward all_gather_single": per_layer * layers + 1, "forward reduce_scatter_single": per_layer * layers + 1,
+        "backward all_gather_single": per_layer * layers + 1, "backward reduce_scatter_single": per_layer * layers + 1}
 
 
 def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir):
