@@ -275,6 +275,12 @@ def test_sbatch_training_job_requeues_on_preemption_and_resumes(local_slurm, tmp
                                                              capture_output=True, text=True).stdout):
         assert time.monotonic() < deadline and "JobState=COMPLETED" not in show, show
         time.sleep(0.5)
+    # ...but not before the node has cleaned up the first run: started while it is still
+    # "completing", the job is killed at once ("Job credential revoked")
+    while subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True).stdout.strip() != "idle":
+        assert time.monotonic() < deadline, "the node never went idle after the first run"
+        time.sleep(0.5)
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
     state = wait_for_job(job_id, 400)
     text = output.read_text()
