@@ -101,8 +101,7 @@ class Pipeline:
         return self._start([(dist.irecv, buf, self._peer(peer_stage), self._tag(mb, stage, backward))]), buf
 
     def _start(self, ops: list) -> list:
-        """Posts (isend|irecv, tensor, peer, tag) operations; their works, in order. Sends keep
-        their tensor alive through the work (gloo reads it later)."""
+        """Posts (isend|irecv, tensor, peer, tag) operations; their works, in order."""
         return [fn(tensor, peer, group=self.group, tag=tag) for fn, tensor, peer, tag in ops]
 
     def run(self, inputs: list, targets: list, loss_fn, autocast_dtype, backward: bool = True) -> float:
@@ -127,10 +126,10 @@ class Pipeline:
             result = self._compute(action, received, inputs, targets, loss_fn, autocast_dtype, backward, saved)
             if isinstance(result, float):
                 total += result
-            elif result is not None:
-                self.sends += self._start([result])
+            elif result is not None:  # keep the tensor with its work: nothing else holds it until gloo reads it
+                self.sends += [(work, result[1]) for work in self._start([result])]
         with CLOCK.waiting("comm", self.device):
-            for work in self.sends:
+            for work, _ in self.sends:
                 work.wait()
         self.sends.clear()
         return total
