@@ -91,18 +91,44 @@ def test_zero_holds_one_dp_th_of_the_optimizer_state(stage, tmp_path, cache_dir)
         assert sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state.values()) == per_rank
 
 
-def test_rank_coordinates_follow_the_documented_order(tmp_path, cache_dir):
-    """order=[dp,pp,tp] (outermost first): TP groups are consecutive ranks, one host's worth."""
-    run_train(tmp_path, EXACT + ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "train.max_steps=1",
-                                 "checkpoint.interval=0"], cache_dir, nproc=4)
-    ranks = json.loads((tmp_path / "run.json").read_text())["layout"]["ranks"]
-    assert [(r["rank"], r["dp"], r["pp"], r["tp"]) for r in ranks] == [
-        (0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1)]
-    run_train(tmp_path / "tp_outer", EXACT + ["parallel.tp=2", "parallel.order=[tp,dp,pp]", "train.max_steps=1",
-                                              "checkpoint.interval=0"], cache_dir, nproc=2)
-    run = json.loads((tmp_path / "tp_outer" / "run.json").read_text())
-    assert [(r["rank"], r["tp"]) for r in run["layout"]["ranks"]] == [(0, 0), (1, 1)]
-    assert run["layout"]["group_setup_s"] >= 0
+ORDERS = [  # (order, sizes, every rank's (rank, dp, pp, tp)) on 4 ranks
+    # order=[dp,pp,tp] (outermost first): TP groups are consecutive ranks, one host's worth.
+    (["dp", "pp", "tp"], {"tp": 2, "pp": 2}, [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1)]),
+    (["tp", "dp", "pp"], {"tp": 2}, [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 1), (3, 1, 0, 1)]),
+]
+
+
+def _mesh_coordinates(rank, world, port, out):
+    """One spawned gloo rank: build each order's layout as train.py does and report its coordinates."""
+    import torch.distributed as dist
+    import parallel
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for order, sizes, _ in ORDERS:
+        cfg = parallel.ParallelConfig(order=list(order), **sizes)
+        out.put((tuple(order), parallel.build_layout(cfg, rank, world, torch.device("cpu")).coordinates()))
+    dist.destroy_process_group()
+
+
+def test_rank_coordinates_follow_the_documented_order():
+    """The mesh train.py builds (parallel.build_layout), on 4 real gloo ranks without a training run."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_mesh_coordinates, args=(r, 4, port, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    found = {}
+    for _ in range(len(procs) * len(ORDERS)):
+        order, c = out.get(timeout=120)
+        found.setdefault(order, []).append((c["rank"], c["dp"], c["pp"], c["tp"]))
+    for p in procs:
+        p.join(timeout=60)
+    for order, _, expected in ORDERS:
+        assert sorted(found[tuple(order)]) == expected, order
 
 
 def test_resume_at_the_same_parallel_layout_is_exact(tmp_path, cache_dir):
@@ -120,7 +146,8 @@ def test_bf16_tracks_fp32_at_tp2_dp2(tmp_path, cache_dir):
     which averages out over a GEMM's sums, and the fp32 master weights keep updates exact)."""
     small = SMALL + ["model.d_model=64", "model.n_layers=2", "train.seq_len=32", "train.max_steps=20",
                      "parallel.tp=2", "parallel.zero_stage=2"]
-    run_train(tmp_path / "fp32", small + ["precision=fp32"], cache_dir, nproc=4)
+    # fp32 at tp2 x dp2 equals one process (test_layout_equals_single_process), so one process is the reference.
+    run_train(tmp_path / "fp32", small + ["precision=fp32", "parallel.tp=1", "parallel.zero_stage=0"], cache_dir)
     run_train(tmp_path / "bf16", small + ["precision=bf16"], cache_dir, nproc=4)
     fp32, bf16 = read_metrics(tmp_path / "fp32"), read_metrics(tmp_path / "bf16")
     assert fp32[-1]["loss"] < fp32[0]["loss"] - 0.5  # it trains

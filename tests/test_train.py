@@ -11,9 +11,9 @@ from conftest import ROOT, SMALL, read_metrics, run_train, train_env
 
 
 def test_tiny_model_learns_on_the_embedded_corpus(tmp_path, cache_dir):
-    run_train(tmp_path, SMALL + ["train.max_steps=200", "train.eval_interval=100"], cache_dir)
+    run_train(tmp_path, SMALL + ["train.max_steps=120", "train.eval_interval=60"], cache_dir)
     rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, 201))
+    assert [r["step"] for r in rows] == list(range(1, 121))
     first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
     assert first > 5.5                # about ln(512) = 6.2 at the start
     assert last < first - 2.0         # a clear fall, not noise
