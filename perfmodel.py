@@ -19,16 +19,19 @@ else is a spec or a stated prior in conf/hardware/*.yaml, so Table 2's MegaScale
 ablation and the 530B runs are predictions.
 
 What the paper leaves unstated, assumed here:
-- Megatron-LM: TP8 PP8 with 6 virtual stages, seq 2048, micro-batch 1 (microbatches = batch/DP),
-  sequence parallelism, bf16 weights with fp32 gradients and --use-distributed-optimizer (ZeRO-1:
-  fp32 reduce-scatter, bf16 all-gather), Adam, no overlap beyond Megatron's own async backward
-  collectives, materialized-softmax attention (its default core attention), unfused LayerNorm,
-  GeLU and cross-entropy, the naive data loader. Stages hold the embedding (first) and an untied
-  head (last), as model.py. A100s with 80 GB.
-- MegaScale: the same layout with PTB, SWA (window T/4 = 512; the paper gives none), chunked TP
-  overlap (parallel.overlap.tp_chunks, 2 by default), PP and DP overlap (ZeRO-2, a model chunk at
-  a time), FlashAttention-2 and fused LayerNorm/GeLU/cross-entropy, the two-level data pipeline.
-  Adam in Table 2 (same batch as Megatron-LM); LAMB only where the batch grows (Table 3's last step).
+- Megatron-LM (perfmodel_cli.MEGATRON): TP8 PP8 with 6 virtual stages, seq 2048, micro-batch 1
+  (microbatches = batch/DP), sequence parallelism, bf16 weights with fp32 gradients and
+  --use-distributed-optimizer (ZeRO-1: fp32 reduce-scatter, bf16 all-gather), Adam, no overlap
+  beyond Megatron's own async backward collectives, materialized-softmax attention (its default
+  core attention), unfused LayerNorm, GeLU and cross-entropy, the naive data loader. Stages hold
+  the embedding (first) and an untied head (last), as model.py. A100s with 80 GB.
+- MegaScale and Table 3: what conf/experiment/megascale_ablation.yaml switches on, composed as
+  train.py composes it (Table 2's MegaScale column is its step 7, every switch but LAMB): PTB, SWA
+  (window 512 = T/4; the paper gives none), chunked TP overlap in 4 pieces, PP overlap, DP overlap
+  (on the layout's ZeRO-1), flash attention and fused LayerNorm/GeLU/cross-entropy, the two-level
+  data pipeline; LAMB only where the batch triples (Table 3's last step). kernels.attention=auto
+  is flash-attn on CUDA (attention_impl). The YAML's step 0 runs SDPA (a fused kernel), so the
+  predicted ablation's baseline is not quite Table 2's Megatron-LM setting (materialized softmax).
 
 Usage: python perfmodel.py [predict|ablation|scaling|plan|530b|validate] [key=value ...]
        (gpus=N, batch=B, micro_batch=B, scale=cluster|cpu, top=N are perfmodel's own keys)

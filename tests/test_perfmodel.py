@@ -11,16 +11,17 @@ import config
 import model as gpt
 import perfmodel as pm
 import perfmodel_cli as cli
+from experiments.tables import ABLATION_LABELS
 
 
 @pytest.fixture(scope="module")
 def megatron_175b():
-    return cli.compose(cli.LAYOUTS["175B"] + cli.MEGATRON)
+    return cli.megatron_config("175B")
 
 
 @pytest.fixture(scope="module")
 def megascale_175b():
-    return cli.compose(cli.LAYOUTS["175B"] + cli.MEGATRON + cli.megascale(cli.MEGASCALE))
+    return cli.megascale_config("175B")
 
 
 @pytest.fixture(scope="module")
@@ -188,13 +189,56 @@ def test_overlap_on_is_never_slower(megatron_175b, megascale_175b):
             assert pm.predict(on_cfg, gpus, hw).step_s <= pm.predict(off_cfg, gpus, hw).step_s, (key, gpus)
 
 
-def test_ablation_rises_at_every_step_and_prints(capsys):
-    results = cli.ablation()
-    mfus = [pred.mfu for _, _, pred in results]
+@pytest.fixture(scope="module")
+def cluster_ablation():
+    return cli.ablation()
+
+
+def test_ablation_rises_at_every_step_and_prints(cluster_ablation, capsys):
+    mfus = [pred.mfu for _, _, pred in cluster_ablation]
     assert all(b > a for a, b in zip(mfus, mfus[1:])), mfus     # the paper's ablation is monotonic
     assert cli.main(["experiment=megascale_ablation", "scale=cluster"]) == 0
     table = capsys.readouterr().out
-    assert table.count("\n|") == len(cli.ABLATION_STEPS) + 2 and "| +LAMB (batch x3) |" in table
+    assert table.count("\n|") == len(ABLATION_LABELS) + 2 and "| +LAMB (batch x3) |" in table
+    assert "| ~47.3% |" in table and "| 65.3% |" in table                # the paper's column beside
+
+
+def test_ablation_steps_are_the_studys_own_configs(cluster_ablation):
+    """Each predicted step is exactly what train.py composes for `experiment=megascale_ablation
+    scale=cluster ablation.step=K` (the steps are defined once, in the YAML), on 256 GPUs."""
+    results = cluster_ablation
+    assert [label for label, _, _ in results] == list(ABLATION_LABELS)
+    for step, (_, cfg, pred) in enumerate(results):
+        assert cfg == config.compose(["experiment=megascale_ablation", "scale=cluster", f"ablation.step={step}"])
+        assert pred.layout.gpus == 256 and pred.layout.micro_batch == 1
+    assert results[0][1].train.batch_size * 3 == results[-1][1].train.batch_size
+
+
+def test_cpu_ablation_and_scaling_predict_the_cpu_studies(tmp_path, monkeypatch, capsys):
+    """At scale=cpu the studies are the ones `make demo` / `make scaling` run (tp2 on 2 ranks; 1, 2
+    and 4 ranks), on hardware=cpu_local (here from a cache file, not measured)."""
+    monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
+    measured = {"peak_tflops": 0.004, "peak_tflops_fp32": 0.08, "gemm_half_dim": 40.0, "gemm_efficiency": 1.0,
+                "memory_GBps": 8.0, "op_overhead_us": 6.0, "flash_efficiency": 0.9, "intra_host_GBps": 1.2,
+                "inter_host_Gbps": 20.0, "memory_gib": 12.0}
+    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": pm._cpu_model()}
+    (tmp_path / "cpu_local.json").write_text(json.dumps({"key": key, "measured": measured}))
+    results = cli.ablation(scale="cpu")
+    for step, (_, cfg, pred) in enumerate(results):
+        assert cfg.hardware.name == "cpu_local" and cfg.ablation.step == step
+        assert pred.layout.gpus == 2 and pred.layout.tp == 2 and 0 < pred.step_s < 1e3
+    # bf16 is slower than fp32 on this (AVX2) CPU: precision=auto would run fp32; the study fixes fp32
+    assert pm.resolve_config(cli.compose(["hardware=cpu_local"]), pm.resolve_hardware(results[0][1].hardware)).precision == "fp32"
+    assert cli.main(["experiment=strong_scaling", "scale=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "as configured" in out and "paper" not in out and out.count("\n| ") == 1 + 3   # header and three rows
+
+
+def test_strong_scaling_prints_both_columns_with_the_paper_beside(capsys):
+    assert cli.main(["experiment=strong_scaling", "scale=cluster"]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-LM settings" in out and "MegaScale settings" in out
+    assert out.count("| 256 | 768 |") == 2 and "| 40.0 s | 53.0% |" in out and "| 32.0 s | 65.3% |" in out
 
 
 # --- Table 2: fitted on the Megatron-LM column, predicting the MegaScale column ---
@@ -231,8 +275,7 @@ def test_fitted_constants_are_the_optimum_of_the_megatron_column(megatron_175b):
     """The committed constants minimise the largest Megatron-LM error: nudging either one makes it worse."""
     fit = json.loads(pm.FIT_FILE.read_text())
     assert "Megatron-LM column" in fit["fitted_on"] and set(fit["constants"]) == set(pm.FITTED)
-    rows = [(cli.with_batch(megatron_175b, int(r["batch"]), int(r["gpus"]), 1), int(r["gpus"]), float(r["megatron_mfu"]))
-            for r in cli.read_csv("megascale_table2.csv")]
+    rows = [(cfg, gpus, float(row["megatron_mfu"])) for row, cfg, gpus in cli.table2_configs("Megatron-LM")]
 
     def worst(gemm, network):
         hw = copy.copy(megatron_175b.hardware)
