@@ -347,16 +347,20 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
         bwd["elementwise"] = bwd.get("elementwise", 0.0) + stream_time(r, pb * width * M * e, ob)
 
     if t > 1:  # SP: all-gather before each column-parallel GEMM, reduce-scatter after each row-parallel
-        ag = net.collective("all_gather", M * h * e, "tp")
-        rs = net.collective("reduce_scatter", M * h * e, "tp")
+        # A collective cut into n pieces (to pipeline with the GEMM chunks it feeds or drains) is n
+        # collectives: the same bytes, n times the per-step latency. The piece that shows under
+        # chunked overlap is then one latency plus 1/n of the bytes, not 1/n of both.
+        ag = lambda n: n * net.collective("all_gather", M * h * e / n, "tp")
+        rs = lambda n: n * net.collective("reduce_scatter", M * h * e / n, "tp")
+        kb, ka = kd["out"], kd["qkv"]   # pieces of the backward's blocking and async collectives
         if ptb:  # attention and MLP share one all-gather and one reduce-scatter
-            f_sync = [(ag, g_fwd["qkv"] + g_fwd["fc1"]), (rs, g_fwd["out"] + g_fwd["fc2"])]
-            b_sync = [(ag, g_dgrad["out"] + g_dgrad["fc2"])]
-            b_async = [(ag, g_dgrad["qkv"] + g_dgrad["fc1"]), (rs, g_wgrad["qkv"] + g_wgrad["fc1"])]
+            f_sync = [(ag(k), g_fwd["qkv"] + g_fwd["fc1"]), (rs(k), g_fwd["out"] + g_fwd["fc2"])]
+            b_sync = [(ag(kb), g_dgrad["out"] + g_dgrad["fc2"])]
+            b_async = [(ag(ka), g_dgrad["qkv"] + g_dgrad["fc1"]), (rs(kw), g_wgrad["qkv"] + g_wgrad["fc1"])]
         else:
-            f_sync = [(ag, g_fwd["qkv"]), (rs, g_fwd["out"]), (ag, g_fwd["fc1"]), (rs, g_fwd["fc2"])]
-            b_sync = [(ag, g_dgrad["out"]), (ag, g_dgrad["fc2"])]
-            b_async = [(ag, g_dgrad["qkv"]), (rs, g_wgrad["qkv"]), (ag, g_dgrad["fc1"]), (rs, g_wgrad["fc1"])]
+            f_sync = [(ag(k), g_fwd["qkv"]), (rs(k), g_fwd["out"]), (ag(k), g_fwd["fc1"]), (rs(k), g_fwd["fc2"])]
+            b_sync = [(ag(kb), g_dgrad["out"]), (ag(kb), g_dgrad["fc2"])]
+            b_async = [(ag(ka), g_dgrad["qkv"]), (rs(kw), g_wgrad["qkv"]), (ag(ka), g_dgrad["fc1"]), (rs(kw), g_wgrad["fc1"])]
         for comm, gemm in f_sync:
             _comm(fwd, "tp_comm", comm, gemm, mode, k)
         for comm, gemm in b_sync:
@@ -407,9 +411,9 @@ def ends_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
     if t > 1:  # vocab-parallel embedding and loss; the head needs the whole sequence
         _comm(emb_f, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), 0.0, "off")
         _comm(emb_b, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
-        mode = cfg.parallel.overlap.tp
-        _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), head_f["gemm"], mode,
-              cfg.parallel.overlap.tp_chunks)
+        # TP overlap covers the blocks' linears (MegaScale §3.3; parallel._chunked_block), not the
+        # head's gather of the whole sequence, which stays one blocking all-gather.
+        _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
         _comm(head_b, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), head_b["gemm"] / 2, "async")
         _comm(head_f, "tp_comm", 3 * net.collective("all_reduce", M * 4, "tp"), 0.0, "off")  # max, sum, target
     return (emb_f, emb_b), (head_f, head_b)
