@@ -321,7 +321,7 @@ SCALE_NAMES = ("cluster", "cpu")  # conf/scale/
 
 
 def parse(argv: Sequence[str]):
-    command, own, overrides, flags = "predict", {}, [], set()
+    command, own, overrides, flags = None, {}, [], set()
     for arg in argv:
         key = arg.split("=", 1)[0]
         if arg in COMMANDS:
@@ -332,15 +332,16 @@ def parse(argv: Sequence[str]):
             own[key] = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
-    # experiment=megascale_ablation and experiment=strong_scaling name the studies; any other
-    # experiment, and scale=, go to the config of predict and plan.
+    # Without a command, experiment=megascale_ablation and experiment=strong_scaling name the
+    # studies; otherwise the experiment, and scale=, go to the config of predict and plan (so
+    # `predict experiment=megascale_ablation scale=cluster ablation.step=3` is one step, broken down).
     experiment = own.pop("experiment", "")
-    if experiment == "megascale_ablation":
-        command = "ablation"
-    elif experiment == "strong_scaling":
-        command = "scaling"
-    elif experiment:
+    studies = {"megascale_ablation": "ablation", "strong_scaling": "scaling"}
+    if command is None and experiment in studies:
+        command = studies[experiment]
+    elif experiment and command not in studies.values():
         overrides.append(f"experiment={experiment}")
+    command = command or "predict"
     if command not in ("ablation", "scaling") and "scale" in own:
         overrides.append(f"scale={own.pop('scale')}")
     return command, own, overrides, flags
@@ -366,6 +367,11 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
     scale = own.get("scale", "cluster")
     if command in ("ablation", "scaling") and scale not in SCALE_NAMES:
         raise ConfigError("scale", f"unknown value {scale!r}", f"use one of: {', '.join(SCALE_NAMES)}")
+    picked = {"ablation": "ablation.step", "scaling": "scaling.row"}.get(command)
+    if picked and any(o.split("=", 1)[0].lstrip("+~") == picked for o in overrides):
+        raise ConfigError(picked, f"the {command} study predicts every one", f"leave it out, or use `python perfmodel.py "
+                          f"predict experiment={'megascale_ablation' if command == 'ablation' else 'strong_scaling'} "
+                          f"scale={scale} {picked}=K` for one, broken down")
     if command == "ablation":
         results = ablation(overrides, scale, int(own["gpus"]) if "gpus" in own else None)
         (_, first, pred), (_, last, _) = results[0], results[-1]

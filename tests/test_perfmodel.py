@@ -349,6 +349,13 @@ def test_compare_with_runs_reads_hydra_config_and_metrics(tmp_path, tiny):
     assert result["error"] == pytest.approx(predicted / 0.5 - 1)
 
 
+def test_a_study_predicts_every_step_and_predict_one(capsys):
+    assert cli.main(["experiment=megascale_ablation", "scale=cluster", "ablation.step=3"]) == 2
+    assert capsys.readouterr().err.startswith("config error: ablation.step: the ablation study predicts every one")
+    assert cli.main(["predict", "experiment=megascale_ablation", "scale=cluster", "ablation.step=3"]) == 0
+    assert "175B on 256 x a100_cluster" in capsys.readouterr().out
+
+
 def test_bad_layout_is_one_config_error(capsys):
     assert cli.main(["model=175B", "hardware=a100_cluster", "parallel.tp=8", "parallel.pp=7", "gpus=64"]) == 2
     err = capsys.readouterr().err.strip()
