@@ -218,6 +218,15 @@ def test_ablation_rises_at_every_step_and_prints(cluster_ablation, capsys):
     assert "| ~47.3% |" in table and "| 65.3% |" in table                # the paper's column beside
 
 
+@pytest.mark.xfail(strict=True, reason="the paper's +PTB and +LAMB are its two largest steps; predicted, +DP overlap "
+                                       "is the largest (+4.4: 1.1 of the 1.3 s of DP comm per step hidden), then "
+                                       "+PTB (+2.8) and +LAMB (+1.9)")
+def test_ablation_ptb_and_lamb_are_the_largest_steps(cluster_ablation):
+    mfus = [pred.mfu for _, _, pred in cluster_ablation]
+    gains = {label: b - a for (label, _, _), a, b in zip(cluster_ablation[1:], mfus, mfus[1:])}
+    assert set(sorted(gains, key=gains.get)[-2:]) == {"+PTB", "+LAMB (batch x3)"}, gains
+
+
 def test_ablation_steps_are_the_studys_own_configs(cluster_ablation):
     """Each predicted step is exactly what train.py composes for `experiment=megascale_ablation
     scale=cluster ablation.step=K` (the steps are defined once, in the YAML), on 256 GPUs."""
