@@ -19,16 +19,19 @@ else is a spec or a stated prior in conf/hardware/*.yaml, so Table 2's MegaScale
 ablation and the 530B runs are predictions.
 
 What the paper leaves unstated, assumed here:
-- Megatron-LM: TP8 PP8 with 6 virtual stages, seq 2048, micro-batch 1 (microbatches = batch/DP),
-  sequence parallelism, bf16 weights with fp32 gradients and --use-distributed-optimizer (ZeRO-1:
-  fp32 reduce-scatter, bf16 all-gather), Adam, no overlap beyond Megatron's own async backward
-  collectives, materialized-softmax attention (its default core attention), unfused LayerNorm,
-  GeLU and cross-entropy, the naive data loader. Stages hold the embedding (first) and an untied
-  head (last), as model.py. A100s with 80 GB.
-- MegaScale: the same layout with PTB, SWA (window T/4 = 512; the paper gives none), chunked TP
-  overlap (parallel.overlap.tp_chunks, 2 by default), PP and DP overlap (ZeRO-2, a model chunk at
-  a time), FlashAttention-2 and fused LayerNorm/GeLU/cross-entropy, the two-level data pipeline.
-  Adam in Table 2 (same batch as Megatron-LM); LAMB only where the batch grows (Table 3's last step).
+- Megatron-LM (perfmodel_cli.MEGATRON): TP8 PP8 with 6 virtual stages, seq 2048, micro-batch 1
+  (microbatches = batch/DP), sequence parallelism, bf16 weights with fp32 gradients and
+  --use-distributed-optimizer (ZeRO-1: fp32 reduce-scatter, bf16 all-gather), Adam, no overlap
+  beyond Megatron's own async backward collectives, materialized-softmax attention (its default
+  core attention), unfused LayerNorm, GeLU and cross-entropy, the naive data loader. Stages hold
+  the embedding (first) and an untied head (last), as model.py. A100s with 80 GB.
+- MegaScale and Table 3: what conf/experiment/megascale_ablation.yaml switches on, composed as
+  train.py composes it (Table 2's MegaScale column is its step 7, every switch but LAMB): PTB, SWA
+  (window 512 = T/4; the paper gives none), chunked TP overlap in 4 pieces, PP overlap, DP overlap
+  (on the layout's ZeRO-1), flash attention and fused LayerNorm/GeLU/cross-entropy, the two-level
+  data pipeline; LAMB only where the batch triples (Table 3's last step). kernels.attention=auto
+  is flash-attn on CUDA (attention_impl). The YAML's step 0 runs SDPA (a fused kernel), so the
+  predicted ablation's baseline is not quite Table 2's Megatron-LM setting (materialized softmax).
 
 Usage: python perfmodel.py [predict|ablation|scaling|plan|530b|validate] [key=value ...]
        (gpus=N, batch=B, micro_batch=B, scale=cluster|cpu, top=N are perfmodel's own keys)
@@ -66,9 +69,11 @@ def fitted_constants() -> Dict[str, float]:
 
 
 def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
-    """A copy of hw with every number the model needs filled in; ConfigError if one can't be."""
+    """A copy of hw with every number the model needs filled in, and device=auto decided (cuda or
+    cpu, as train.py decides it on this machine); ConfigError if a number can't be filled in."""
     hw = copy.copy(hw)
     on_cpu = hw.device == "cpu" or (hw.device == "auto" and not _cuda_available())
+    hw.device = "cpu" if on_cpu else "cuda"
     if not on_cpu:
         for key, value in fitted_constants().items():
             if getattr(hw, key, 0) is None:
@@ -259,23 +264,50 @@ def _comm(c: Dict[str, float], key: str, comm: float, compute: float, mode: str,
     c["hidden"] = c.get("hidden", 0.0) + hidden
 
 
+def attention_impl(cfg: config.Config, device: str) -> str:
+    """The attention backend a run of cfg uses on `device` (cuda|cpu): kernels.attention, with auto
+    decided as kernels.pick_attention_impl decides it: flash-attn on CUDA (a GPU cluster is taken to
+    have the `gpu` extra installed), else the banded kernel where the window skips enough of the
+    sequence (T >= 2 (W + block)), else SDPA."""
+    impl, W, T = cfg.kernels.attention, cfg.model.attention.window, cfg.train.seq_len
+    if impl != "auto":
+        return impl
+    if device == "cuda":
+        return "flash"
+    return "banded" if W is not None and T >= 2 * (W + cfg.kernels.attention_block) else "sdpa"
+
+
+def banded_keys(cfg: config.Config, T: int) -> Optional[int]:
+    """Keys per query the banded kernel scores (kernels.attention_banded): each query block of
+    `block` rows attends to a window of block + W - 1 keys rounded up to 16, the extra ones masked.
+    None where it falls back to SDPA (no window, or one that covers the sequence)."""
+    W, block = cfg.model.attention.window, cfg.kernels.attention_block
+    if W is None or W >= T:
+        return None
+    return min(T, -(-(block + W - 1) // 16) * 16)
+
+
 def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, float]:
     """softmax(QK^T)V for one microbatch on one rank: (forward, backward) seconds.
     reference (Megatron's core attention) materializes every score of the causal square, the window
-    only masks them; banded materializes the band; flash/sdpa/auto run a fused kernel that skips
-    masked blocks (flash also outside the window; sdpa/auto get an explicit mask and can't)."""
+    only masks them. The others run a fused kernel (flash-attn, or SDPA's flash/memory-efficient
+    kernels, CPU and CUDA alike) that keeps no scores: flash skips masked blocks, inside and outside
+    the window; sdpa with a window gets an explicit [T, T] mask and computes every score; banded
+    computes only its windows of banded_keys() keys per query, masked, so none are skipped."""
     m, T, e = cfg.model, lay.seq, _elem(cfg)
     hd, n = m.d_model // m.n_heads, lay.micro_batch * m.n_heads // lay.tp
     impl, W = cfg.kernels.attention, m.attention.window
-    if impl in ("reference", "banded"):
-        Tk = min(W, T) if impl == "banded" and W else T
+    if impl == "reference":
         # Forward: S = QK^T, softmax (read S, write P), O = PV. Backward: dP = dO V^T, dV = P^T dO,
         # softmax backward (read P and dP, write dS), dQ = dS K, dK = dS^T Q.
-        fwd = gemm_time(r, T, Tk, hd, n, e) + stream_time(r, 2 * n * T * Tk * e) + gemm_time(r, T, hd, Tk, n, e)
-        bwd = (gemm_time(r, T, Tk, hd, n, e) + gemm_time(r, Tk, hd, T, n, e) + stream_time(r, 3 * n * T * Tk * e)
-               + gemm_time(r, T, hd, Tk, n, e) + gemm_time(r, Tk, hd, T, n, e))
+        fwd = gemm_time(r, T, T, hd, n, e) + stream_time(r, 2 * n * T * T * e) + gemm_time(r, T, hd, T, n, e)
+        bwd = (gemm_time(r, T, T, hd, n, e) + gemm_time(r, T, hd, T, n, e) + stream_time(r, 3 * n * T * T * e)
+               + gemm_time(r, T, hd, T, n, e) + gemm_time(r, T, hd, T, n, e))
         return fwd, bwd
-    keys = T if W and impl != "flash" else mean_keys(T, W)
+    if impl == "banded" and banded_keys(cfg, T):
+        keys = banded_keys(cfg, T)
+    else:
+        keys = T if W and impl != "flash" else mean_keys(T, W)
     fwd = _kernel(r, 4 * n * T * keys * hd / (r.flops * r.flash_eff))
     return fwd, 2.5 * fwd  # backward recomputes the scores: 5 GEMMs against the forward's 2
 
@@ -315,16 +347,20 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
         bwd["elementwise"] = bwd.get("elementwise", 0.0) + stream_time(r, pb * width * M * e, ob)
 
     if t > 1:  # SP: all-gather before each column-parallel GEMM, reduce-scatter after each row-parallel
-        ag = net.collective("all_gather", M * h * e, "tp")
-        rs = net.collective("reduce_scatter", M * h * e, "tp")
+        # A collective cut into n pieces (to pipeline with the GEMM chunks it feeds or drains) is n
+        # collectives: the same bytes, n times the per-step latency. The piece that shows under
+        # chunked overlap is then one latency plus 1/n of the bytes, not 1/n of both.
+        ag = lambda n: n * net.collective("all_gather", M * h * e / n, "tp")
+        rs = lambda n: n * net.collective("reduce_scatter", M * h * e / n, "tp")
+        kb, ka = kd["out"], kd["qkv"]   # pieces of the backward's blocking and async collectives
         if ptb:  # attention and MLP share one all-gather and one reduce-scatter
-            f_sync = [(ag, g_fwd["qkv"] + g_fwd["fc1"]), (rs, g_fwd["out"] + g_fwd["fc2"])]
-            b_sync = [(ag, g_dgrad["out"] + g_dgrad["fc2"])]
-            b_async = [(ag, g_dgrad["qkv"] + g_dgrad["fc1"]), (rs, g_wgrad["qkv"] + g_wgrad["fc1"])]
+            f_sync = [(ag(k), g_fwd["qkv"] + g_fwd["fc1"]), (rs(k), g_fwd["out"] + g_fwd["fc2"])]
+            b_sync = [(ag(kb), g_dgrad["out"] + g_dgrad["fc2"])]
+            b_async = [(ag(ka), g_dgrad["qkv"] + g_dgrad["fc1"]), (rs(kw), g_wgrad["qkv"] + g_wgrad["fc1"])]
         else:
-            f_sync = [(ag, g_fwd["qkv"]), (rs, g_fwd["out"]), (ag, g_fwd["fc1"]), (rs, g_fwd["fc2"])]
-            b_sync = [(ag, g_dgrad["out"]), (ag, g_dgrad["fc2"])]
-            b_async = [(ag, g_dgrad["qkv"]), (rs, g_wgrad["qkv"]), (ag, g_dgrad["fc1"]), (rs, g_wgrad["fc1"])]
+            f_sync = [(ag(k), g_fwd["qkv"]), (rs(k), g_fwd["out"]), (ag(k), g_fwd["fc1"]), (rs(k), g_fwd["fc2"])]
+            b_sync = [(ag(kb), g_dgrad["out"]), (ag(kb), g_dgrad["fc2"])]
+            b_async = [(ag(ka), g_dgrad["qkv"]), (rs(kw), g_wgrad["qkv"]), (ag(ka), g_dgrad["fc1"]), (rs(kw), g_wgrad["fc1"])]
         for comm, gemm in f_sync:
             _comm(fwd, "tp_comm", comm, gemm, mode, k)
         for comm, gemm in b_sync:
@@ -335,9 +371,24 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
 
 
 def precision(cfg: config.Config) -> str:
-    """bf16 or fp32. precision=auto means bf16 wherever bf16 is fast, which is every machine this
-    models (A100, H100, and CPUs with bf16 matmul units like this one)."""
+    """bf16 or fp32 (predict() has already decided precision=auto; see resolve_config)."""
     return "fp32" if cfg.precision == "fp32" else "bf16"
+
+
+def resolve_config(cfg: config.Config, hw: HardwareConfig) -> config.Config:
+    """cfg with what `auto` leaves to the machine decided as the run would decide it on hw (a
+    resolved hardware): precision=auto is bf16 on CUDA and, on a CPU, only where bf16 matmuls are
+    not slower than fp32 (metrics.resolve_precision: on an AVX2-only CPU they are emulated);
+    kernels.attention=auto is attention_impl's choice. A shallow copy; cfg is left as it is."""
+    impl = attention_impl(cfg, hw.device)
+    if cfg.precision != "auto" and impl == cfg.kernels.attention:
+        return cfg
+    cfg = copy.copy(cfg)
+    if cfg.precision == "auto":
+        cfg.precision = "bf16" if hw.device == "cuda" or hw.peak_tflops >= hw.peak_tflops_fp32 else "fp32"
+    cfg.kernels = copy.copy(cfg.kernels)
+    cfg.kernels.attention = impl
+    return cfg
 
 
 def _elem(cfg: config.Config) -> int:
@@ -360,9 +411,9 @@ def ends_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
     if t > 1:  # vocab-parallel embedding and loss; the head needs the whole sequence
         _comm(emb_f, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), 0.0, "off")
         _comm(emb_b, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
-        mode = cfg.parallel.overlap.tp
-        _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), head_f["gemm"], mode,
-              cfg.parallel.overlap.tp_chunks)
+        # TP overlap covers the blocks' linears (MegaScale §3.3; parallel._chunked_block), not the
+        # head's gather of the whole sequence, which stays one blocking all-gather.
+        _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
         _comm(head_b, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), head_b["gemm"] / 2, "async")
         _comm(head_f, "tp_comm", 3 * net.collective("all_reduce", M * 4, "tp"), 0.0, "off")  # max, sum, target
     return (emb_f, emb_b), (head_f, head_b)
@@ -394,10 +445,9 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     h, ff = m.d_model, m.mlp_ratio * m.d_model
     norms = 1 if m.block == "parallel" else 2
     kept = 2 * norms * h + 3 * h + h + 2 * ff   # norm in/out, q k v, attention out, fc1 out, GeLU out
-    if cfg.kernels.attention in ("reference", "banded"):  # the materialized probabilities
-        window = m.attention.window if cfg.kernels.attention == "banded" and m.attention.window else seq
-        return e * kept / tp + e * m.n_heads / tp * min(window, seq)
-    return e * kept / tp + 4 * m.n_heads / tp  # flash keeps only the log-sum-exp
+    if cfg.kernels.attention == "reference":  # the materialized probabilities
+        return e * kept / tp + e * m.n_heads / tp * seq
+    return e * kept / tp + 4 * m.n_heads / tp  # a fused kernel keeps only the log-sum-exp
 
 
 def in_flight_layers(lay: Layout, n_layers: int, rank: int) -> float:
@@ -445,7 +495,7 @@ def memory(cfg: config.Config, lay: Layout, capacity_gib: Optional[float] = None
         layers = in_flight_layers(lay, m.n_layers, rank)
         if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
             acts = layers * M * e * m.d_model / lay.tp + per_layer
-        elif cfg.train.recompute == "selective" and cfg.kernels.attention in ("reference", "banded"):
+        elif cfg.train.recompute == "selective" and cfg.kernels.attention == "reference":
             acts = layers * (per_layer - M * e * m.n_heads / lay.tp * lay.seq) + per_layer
         else:
             acts = layers * per_layer
@@ -474,6 +524,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     """Predict one optimizer step of cfg on `gpus` devices of cfg.hardware (or hw, already resolved)."""
     lay = layout_of(cfg, gpus)
     hw = hw or resolve_hardware(cfg.hardware)
+    cfg = resolve_config(cfg, hw)
     r, net = Rates.of(hw, precision(cfg), lay.gpus), Network(hw, lay)
     m, ov = cfg.model, cfg.parallel.overlap
 
@@ -481,7 +532,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     layer = _add(_add({}, fwd), bwd)
     if cfg.train.recompute == "full":
         _add(layer, fwd)
-    elif cfg.train.recompute == "selective" and cfg.kernels.attention in ("reference", "banded"):
+    elif cfg.train.recompute == "selective" and cfg.kernels.attention == "reference":
         layer["attention"] += attn_fwd
     body = _add({}, layer, m.n_layers // lay.pp)
     (emb_f, emb_b), (head_f, head_b) = ends_time(cfg, lay, r, net)

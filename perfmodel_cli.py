@@ -1,18 +1,23 @@
 """The performance model's studies, their Markdown tables and its command line. The model itself is
 perfmodel.py; this is a second file only to keep each under ~700 lines. Run it as perfmodel.py:
 
-  python perfmodel.py ablation [scale=cluster|cpu] [overrides]   Table 3, predicted, paper beside it
-  python perfmodel.py scaling [overrides]                        Table 2, both columns
+  python perfmodel.py experiment=megascale_ablation scale=cluster|cpu [overrides]
+        Table 3 predicted, each step composed from conf/experiment/megascale_ablation.yaml as
+        train.py composes it (ablation.step=K); at cluster scale the paper's column beside it
+  python perfmodel.py experiment=strong_scaling scale=cluster|cpu [overrides]
+        Table 2 predicted, rows from conf/study_scale/strong_scaling_<scale>.yaml; at cluster scale
+        the Megatron-LM and MegaScale columns with the paper's beside them
+  python perfmodel.py ablation | scaling [scale=...]             the same two, by name
   python perfmodel.py 530b                                       the 530B model, batch = GPUs
   python perfmodel.py plan model=175B gpus=1024 batch=768        layouts ranked by predicted MFU
   python perfmodel.py validate [--remeasure] [RUN_DIR ...]       cpu_local prediction vs measurement
   python perfmodel.py [predict] [overrides] [gpus=N] [batch=B]   one config, with its breakdown
-  python perfmodel.py experiment=megascale_ablation scale=cluster   the same as `ablation`
 """
 from __future__ import annotations
 
 import copy
 import csv
+import functools
 import json
 import statistics
 import sys
@@ -26,51 +31,50 @@ from config import ConfigError
 from experiments.tables import ABLATION_LABELS, markdown_table, pct, seconds
 
 # --- The paper's runs, as configs (the assumptions behind them: perfmodel.py's docstring) ---
+#
+# The studies are the ones train.py runs: Table 3's steps are composed from
+# conf/experiment/megascale_ablation.yaml (each switch written ${ablation:K,on,off} there, and
+# nowhere else), Table 2's rows from conf/study_scale/strong_scaling_<scale>.yaml. Only what the
+# paper's Megatron-LM baseline runs with, and the layouts of Table 1, are stated here.
 
-MEGATRON = ["hardware=a100_cluster", "train.seq_len=2048", "parallel.tp=8", "parallel.zero_stage=1",
-            "kernels.attention=reference", "kernels.fused=false", "data.pipeline=naive", "optim.name=adamw"]
-LAYOUTS = {"175B": ["model=175B", "parallel.pp=8", "parallel.vpp=6"],     # Table 1
-           "530B": ["model=530B", "parallel.pp=35", "parallel.vpp=3"]}
-
-# The cumulative ablation of Table 3: (step, overrides on top of the previous step, batch multiplier).
-# The step names come from experiments/tables.py, in the same order (strict zip: a step added there
-# and not here, or the other way round, fails at import).
-ABLATION_STEPS: List[Tuple[str, List[str], int]] = [(name, overrides, factor) for name, (overrides, factor) in zip(
-    ABLATION_LABELS, [
-        ([], 1),                                                                  # baseline (Megatron-LM)
-        (["model.block=parallel"], 1),                                            # +PTB
-        (["model.attention.window={window}", "kernels.attention=banded"], 1),     # +SWA
-        (["parallel.overlap.tp=chunked"], 1),                                     # +TP overlap
-        (["parallel.overlap.pp=true"], 1),                                        # +PP overlap
-        (["parallel.overlap.dp=true", "parallel.zero_stage=2"], 1),               # +DP overlap
-        (["kernels.fused=true", "kernels.attention=flash"], 1),                   # +efficient operators
-        (["data.pipeline=megascale"], 1),                                         # +misc (data pipeline)
-        (["optim.name=lamb"], 3),                                                 # +LAMB (batch x3)
-    ], strict=True)]
-# Table 2's MegaScale column: every switch but LAMB, which only comes with a larger batch (Table 2
-# keeps the batch), and with flash attention rather than the banded kernel of the SWA step.
-MEGASCALE = [o for _, step, _ in ABLATION_STEPS for o in step if o not in ("kernels.attention=banded", "optim.name=lamb")]
-SCALES = {  # base overrides, GPUs, batch, micro-batch (None: keep parallel.microbatches)
-    "cluster": (LAYOUTS["175B"] + MEGATRON, 256, 256, 1),
-    "cpu": (["model=tiny", "hardware=cpu_local", "train.seq_len=256"], 1, 16, None),
-}
-
-
-def megascale(overrides: Sequence[str], seq_len: int = 2048) -> List[str]:
-    """MegaScale's switches, with the SWA window at a quarter of the sequence (the paper gives none)."""
-    return [o.format(window=seq_len // 4) for o in overrides]
+ABLATION = "experiment=megascale_ablation"
+SCALING = "experiment=strong_scaling"
+# Table 2's MegaScale column: every switch of Table 3 but LAMB, whose step also triples the batch
+# (Table 2 keeps the same batch for both columns).
+MEGASCALE_STEP = 7
+# Megatron-LM at the paper's commit, beside the study's layout: materialized-softmax core
+# attention, unfused LayerNorm/GeLU/cross-entropy, the naive loader, Adam, the distributed
+# optimizer (ZeRO-1), no overlap switch on.
+MEGATRON = ["kernels.attention=reference", "kernels.fused=false", "data.pipeline=naive", "optim.name=adamw",
+            "parallel.zero_stage=1"]
+LAYOUTS = {"175B": ["model=175B", "parallel=megascale_175B"],     # Table 1 (conf/parallel/)
+           "530B": ["model=530B", "parallel=megascale_530B"]}
+# conf/scale/cpu.yaml leaves the machine to hardware=auto; at CPU scale the model predicts the
+# measured one, unless the command line names another.
+SCALE_DEFAULTS = {"cluster": [], "cpu": ["hardware=cpu_local"]}
 
 
 def compose(overrides: Sequence[str]) -> config.Config:
     return config.compose(list(overrides))
 
 
-def with_overrides(cfg: config.Config, overrides: Sequence[str]) -> config.Config:
-    """cfg with key=value overrides merged (typed and checked like Hydra's, without recomposing)."""
-    from omegaconf import OmegaConf
-    if not overrides:
-        return cfg
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(list(overrides))))
+def study_config(overrides: Sequence[str], scale: str, extra: Sequence[str] = ()) -> config.Config:
+    """A study's config at a scale: overrides, the scale's defaults (unless the command line's
+    `extra` sets the same key), then extra, which wins."""
+    keys = {o.split("=", 1)[0] for o in extra}
+    defaults = [d for d in SCALE_DEFAULTS.get(scale, []) if d.split("=", 1)[0] not in keys]
+    return compose(list(overrides) + [f"scale={scale}"] + defaults + list(extra))
+
+
+def megatron_config(model: str = "175B", overrides: Sequence[str] = ()) -> config.Config:
+    """The Megatron-LM baseline of Table 2 (the fit's column) at the paper's scale."""
+    return study_config(LAYOUTS[model] + MEGATRON, "cluster", overrides)
+
+
+def megascale_config(model: str = "175B", overrides: Sequence[str] = ()) -> config.Config:
+    """MegaScale's setting of Table 2: the ablation's step MEGASCALE_STEP, DP from the GPU count."""
+    return study_config([ABLATION, f"ablation.step={MEGASCALE_STEP}"] + LAYOUTS[model] + ["parallel.dp=-1"],
+                        "cluster", overrides)
 
 
 def with_batch(cfg: config.Config, batch: int, gpus: int, micro_batch: Optional[int]) -> config.Config:
@@ -91,40 +95,61 @@ def read_csv(name: str) -> List[Dict[str, str]]:
 # --- Studies ---
 
 def ablation(overrides: Sequence[str] = (), scale: str = "cluster", gpus: Optional[int] = None):
-    """Table 3: [(step, config, prediction)], each step on top of the previous one."""
-    base, default_gpus, batch, micro_batch = SCALES[scale]
-    gpus = gpus or default_gpus
-    cfg = compose(base + [f"train.batch_size={batch}"] + list(overrides))  # the caller's overrides win
-    cfg = with_batch(cfg, cfg.train.batch_size, gpus, micro_batch)
-    hw = pm.resolve_hardware(cfg.hardware)
+    """Table 3: [(step label, config, prediction)], each step composed as train.py composes
+    `experiment=megascale_ablation scale=<scale> ablation.step=K`, the caller's overrides last.
+    GPUs: the study's layout (tp * pp * dp) unless given."""
     results = []
-    for name, step, factor in ABLATION_STEPS:
-        cfg = with_overrides(cfg, [o.format(window=cfg.train.seq_len // 4) for o in step])
-        if factor != 1:  # a larger batch of the same micro-batches: more of them per step
-            cfg = copy.deepcopy(cfg)
-            cfg.train.batch_size *= factor
-            cfg.parallel.microbatches *= factor
-        results.append((name, cfg, pm.predict(cfg, gpus, hw)))
+    for step, label in enumerate(ABLATION_LABELS):
+        cfg = study_config([ABLATION, f"ablation.step={step}"], scale, overrides)
+        if cfg.study.pending:  # as the run records it: the switch has not landed, the step trains nothing
+            label += " (pending)"
+        results.append((label, cfg, pm.predict(cfg, gpus)))
     return results
 
 
-def strong_scaling(overrides: Sequence[str] = ()):
-    """Table 2: {setting: [(paper row, prediction)]} for the Megatron-LM and the MegaScale columns."""
-    rows = read_csv("megascale_table2.csv")
-    out = {}
-    for setting, extra in (("Megatron-LM", []), ("MegaScale", megascale(MEGASCALE))):
-        base = compose(LAYOUTS["175B"] + MEGATRON + extra + list(overrides))
-        hw = pm.resolve_hardware(base.hardware)
-        out[setting] = [(row, pm.predict(with_batch(base, int(row["batch"]), int(row["gpus"]), 1), int(row["gpus"]), hw))
-                        for row in rows]
+def scaling_rows(scale: str = "cluster") -> List[Dict]:
+    """Table 2's rows as the strong_scaling study lists them, with the paper's numbers (at cluster
+    scale, experiments/data/megascale_table2.csv) joined on (GPUs, batch)."""
+    rows = [dict(r) for r in compose([SCALING, f"scale={scale}"]).scaling.rows]
+    paper = {(int(r["gpus"]), int(r["batch"])): r for r in read_csv("megascale_table2.csv")} if scale == "cluster" else {}
+    for row in rows:
+        row.update(paper.get((int(row["gpus"]), int(row["batch"])), {}))
+    return rows
+
+
+def table2_configs(setting: str, scale: str = "cluster", overrides: Sequence[str] = ()):
+    """[(row, config, GPUs)] of one column of Table 2 (Megatron-LM, MegaScale, or at CPU scale the
+    study as configured). Cached: compose takes ~0.4 s; callers must not modify the configs."""
+    return _table2_configs(setting, scale, tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _table2_configs(setting: str, scale: str, overrides: Tuple[str, ...]):
+    out = []
+    for i, row in enumerate(scaling_rows(scale)):
+        if setting == "MegaScale":
+            at_row = [f"train.batch_size={row['batch']}", f"parallel.microbatches={row['microbatches']}"]
+            cfg = megascale_config("175B", at_row + list(overrides))
+        else:
+            base = [SCALING, f"scaling.row={i}"] + (LAYOUTS["175B"] + MEGATRON if setting == "Megatron-LM" else [])
+            cfg = study_config(base, scale, overrides)
+        out.append((row, cfg, int(row["gpus"])))
     return out
+
+
+def strong_scaling(overrides: Sequence[str] = (), scale: str = "cluster"):
+    """Table 2: {setting: [(row, prediction)]}: the Megatron-LM and the MegaScale columns at cluster
+    scale, the study as configured at CPU scale."""
+    settings = ("Megatron-LM", "MegaScale") if scale == "cluster" else ("as configured",)
+    return {setting: [(row, pm.predict(cfg, gpus)) for row, cfg, gpus in table2_configs(setting, scale, overrides)]
+            for setting in settings}
 
 
 def predict_530b(gpu_counts: Sequence[int] = (2240, 4480, 11200), overrides: Sequence[str] = ()):
     """The 530B model of Table 1 at batch = GPUs: {setting: [(gpus, prediction)]}."""
     out = {}
-    for setting, extra in (("Megatron-LM", []), ("MegaScale", megascale(MEGASCALE))):
-        base = compose(LAYOUTS["530B"] + MEGATRON + extra + list(overrides))
+    for setting, base in (("Megatron-LM", megatron_config("530B", overrides)),
+                          ("MegaScale", megascale_config("530B", overrides))):
         hw = pm.resolve_hardware(base.hardware)
         out[setting] = [(g, pm.predict(with_batch(base, g, g, 1), g, hw)) for g in gpu_counts]
     return out
@@ -186,9 +211,11 @@ def scaling_table(results, paper_key: Optional[str] = None, per_batch: bool = Tr
         per_gpu = pred.tokens_per_s / gpus
         base = first.setdefault(batch if per_batch else None, per_gpu)
         cells = [gpus, batch, seconds(pred.step_s), f"{pred.tokens_per_s:,.0f}", pct(pred.mfu), pct(per_gpu / base)]
-        if paper_key:
+        if paper_key and row.get(f"{paper_key}_mfu"):
             mfu = float(row[f"{paper_key}_mfu"])
             cells += [seconds(float(row[f"{paper_key}_iter_s"])), pct(mfu), pct(pred.mfu - mfu, True)]
+        elif paper_key:  # a row the paper does not have
+            cells += ["", "", ""]
         rows.append(cells)
     headers = ["GPUs", "batch", "step time", "tokens/s", "MFU", "scaling eff."]
     return markdown_table(headers + (["paper step", "paper MFU", "error (pts)"] if paper_key else []), rows)
@@ -213,9 +240,10 @@ def breakdown_table(pred) -> str:
 
 # --- Validation against this machine ---
 
-def measure_tiny_step(batch: int = 16, seq: int = 256, repeats: int = 5) -> Dict[str, float]:
+def measure_tiny_step(batch: int = 16, seq: int = 256, repeats: int = 5, precision: str = "bf16") -> Dict[str, float]:
     """Seconds (best of `repeats`, like the hardware numbers) of the tiny model's forward+backward,
-    and of a whole step with AdamW, bf16 autocast on this CPU: what cpu_local should predict."""
+    and of a whole step with AdamW, in `precision` (bf16: autocast) on this CPU: what cpu_local
+    should predict."""
     import torch
     import kernels
     import model as gpt
@@ -226,7 +254,7 @@ def measure_tiny_step(batch: int = 16, seq: int = 256, repeats: int = 5) -> Dict
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=True)
 
     def forward_backward():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = kernels.cross_entropy(net(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
 
@@ -239,13 +267,20 @@ def measure_tiny_step(batch: int = 16, seq: int = 256, repeats: int = 5) -> Dict
             "step_s": pm._best_time(step, repeats)}
 
 
+VALIDATE = ["model=tiny", "hardware=cpu_local", "train.seq_len=256", "train.batch_size=16"]
+
+
 def validate_cpu(remeasure: bool = False) -> Dict[str, float]:
+    """The tiny model's step on one rank of this CPU, measured and predicted, in the precision a run
+    here would take (precision=auto: fp32 where bf16 matmuls are emulated)."""
     pm.local_measurements(remeasure)
-    measured = measure_tiny_step()
-    cfg = compose(SCALES["cpu"][0] + ["train.batch_size=16"])
-    pred = pm.predict(cfg, 1)
+    cfg = compose(VALIDATE)
+    hw = pm.resolve_hardware(cfg.hardware)
+    precision = pm.resolve_config(cfg, hw).precision
+    measured = measure_tiny_step(precision=precision)
+    pred = pm.predict(cfg, 1, hw)
     fb = pred.step_s - pred.breakdown["optimizer"] - pred.breakdown["data"]
-    return {"measured_forward_backward_s": measured["forward_backward_s"], "predicted_forward_backward_s": fb,
+    return {"precision": precision,"measured_forward_backward_s": measured["forward_backward_s"], "predicted_forward_backward_s": fb,
             "forward_backward_error": fb / measured["forward_backward_s"] - 1,
             "measured_step_s": measured["step_s"], "predicted_step_s": pred.step_s,
             "step_error": pred.step_s / measured["step_s"] - 1}
@@ -282,10 +317,11 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
 
 COMMANDS = ("predict", "ablation", "scaling", "530b", "plan", "validate")
 OWN_KEYS = ("gpus", "batch", "micro_batch", "scale", "top", "experiment")
+SCALE_NAMES = ("cluster", "cpu")  # conf/scale/
 
 
 def parse(argv: Sequence[str]):
-    command, own, overrides, flags = "predict", {}, [], set()
+    command, own, overrides, flags = None, {}, [], set()
     for arg in argv:
         key = arg.split("=", 1)[0]
         if arg in COMMANDS:
@@ -296,13 +332,18 @@ def parse(argv: Sequence[str]):
             own[key] = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
+    # Without a command, experiment=megascale_ablation and experiment=strong_scaling name the
+    # studies; otherwise the experiment, and scale=, go to the config of predict and plan (so
+    # `predict experiment=megascale_ablation scale=cluster ablation.step=3` is one step, broken down).
     experiment = own.pop("experiment", "")
-    if experiment.startswith("megascale_ablation"):
-        command = "ablation"
-    elif experiment.startswith(("megascale_scaling", "strong_scaling")):
-        command = "scaling"
-    elif experiment:
+    studies = {"megascale_ablation": "ablation", "strong_scaling": "scaling"}
+    if command is None and experiment in studies:
+        command = studies[experiment]
+    elif experiment and command not in studies.values():
         overrides.append(f"experiment={experiment}")
+    command = command or "predict"
+    if command not in ("ablation", "scaling") and "scale" in own:
+        overrides.append(f"scale={own.pop('scale')}")
     return command, own, overrides, flags
 
 
@@ -323,19 +364,27 @@ def main(argv: Sequence[str]) -> int:
 
 
 def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> int:
+    scale = own.get("scale", "cluster")
+    if command in ("ablation", "scaling") and scale not in SCALE_NAMES:
+        raise ConfigError("scale", f"unknown value {scale!r}", f"use one of: {', '.join(SCALE_NAMES)}")
+    picked = {"ablation": "ablation.step", "scaling": "scaling.row"}.get(command)
+    if picked and any(o.split("=", 1)[0].lstrip("+~") == picked for o in overrides):
+        raise ConfigError(picked, f"the {command} study predicts every one", f"leave it out, or use `python perfmodel.py "
+                          f"predict experiment={'megascale_ablation' if command == 'ablation' else 'strong_scaling'} "
+                          f"scale={scale} {picked}=K` for one, broken down")
     if command == "ablation":
-        scale = own.get("scale", "cluster")
-        if scale not in SCALES:
-            raise ConfigError("scale", f"unknown value {scale!r}", f"use one of: {', '.join(SCALES)}")
         results = ablation(overrides, scale, int(own["gpus"]) if "gpus" in own else None)
-        lay = results[0][2].layout
-        print(f"Table 3 ablation, predicted: {results[0][1].model.name} on {lay.gpus} x {results[0][1].hardware.name}, "
-              f"batch {results[0][1].train.batch_size} (x3 at LAMB), seq {lay.seq}\n")
+        (_, first, pred), (_, last, _) = results[0], results[-1]
+        lay = pred.layout
+        print(f"Table 3 ablation (experiment=megascale_ablation scale={scale}), predicted: {first.model.name} on "
+              f"{lay.gpus} x {first.hardware.name}, batch {first.train.batch_size} ({last.train.batch_size} at the "
+              f"last step), seq {lay.seq}\n")
         print(ablation_table(results, paper_ablation() if scale == "cluster" and not overrides else None))
     elif command == "scaling":
-        for setting, results in strong_scaling(overrides).items():
-            key = "megatron" if setting == "Megatron-LM" else "megascale"
-            print(f"\nTable 2 strong scaling, 175B, {setting} settings, predicted (paper beside)\n")
+        for setting, results in strong_scaling(overrides, scale).items():
+            key = {"Megatron-LM": "megatron", "MegaScale": "megascale"}.get(setting)
+            print(f"\nTable 2 strong scaling (experiment=strong_scaling scale={scale}), {setting} settings, predicted"
+                  + (" (paper beside)" if key and not overrides else "") + "\n")
             print(scaling_table(results, None if overrides else key))
     elif command == "530b":
         for setting, results in predict_530b(overrides=overrides).items():
@@ -352,7 +401,7 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
     elif command == "validate":
         result = validate_cpu("--remeasure" in flags)
         print(markdown_table(["quantity", "measured", "predicted", "error"], [
-            ["tiny fwd+bwd (16x256, bf16)", seconds(result["measured_forward_backward_s"]),
+            [f"tiny fwd+bwd (16x256, {result['precision']})", seconds(result["measured_forward_backward_s"]),
              seconds(result["predicted_forward_backward_s"]), pct(result["forward_backward_error"], True) + "%"],
             ["tiny step with AdamW", seconds(result["measured_step_s"]), seconds(result["predicted_step_s"]),
              pct(result["step_error"], True) + "%"]]))

@@ -23,10 +23,10 @@ import perfmodel_cli as cli  # noqa: E402
 
 
 def megatron_rows():
-    """[(config at that batch, GPUs, paper MFU)] for the Megatron-LM column of Table 2."""
-    base = cli.compose(cli.LAYOUTS["175B"] + cli.MEGATRON)
-    return base.hardware, [(cli.with_batch(base, int(r["batch"]), int(r["gpus"]), 1), int(r["gpus"]), float(r["megatron_mfu"]))
-                           for r in cli.read_csv("megascale_table2.csv")]
+    """[(config, GPUs, paper MFU)] for the Megatron-LM column of Table 2: the strong_scaling study's
+    rows with Megatron-LM's settings (perfmodel_cli.table2_configs), the paper's MFU beside."""
+    rows = [(cfg, gpus, float(row["megatron_mfu"])) for row, cfg, gpus in cli.table2_configs("Megatron-LM")]
+    return rows[0][0].hardware, rows
 
 
 def errors(hw, rows, gemm: float, network: float):
