@@ -1,33 +1,61 @@
-"""Checkpoints: save and resume everything a run needs to continue bit for bit.
+"""Checkpoints: sharded, layout-free and optionally asynchronous (MegaScale's two-stage save).
 
-A checkpoint holds model, optimizer, scheduler, data-sampler position and RNG states. Writes are
-atomic (a temporary file, then a rename), so a crash mid-save never leaves a file that looks
-complete; resume=auto takes the newest complete one.
+Every rank saves the pieces it holds, in parallel, through torch.distributed.checkpoint (DCP). A
+piece is stored at its place in the *logical* tensor (the whole parameter, as one process would
+hold it), so a checkpoint does not know the layout that wrote it: a run at any other (tp, pp,
+vpp, dp, zero_stage) asks for its own pieces and DCP reads the overlapping parts. That is what
+torchtitan #811/#850 and Megatron's optimizer-state resharding ask for.
 
-Layout: <dir>/step_<N>/ holds one file per mesh position that has unique state, and a manifest
-written last. `python checkpoint.py export-hf CKPT OUT` writes one as a transformers GPT-NeoX model.
+What a rank holds, in logical coordinates: TP slices a parameter along tp_shard_dim (an offset of
+tp_rank x the slice); ZeRO 1/2 then keeps a flat range of that slice's values (zero.py), which is
+up to three rectangles: a partial row, whole rows, a partial row. DTensor cannot express a flat
+range of a TP slice, so those rectangles are written as DCP write items directly (Chunks, below).
+
+A checkpoint holds model, optimizer (ZeRO shards included), scheduler, data-sampler position
+(counted in sequences, so any dp continues the same stream), every rank's RNG state, and the
+resolved config. checkpoint.async_save=true (`async` is a Python keyword): a snapshot to host
+memory, after which training continues, and a background thread writes it; the next save waits
+only if that one is still being written. A manifest (every file's size and sha256) is written
+last, by rank 0 once DCP has finished on every rank: a folder without it, or whose files do not
+match it, is never loaded; resume=auto takes the newest one that verifies. The newest K are kept.
+
+`python checkpoint.py export-hf CKPT OUT` writes one as a transformers GPT-NeoX model.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
+import pickle
 import random
 import re
 import shutil
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import TensorProperties
+
+log = logging.getLogger("checkpoint")
 
 
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None     # None: <run dir>/checkpoints
     interval: int = 0             # steps between saves; 0 saves only at the end
-    keep: int = 3                 # newest checkpoints kept; older ones are deleted
+    keep: int = 3                 # newest complete checkpoints kept; older ones are deleted
+    async_save: bool = False      # snapshot to host memory, then write in the background
 
 
 STEP_DIR = re.compile(r"step_(\d{8})$")
@@ -36,12 +64,6 @@ MANIFEST = "manifest.json"
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
     return Path(ckpt_dir) / f"step_{step:08d}"
-
-
-def shard_name(pp: int = 0, tp: int = 0, dp: int = 0) -> str:
-    """One file per mesh position. Data-parallel replicas hold the same state, so without ZeRO only
-    dp rank 0 writes, and every replica reads that file back."""
-    return f"pp{pp}_tp{tp}_dp{dp}.pt"
 
 
 def rng_state() -> dict:
@@ -59,33 +81,332 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_shard(ckpt_dir: Path, step: int, name: str, state: dict) -> Path:
-    """Write one rank's state atomically into the step's folder."""
-    folder = step_dir(ckpt_dir, step)
+# --- A rank's pieces of one logical tensor ---
+
+class Chunks:
+    """This rank's rectangles of one logical tensor of shape `shape`: [(offsets, tensor)], each
+    tensor a view into live state (so a load writes in place) or a snapshot's copy."""
+
+    def __init__(self, shape, pieces: list, backing: Optional[torch.Tensor] = None):
+        self.shape, self.pieces = torch.Size(shape), [(torch.Size(o), t) for o, t in pieces]
+        self.backing = backing  # the local tensor the pieces are views of
+
+    def size(self) -> torch.Size:  # DCP compares it with the saved logical size
+        return self.shape
+
+    def tensor_at(self, offsets) -> torch.Tensor:
+        return next(t for o, t in self.pieces if o == torch.Size(offsets))
+
+    def __create_chunk_list__(self) -> list:
+        return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in self.pieces]
+
+    def __create_write_items__(self, fqn: str, _obj) -> list:
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=t.shape),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for o, t in self.pieces]
+
+    def copy_to_host(self) -> "Chunks":
+        return Chunks(self.shape, [(o, _host_copy(t)) for o, t in self.pieces])
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """Stage 1 of an asynchronous save: GPU -> pinned host memory (a plain copy on CPU)."""
+    if t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+    return t.detach().clone()
+
+
+def flat_range_rectangles(shape, lo: int, hi: int) -> list:
+    """Elements [lo, hi) of a row-major tensor of `shape` (1-D or 2-D) as rectangles:
+    [(offsets, sizes, first flat index)]. 2-D: a partial first row, whole rows, a partial last row."""
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,), lo)]
+    cols = shape[1]
+    (r0, c0), (r1, c1) = divmod(lo, cols), divmod(hi, cols)
+    if r0 == r1:
+        return [((r0, c0), (1, c1 - c0), lo)]
+    out = []
+    if c0:
+        out.append(((r0, c0), (1, cols - c0), lo))
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, 0), (r1 - r0, cols), r0 * cols))
+    if c1:
+        out.append(((r1, 0), (1, c1), r1 * cols))
+    return out
+
+
+def _logical(name: str, local: torch.Size, layout) -> tuple:
+    """(logical shape, offsets of this TP rank's slice) of parameter `name`."""
+    from parallel import tp_shard_dim
+    dim = tp_shard_dim(name.removeprefix("_orig_mod."))
+    shape, base = list(local), [0] * len(local)
+    if dim is not None and layout.tp > 1:
+        shape[dim] *= layout.tp
+        base[dim] = layout.tp_rank * local[dim]
+    return shape, base
+
+
+def _place(shape, base, rects, flat: torch.Tensor, start: int) -> Chunks:
+    """Chunks of a flat tensor holding elements [start, ...) of a TP slice placed at `base`."""
+    pieces = [(tuple(b + o for b, o in zip(base, offs)), flat[first - start:first - start + _numel(sizes)].view(sizes))
+              for offs, sizes, first in rects]
+    return Chunks(shape, pieces, backing=flat)
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _whole(shape, base, t: torch.Tensor) -> Chunks:
+    return Chunks(shape, [(tuple(base), t)], backing=t)
+
+
+def model_chunks(engine) -> dict:
+    """"model/<name>": this rank's TP slice of every parameter it holds (pipeline stages hold
+    different names; DP replicas write the same rectangles, and DCP keeps one of each)."""
+    engine.zero.gather_all()  # with DP overlap, the parameters may still be on the wire
+    out = {}
+    for name, p in engine.named_model_parameters():
+        shape, base = _logical(name, p.shape, engine.layout)
+        out[f"model/{name}"] = _whole(shape, base, p.detach())
+    return out
+
+
+def _shard_placement(engine, i: int) -> tuple:
+    """(logical shape, rectangles, first flat index) of optimizer parameter i on this rank."""
+    param, name = engine.zero.params[i], engine.names[i]
+    shape, base = _logical(name, param.shape, engine.layout)
+    if engine.zero.stage == 0:
+        return shape, base, None, 0
+    size = engine.zero.shard_sizes[i]
+    lo = engine.layout.dp_rank * size
+    return shape, base, flat_range_rectangles(param.shape, lo, min(lo + size, param.numel())), lo
+
+
+def optimizer_chunks(engine, optimizer, template: Optional[dict] = None) -> dict:
+    """"optim/<name>/<key>": each state tensor placed like its parameter's shard. Scalars (a
+    step count) are the same on every rank and saved once. With a template ({key: saved dtype
+    and size}), fresh zero tensors to load into."""
+    out = {}
+    for i, shard in enumerate(engine.zero.shards):
+        name = engine.names[i]
+        shape, base, rects, lo = _shard_placement(engine, i)
+        state = optimizer.state.get(shard, {}) if template is None else {
+            k.rsplit("/", 1)[1]: torch.zeros(() if len(meta.size) == 0 else shard.shape, dtype=meta.properties.dtype)
+            for k, meta in template.items() if k.startswith(f"optim/{name}/")}
+        for key, value in state.items():
+            fqn = f"optim/{name}/{key}"
+            if not torch.is_tensor(value) or value.dim() == 0:
+                out[fqn] = value
+            elif rects is None:
+                out[fqn] = _whole(shape, base, value)
+            else:
+                out[fqn] = _place(shape, base, rects, value.view(-1), lo)
+    return out
+
+
+def training_state(step: int, engine, optimizer, scheduler, loader, config: dict) -> dict:
+    """Everything a run needs to continue, as DCP keys (views into live state where tensors)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {**model_chunks(engine), **optimizer_chunks(engine, optimizer),
+            "optim/param_groups": _blob(groups), "scheduler": _blob(scheduler.state_dict()),
+            "loader": _blob(loader.state_dict()), f"rng/{rank}": _blob(rng_state()),
+            "step": _blob(step), "config": _blob(config)}
+
+
+def _blob(obj) -> io.BytesIO:
+    """A non-tensor value as one DCP bytes item."""
+    return io.BytesIO(pickle.dumps(obj))
+
+
+def _unblob(value) -> object:
+    return pickle.loads(value.getvalue())
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner, finding a Chunks' rectangle by its offsets."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        return obj.tensor_at(index.offset) if isinstance(obj, Chunks) else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # Not the default's: its meta-tensor initialisation replaces values of unknown types with None.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.tensor_at(index.offset) if isinstance(obj, Chunks) else super().lookup_tensor(index)
+
+
+# --- Saving ---
+
+class Saver:
+    """Saves through DCP on a gloo group of its own, so that a background save's collectives never
+    interleave with training's. With async_save, save() snapshots to host memory and returns; a
+    thread writes, then rank 0 writes the manifest and prunes old checkpoints."""
+
+    def __init__(self, ckpt_dir: Path, keep: int = 3, async_save: bool = False):
+        self.ckpt_dir, self.keep, self.async_save = Path(ckpt_dir), keep, async_save
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.group = _checkpoint_group() if self.distributed else None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.last_step: Optional[int] = None
+        self.stall_s: list = []  # per save: how long training waited for it
+        self.failed: list = []   # steps whose save failed (the previous checkpoints stay)
+        self.write_error: Optional[OSError] = None  # ft.py's fault injection: a full disk, once
+        self.write_delay = 0.0                       # and a slow one
+
+    def save(self, step: int, state: dict) -> None:
+        import time
+        t0 = time.perf_counter()
+        self.wait()  # the next save waits only while the previous one is being written
+        self.last_step = step
+        if not self.async_save:
+            self._write_logging_failure(step, state)
+        else:
+            staged = {k: v.copy_to_host() if isinstance(v, Chunks) else
+                      (_host_copy(v) if torch.is_tensor(v) else v) for k, v in state.items()}
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking copies have landed before training moves on
+            self._thread = threading.Thread(target=self._write_in_background, args=(step, staged),
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+        self.stall_s.append(time.perf_counter() - t0)
+
+    def _write_in_background(self, step: int, state: dict) -> None:
+        try:
+            self._write_logging_failure(step, state)
+        except BaseException as e:  # raised in the training thread at the next wait()
+            self._error = e
+
+    def _write_logging_failure(self, step: int, state: dict) -> None:
+        """A save that fails on any rank (a full disk: DCP reports every rank's errors to all)
+        is logged and its folder removed; training goes on and the next save tries again."""
+        error, self.write_error = self.write_error, None
+        try:
+            self._write(step, state, error)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if not _storage_failure(e):
+                raise
+            self.failed.append(step)
+            log.error("checkpoint at step %d failed (%s); keeping the previous ones, training goes on",
+                      step, str(e).strip().splitlines()[-1][:200])
+            if self.rank == 0:
+                shutil.rmtree(step_dir(self.ckpt_dir, step), ignore_errors=True)
+
+    def _write(self, step: int, state: dict, error: Optional[OSError] = None) -> None:
+        folder = step_dir(self.ckpt_dir, step)
+        write_dcp(folder, state, self.group, error=error, delay=self.write_delay)
+        if self.rank == 0:
+            mark_complete(folder)
+            prune(self.ckpt_dir, self.keep)
+            log.info("saved %s", folder)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the background checkpoint save failed: {error}") from error
+
+
+def _dcp(op, state: dict, **kwargs) -> None:
+    """dcp.save or dcp.load, in one process when torch.distributed is not initialised (where DCP
+    warns that it assumes so: that is the intent here)."""
+    single = not dist.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        op(state, no_dist=single, **kwargs)
+
+
+_GROUP: dict = {}
+
+
+def _checkpoint_group():
+    """One gloo group over all ranks for checkpoint traffic, made once per process group (a
+    multirun's jobs share it)."""
+    world = dist.group.WORLD
+    if world not in _GROUP:
+        _GROUP.clear()
+        _GROUP[world] = dist.new_group(backend="gloo")
+    return _GROUP[world]
+
+
+def _storage_failure(e: BaseException) -> bool:
+    """A save that failed in the filesystem on every rank that failed (OSError: a full disk, a
+    lost mount), which training survives; anything else is a bug and propagates."""
+    if isinstance(e, OSError):
+        return True
+    failures = getattr(e, "failures", None)
+    return bool(failures) and all(isinstance(exc, OSError) for exc, _ in failures.values())
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, with ft.py's injected faults: an error (a full disk) or a delay."""
+
+    def __init__(self, folder: Path, error: Optional[OSError] = None, delay: float = 0.0):
+        super().__init__(folder, sync_files=True)
+        self.error, self.delay = error, delay
+
+    def write_data(self, plan, planner):
+        if self.delay:
+            import time
+            time.sleep(self.delay)
+        if self.error is not None:
+            raise self.error
+        return super().write_data(plan, planner)
+
+
+def write_dcp(folder: Path, state: dict, group=None, error: Optional[OSError] = None, delay: float = 0.0) -> None:
+    """DCP save by every rank of the group (one process when not distributed)."""
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / name
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
+    for blob in state.values():
+        if isinstance(blob, io.BytesIO):
+            blob.seek(0)
+    _dcp(dcp.save, state, storage_writer=_Writer(folder, error, delay), planner=_SavePlanner(), process_group=group)
+
+
+def mark_complete(folder: Path) -> Path:
+    """Write the manifest (every file's size and sha256) last, atomically: a step folder without
+    it is an interrupted save and is never loaded."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(MANIFEST)}
+    tmp = folder / f"{MANIFEST}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"step": int(STEP_DIR.search(folder.name).group(1)), "files": files}, indent=1))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, final)  # atomic on POSIX: readers see no file or the whole file
-    return final
-
-
-def mark_complete(ckpt_dir: Path, step: int, keep: int = 0) -> Path:
-    """Write the manifest (file names, sizes, sha256) last, once every rank's file is in place: a
-    step folder without it is an interrupted save and is never loaded. Then keep the newest `keep`."""
-    folder = step_dir(ckpt_dir, step)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.iterdir()) if p.suffix == ".pt"}
-    tmp = folder / f"{MANIFEST}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
     os.replace(tmp, folder / MANIFEST)
+    return folder
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
     if keep > 0:
         for old in complete_checkpoints(ckpt_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    return folder
 
 
 def _sha256(path: Path) -> str:
@@ -96,39 +417,99 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# --- Finding and loading ---
+
 def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Step folders that have a manifest, in step order."""
+    """Step folders that have a manifest, in step order (not yet verified against it)."""
     if not Path(ckpt_dir).is_dir():
         return []
     return sorted(p for p in Path(ckpt_dir).iterdir() if STEP_DIR.search(p.name) and (p / MANIFEST).exists())
 
 
+def problem(folder: Path, checksums: bool = True) -> Optional[str]:
+    """Why a step folder must not be loaded, or None: no manifest, or a file missing, of another
+    size (truncated), or with another sha256 than the manifest lists."""
+    if not (folder / MANIFEST).exists():
+        return f"{folder} has no {MANIFEST}: an interrupted save"
+    files = json.loads((folder / MANIFEST).read_text())["files"]
+    if ".metadata" not in files:
+        return f"{folder}'s manifest lists no DCP .metadata"
+    for name, meta in files.items():
+        path = folder / name
+        if not path.exists() or path.stat().st_size != meta["bytes"]:
+            return f"{path} is missing or not the size its manifest lists (truncated?)"
+        if checksums and _sha256(path) != meta["sha256"]:
+            return f"{path} does not match its manifest's sha256"
+    return None
+
+
 def latest(ckpt_dir: Path) -> Optional[Path]:
-    found = complete_checkpoints(ckpt_dir)
-    return found[-1] if found else None
+    """The newest checkpoint that verifies; broken ones are logged and skipped."""
+    for folder in reversed(complete_checkpoints(ckpt_dir)):
+        why = problem(folder)
+        if why is None:
+            return folder
+        log.warning("skipping checkpoint: %s", why)
+    return None
 
 
-def load_shard(folder: Path, name: str) -> dict:
-    # weights_only=False: the state holds RNG tuples and numpy arrays, and we wrote it ourselves.
-    return torch.load(Path(folder) / name, map_location="cpu", weights_only=False)
+def saved_keys(folder: Path) -> dict:
+    return dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
 
 
-def consolidate_model(folder: Path) -> dict:
-    """The full, layout-free model state of a checkpoint: pipeline stages' parameters merged and
-    tensor-parallel slices concatenated back along the dim they were split on."""
-    from parallel import tp_shard_dim
-    files = sorted(Path(folder).glob("pp*_tp*_dp0.pt"))
-    pieces: dict = {}
-    for f in files:
-        tp = int(re.search(r"_tp(\d+)_", f.name).group(1))
-        for name, tensor in load_shard(folder, f.name)["model"].items():
-            pieces.setdefault(name, {})[tp] = tensor
-    full = {}
-    for name, by_tp in pieces.items():
-        dim = tp_shard_dim(name)
-        ordered = [by_tp[t] for t in sorted(by_tp)]
-        full[name] = ordered[0] if dim is None else torch.cat(ordered, dim=dim)
-    return full
+def _read_alone(folder: Path, state: dict) -> None:
+    """Fill `state` from a checkpoint in this process alone, whatever else is running."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(), no_dist=True)
+
+
+def read_blob(folder: Path, key: str):
+    """One non-tensor value (config, step, ...), read by this process alone."""
+    state = {key: io.BytesIO()}
+    _read_alone(folder, state)
+    return _unblob(state[key])
+
+
+def load(folder: Path, engine, optimizer, scheduler, loader, group=None) -> int:
+    """Load a checkpoint saved at any layout into this one; returns its step. Each rank asks for
+    its own pieces (views into its parameters and fresh optimizer-state tensors)."""
+    saved = saved_keys(folder)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    opt_meta = {k: m for k, m in saved.items() if k.startswith("optim/") and isinstance(m, TensorStorageMetadata)}
+    state = {**model_chunks(engine), **optimizer_chunks(engine, optimizer, template=opt_meta)}
+    missing = sorted(k for k in state if k not in saved)
+    if missing:
+        from config import ConfigError
+        raise ConfigError("resume", f"{folder} has no {missing[0]} (and {len(missing) - 1} more keys): "
+                          f"another model?", "resume a checkpoint of this model, or resume=none")
+    blobs = ["optim/param_groups", "scheduler", "loader", "step"] + [f"rng/{rank}"] * (f"rng/{rank}" in saved)
+    state.update({k: io.BytesIO() for k in blobs})
+    _dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(), process_group=group)
+    engine.parameters_loaded()  # re-derive the ZeRO shards from the parameters loaded in place
+    _load_optimizer(engine, optimizer, state, _unblob(state["optim/param_groups"]))
+    scheduler.load_state_dict(_unblob(state["scheduler"]))
+    loader.load_state_dict(_unblob(state["loader"]))
+    if f"rng/{rank}" in state:  # a run at another world size keeps its own seeds' streams
+        set_rng_state(_unblob(state[f"rng/{rank}"]))
+    return _unblob(state["step"])
+
+
+def _load_optimizer(engine, optimizer, state: dict, groups: list) -> None:
+    """Through optimizer.load_state_dict, which puts each state tensor on its parameter's device
+    and dtype (and the step where the fused AdamW wants it)."""
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    full = optimizer.state_dict()
+    full["state"] = {}
+    for i, shard in enumerate(engine.zero.shards):
+        prefix = f"optim/{engine.names[i]}/"
+        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if own:
+            full["state"][index[id(shard)]] = {k: v.backing.view(shard.shape) if isinstance(v, Chunks) else v
+                                               for k, v in own.items()}
+    for group, saved in zip(full["param_groups"], groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    optimizer.load_state_dict(full)
 
 
 # --- Export to Hugging Face transformers: `python checkpoint.py export-hf CKPT OUT` ---
@@ -148,9 +529,18 @@ HF_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn
 HF_TOP = {"embed": "gpt_neox.embed_in", "norm": "gpt_neox.final_layer_norm", "head": "lm_head"}
 
 
+def consolidate_model(folder: Path) -> dict:
+    """The full, layout-free model state of a checkpoint, read by this process alone: DCP puts
+    every rank's pieces back together into the logical tensors."""
+    saved = saved_keys(folder)
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items() if k.startswith("model/")}
+    _read_alone(folder, state)
+    return {k.removeprefix("model/"): t for k, t in state.items()}
+
+
 def resolve_complete(path) -> Path:
-    """PATH if it is a complete step folder, or the newest complete one in a checkpoints dir. A step
-    folder is complete when its manifest exists and every file it lists has the listed size."""
+    """PATH if it is a step folder that verifies against its manifest, or the newest such folder in
+    a checkpoints dir (config.ConfigError otherwise)."""
     from config import ConfigError
     path = Path(path)
     fix = "give a step_* folder with a manifest.json, or a checkpoints dir holding one"
@@ -159,23 +549,17 @@ def resolve_complete(path) -> Path:
     folder = path if STEP_DIR.search(path.name) else latest(path)
     if folder is None:
         raise ConfigError("CKPT", f"no complete checkpoint (step_*/{MANIFEST}) in {path}", fix)
-    if not (folder / MANIFEST).exists():
-        raise ConfigError("CKPT", f"{folder} has no {MANIFEST}: an interrupted save", fix)
-    files = json.loads((folder / MANIFEST).read_text())["files"]
-    if shard_name() not in files:  # the first rank's file, which every layout writes
-        raise ConfigError("CKPT", f"{folder}'s manifest lists no {shard_name()}", fix)
-    for name, meta in files.items():
-        if not (folder / name).exists() or (folder / name).stat().st_size != meta["bytes"]:
-            raise ConfigError("CKPT", f"{folder / name} is missing or not the size its manifest lists", fix)
+    why = problem(folder)
+    if why is not None:
+        raise ConfigError("CKPT", why, fix)
     return folder
 
 
 def saved_model_config(folder: Path):
-    """The ModelConfig the run trained with: train.py stores its resolved config in every shard.
-    mmap: only the config is read here, not the weights."""
+    """The ModelConfig the run trained with (train.py saves its resolved config)."""
     from omegaconf import OmegaConf
     from model import ModelConfig
-    saved = torch.load(Path(folder) / shard_name(), map_location="cpu", weights_only=False, mmap=True)["config"]["model"]
+    saved = read_blob(folder, "config")["model"]
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved))
 
 

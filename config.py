@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 from omegaconf import OmegaConf
 
 from checkpoint import CheckpointConfig
+from ft import FTConfig
 from data import DataConfig
 from kernels import ATTENTION_IMPLS, KernelsConfig
 from model import ModelConfig
@@ -40,6 +41,7 @@ class TrainConfig:
     eval_batches: int = 4
     recompute: str = "none"       # none | selective | full activation recomputation
     compile: bool = False         # torch.compile the whole model
+    gc_interval: int = 100        # Python's GC off during steps, run on every rank each N steps; 0: Python's own
 
 
 @dataclass
@@ -149,6 +151,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
     study: StudyConfig = field(default_factory=StudyConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -260,6 +263,14 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
                        ("train.max_steps", t.max_steps), ("model.n_layers", m.n_layers)):
         if value < 1:
             raise ConfigError(key, f"{value} < 1", "use a positive value")
+    for key, value in (("ft.collective_timeout", cfg.ft.collective_timeout), ("ft.hang_timeout", cfg.ft.hang_timeout),
+                       ("ft.heartbeat_interval", cfg.ft.heartbeat_interval)):
+        if value <= 0:
+            raise ConfigError(key, f"{value} <= 0", "use a positive number of seconds")
+    for key, value in (("ft.straggler_interval", cfg.ft.straggler_interval), ("train.gc_interval", t.gc_interval),
+                       ("checkpoint.interval", cfg.checkpoint.interval), ("checkpoint.keep", cfg.checkpoint.keep)):
+        if value < 0:
+            raise ConfigError(key, f"{value} < 0", "use 0 (off) or a positive number of steps")
     if cfg.hardware.device == "cuda" and not (cfg.dry_run or remote):  # a dry run needs no hardware
         import torch
         if not torch.cuda.is_available():

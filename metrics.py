@@ -158,7 +158,8 @@ class RunLog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.record = self._load_previous() | record
-        self.record.setdefault("attempts", []).append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "status": "running"})
+        self.record.setdefault("attempts", []).append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                                       "started_unix": time.time(), "status": "running"})
         self._write_record()
         self.wandb = _start_wandb(wandb_cfg, self.run_dir, record)
 
@@ -177,7 +178,8 @@ class RunLog:
     def step(self, metrics: dict) -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps(metrics) + "\n")
+        # a restarted run logs again the steps after its checkpoint: "attempt" tells the copies apart
+        self.jsonl.write(json.dumps({**metrics, "attempt": len(self.record["attempts"]) - 1}) + "\n")
         if self.wandb is not None:
             try:
                 self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])

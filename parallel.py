@@ -6,6 +6,7 @@ detection), the device mesh, and the functions that shard the model.
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -132,8 +133,18 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Opt
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kwargs = {} if timeout_s is None else {"timeout": __import__("datetime").timedelta(seconds=timeout_s)}
-    dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store outlives a restart (--max-restarts) and gloo's keys in it are not per
+        # attempt: a restarted rank can read a dead rank's address and hang connecting to it. So
+        # every attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s or 600))
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"megarepro/attempt_{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=world, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     # Once per process, not per job: a second init after destroy reuses torchrun's store keys and
     # hangs, and a multirun runs its jobs one after another in the same ranks.
     atexit.register(dist.destroy_process_group)
@@ -534,17 +545,10 @@ class ParallelModel:
             p.grad = None
         self.zero.after_step()
 
-    def state_dict(self) -> dict:
-        self.zero.gather_all()  # with DP overlap, the parameters may still be on the wire
-        return {name: p.detach() for name, p in self.named_model_parameters()} | {
-            name: b for chunk in self.chunks for name, b in chunk.named_buffers()}
-
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        self.zero.gather_all()
-        for name, p in self.named_model_parameters():
-            p.copy_(state[name])
-        for shard, p in zip(self.zero.shards, self.zero.params):  # re-derive ZeRO shards
+    def parameters_loaded(self) -> None:
+        """After a checkpoint load wrote into the parameters: re-derive the ZeRO shards from them."""
+        for shard, p in zip(self.zero.shards, self.zero.params):
             if shard is not p:
                 shard.copy_(self.zero._pad(p.detach(), shard.numel())[self.layout.dp_rank])
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import signal
 import sys
 import time
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -26,6 +28,7 @@ from omegaconf import OmegaConf
 import checkpoint
 import config
 import data
+import ft
 import metrics
 import optim
 import parallel
@@ -57,9 +60,12 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     """The training run. Returns the final metrics (also written to run.json)."""
     # --- Processes, devices, mesh ---
     device = parallel.pick_device(cfg.hardware.device)
-    rank, world = parallel.init_distributed(device, cfg.hardware.backend)
+    rank, world = parallel.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
     layout = parallel.build_layout(cfg.parallel, rank, world, device)
+    # Every generator a rank has, so that two runs of one config write identical checkpoints.
     torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed + rank)
+    np.random.seed(cfg.train.seed + rank)
     precision = metrics.resolve_precision(cfg.precision, device)
     autocast_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
@@ -90,7 +96,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
 
     # --- Resume ---
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader)
+    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader, saver.group)
 
     # --- Logging ---
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -111,6 +118,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
 
     # --- The loop ---
     stop = _StopFlag()
+    beat, faults = ft.Heartbeat(run_dir, rank, world, cfg.ft), ft.Faults(rank, run_dir)
+    collector = ft.CollectGarbage(cfg.train.gc_interval)
     step, history, status = start_step, [], "finished"
     bar = _progress(cfg, rank, start_step)
     eval_set = data.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
@@ -119,7 +128,9 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             CLOCK.read()  # start the step's wait clock from zero
             t0 = time.perf_counter()
+            beat.progress(step, "data")
             inputs, targets = next(loader)
+            beat.progress(step, "compute")
             loss, grad_norm = train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
             scheduler.step()
             loss, stop_now = _agree(loss, stop.requested, layout)  # one collective: mean loss and stop flag
@@ -127,32 +138,60 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                    **meter(time.perf_counter() - t0), **breakdown(time.perf_counter() - t0, CLOCK.read()),
                    "memory_gib": metrics.memory_gib(device)}
             if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
+                beat.progress(step, "eval")
                 row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
+            row.update(health(step, row, cfg, layout, collector))
             run_log.step(row)
             history.append(row)
             _report(row, cfg, bar, rank)
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                save(ckpt_dir, step, engine, optimizer, scheduler, loader, cfg, layout)
+                beat.progress(step, "checkpoint")
+                faults.before_save(step, saver)
+                save(saver, step, engine, optimizer, scheduler, loader, cfg)
+            faults.after_step(step, ckpt_dir)
             if stop_now:
                 status = "interrupted"
                 log.warning("stop requested: saving a checkpoint at step %d and exiting cleanly", step)
                 break
-        if step > start_step and (status == "interrupted" or cfg.checkpoint.interval):
-            if not (checkpoint.step_dir(ckpt_dir, step) / checkpoint.MANIFEST).exists():
-                save(ckpt_dir, step, engine, optimizer, scheduler, loader, cfg, layout)
+        if step > start_step and (status == "interrupted" or cfg.checkpoint.interval) and saver.last_step != step:
+            beat.progress(step, "checkpoint")
+            save(saver, step, engine, optimizer, scheduler, loader, cfg)
+        saver.wait()  # an asynchronous save still being written completes before the run ends
+        beat.progress(step, "done")
     except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
         run_log.finish("failed", summarize(history, step))
         raise
     finally:
+        beat.close()
+        collector.close()
         loader.close()
         if bar is not None:
             bar.close()
         stop.restore()
     final = summarize(history, step)
+    final["checkpoint_stall_s"] = saver.stall_s  # how long each save held training up
+    final["checkpoint_failed_steps"] = saver.failed
     run_log.finish(status, final)
     if rank == 0:
         print(final_line(final, cfg), flush=True)
     return final  # the process group stays up for the next job of a multirun (parallel.init_distributed)
+
+
+def health(step: int, row: dict, cfg: config.Config, layout, collector) -> dict:
+    """The synchronised GC (its time) and, every ft.straggler_interval steps, the ranks whose
+    compute is more than ft.straggler_threshold slower than the median, with their hosts."""
+    out = {"gc_s": collector.after_step(step)}
+    every = cfg.ft.straggler_interval
+    if every and step % every == 0:
+        slow = ft.stragglers(row["compute_s"], layout, cfg.ft.straggler_threshold)
+        out["stragglers"] = len(slow)
+        for r, host, seconds, slowdown in slow:
+            log.warning("straggler at step %d: rank %d on %s computes in %.3f s, %.0f%% slower than the median",
+                        step, r, host, seconds, 100 * slowdown)
+        if slow:
+            out["straggler_ranks"] = [f"{r}@{host}" for r, host, _, _ in slow]
+            out["straggler_max_slowdown"] = max(s for *_, s in slow)
+    return out
 
 
 def breakdown(step_time: float, waits: dict) -> dict:
@@ -194,44 +233,33 @@ def _agree(loss: float, stop: bool, layout) -> tuple[float, bool]:
 
 # --- Checkpoints ---
 
-def save(ckpt_dir, step, engine, optimizer, scheduler, loader, cfg, layout) -> None:
-    """Every rank with state of its own writes its file; rank 0 writes the manifest last."""
-    if layout.dp_rank == 0 or cfg.parallel.zero_stage > 0:  # without ZeRO, DP replicas are identical
-        state = {"step": step, "model": engine.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": checkpoint.rng_state(),
-                 "config": OmegaConf.to_container(OmegaConf.structured(cfg))}
-        checkpoint.save_shard(ckpt_dir, step, _shard_name(layout, cfg.parallel.zero_stage), state)
-    if dist.is_initialized():
-        dist.barrier()
-    if layout.rank == 0:
-        log.info("saved %s", checkpoint.mark_complete(ckpt_dir, step, keep=cfg.checkpoint.keep))
-    if dist.is_initialized():
-        dist.barrier()
+def save(saver, step, engine, optimizer, scheduler, loader, cfg) -> None:
+    """Every rank saves its pieces (checkpoint.py); with checkpoint.async_save this returns once
+    they are copied to host memory."""
+    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+    saver.save(step, checkpoint.training_state(step, engine, optimizer, scheduler, loader, config_dict))
 
 
-def _shard_name(layout, zero_stage: int) -> str:
-    dp = layout.dp_rank if zero_stage > 0 else 0
-    return checkpoint.shard_name(layout.pp_rank, layout.tp_rank, dp)
-
-
-def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader) -> int:
-    """Load a checkpoint if asked (resume=auto|PATH, saved at this layout) and return its step."""
+def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group) -> int:
+    """Load a checkpoint if asked (resume=auto|PATH, saved at any layout) and return its step.
+    Rank 0 picks the folder (checksums read once) and every rank loads that one."""
     if how == "none":
         return 0
-    folder = checkpoint.latest(ckpt_dir) if how == "auto" else Path(how)
+    folder, why = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        folder = checkpoint.latest(ckpt_dir) if how == "auto" else Path(how)
+        why = None if folder is None else checkpoint.problem(folder)
+    if dist.is_initialized():
+        box = [folder, why]
+        dist.broadcast_object_list(box, src=0, group=group)
+        folder, why = box
     if folder is None:
         return 0
-    if not (folder / checkpoint.MANIFEST).exists():
-        _fail(f"config error: resume: no complete checkpoint at {folder}. Fix: give a step folder with a "
-              f"manifest.json, or resume=auto|none")
-    state = checkpoint.load_shard(folder, _shard_name(engine.layout, engine.cfg.zero_stage))
-    engine.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    loader.load_state_dict(state["loader"])
-    checkpoint.set_rng_state(state["rng"])
-    log.info("resumed from %s (step %d)", folder, state["step"])
-    return state["step"]
+    if why is not None:
+        _fail(f"config error: resume: {why}. Fix: give a step folder with a complete manifest.json, or resume=auto|none")
+    step = checkpoint.load(folder, engine, optimizer, scheduler, loader, group)
+    log.info("resumed from %s (step %d)", folder, step)
+    return step
 
 
 # --- Reporting ---

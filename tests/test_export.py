@@ -18,7 +18,7 @@ STEP = 5
 
 
 def save_like_train(ckpt_dir, model_cfg: ModelConfig, tp: int = 1, compiled: bool = False) -> GPT:
-    """A checkpoint as train.py's save() writes one: per TP rank the model's slice plus the resolved
+    """A checkpoint as train.py's save() writes one: the model in TP slices plus the resolved
     config, then the manifest. Biases and norms are made random too (init_weights sets them to 0
     and 1), so a mis-mapped bias or LN shows in the logits."""
     model = GPT(model_cfg)
@@ -31,12 +31,16 @@ def save_like_train(ckpt_dir, model_cfg: ModelConfig, tp: int = 1, compiled: boo
     full = {name: p.detach() for name, p in model.named_parameters()}
     resolved = OmegaConf.to_container(OmegaConf.structured(config.Config(model=model_cfg)))
     prefix = "_orig_mod." if compiled else ""  # what train.compile=true puts in front of every name
-    for rank in range(tp):
-        shard = {prefix + n: (t if tp_shard_dim(n) is None else t.chunk(tp, tp_shard_dim(n))[rank]).clone()
-                 for n, t in full.items()}
-        checkpoint.save_shard(ckpt_dir, STEP, checkpoint.shard_name(tp=rank),
-                              {"step": STEP, "model": shard, "config": resolved})
-    checkpoint.mark_complete(ckpt_dir, STEP)
+    state = {"config": checkpoint._blob(resolved), "step": checkpoint._blob(STEP)}
+    for n, t in full.items():  # each TP rank's slice as its own piece, as the ranks write them
+        dim = tp_shard_dim(n)
+        pieces = [((0,) * t.dim(), t.clone())] if dim is None else [
+            (tuple(rank * piece.shape[dim] if d == dim else 0 for d in range(t.dim())), piece.clone())
+            for rank, piece in enumerate(t.chunk(tp, dim))]
+        state[f"model/{prefix}{n}"] = checkpoint.Chunks(t.shape, pieces)
+    folder = checkpoint.step_dir(ckpt_dir, STEP)
+    checkpoint.write_dcp(folder, state)
+    checkpoint.mark_complete(folder)
     return model
 
 
@@ -94,7 +98,7 @@ def test_incomplete_checkpoints_are_refused(tmp_path, capsys):
         assert exit.value.code == 2 and err.startswith("config error: CKPT:") and problem in err, err
         assert len(err.strip().splitlines()) == 1
     (tmp_path / "manifest.json").rename(folder / checkpoint.MANIFEST)
-    with open(folder / checkpoint.shard_name(), "ab") as f:  # a truncated or altered shard
+    with open(folder / "__0_0.distcp", "ab") as f:  # a truncated or altered file
         f.write(b"x")
     with pytest.raises(SystemExit):
         checkpoint.main(["export-hf", str(folder), str(tmp_path / "hf")])

@@ -1,0 +1,204 @@
+"""Fault tolerance: hang detection, straggler reports, synchronised garbage collection, and the
+fault injection that tests them (MegaScale section 4: >90% effective training time over 100+
+restarts comes from detecting a broken rank fast and restarting from the newest checkpoint).
+
+- Heartbeat: every rank's training loop says where it is (step, phase). A thread writes that to
+  <run dir>/heartbeat/rank<K>.json (atomically) for anyone to read, and watches it: a rank whose
+  progress stops for ft.hang_timeout seconds logs who is behind (its own or another rank's last
+  step and phase: a rank waiting in a collective is usually waiting for that one) and exits with
+  HANG_EXIT, so that torchrun (--max-restarts) or SLURM (requeue) restarts the job, which resumes
+  from the newest complete checkpoint. Collectives themselves time out after
+  ft.collective_timeout seconds (the process group's timeout).
+- Stragglers: every ft.straggler_interval steps the ranks' compute times are gathered; a rank more
+  than ft.straggler_threshold slower than the median is logged with its host.
+- GC: Python's collector is off during steps and runs on every rank at the same step, every
+  train.gc_interval steps (MegaScale traced decaying MFU to ranks collecting at different times).
+- Faults (MEGAREPRO_FAULT, for tests and experiments/faults.py): kill:RANK@STEP (SIGKILL itself),
+  hang:RANK@STEP (sleeps forever), disk_full@STEP (the save at that step fails with ENOSPC),
+  truncate@STEP (truncates the newest checkpoint's data, then SIGKILLs itself), slow_save@SECONDS
+  (each background checkpoint write takes that much longer). Several, comma-separated; each
+  fires only in the attempt (restart) it names with #ATTEMPT, default 0.
+"""
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import logging
+import os
+import signal
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("ft")
+HANG_EXIT = 75  # what a rank exits with when it finds the job hung (EX_TEMPFAIL: retry)
+
+
+@dataclass
+class FTConfig:
+    collective_timeout: float = 600.0   # seconds a collective may wait before it fails
+    hang_timeout: float = 300.0         # seconds without progress before a rank reports a hang and exits
+    heartbeat_interval: float = 1.0     # seconds between heartbeat writes and checks
+    straggler_interval: int = 50        # steps between gathers of per-rank compute time; 0: off
+    straggler_threshold: float = 0.2    # a rank this much slower than the median is reported
+
+
+def attempt() -> int:
+    """Which restart of the job this is (torchrun counts them; a requeued SLURM job too)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", 0)))
+
+
+class Heartbeat:
+    """This rank's progress, published and watched by a daemon thread."""
+
+    def __init__(self, run_dir: Path, rank: int, world: int, cfg: FTConfig):
+        self.dir, self.rank, self.world, self.cfg = Path(run_dir) / "heartbeat", rank, world, cfg
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.step, self.phase, self.changed = 0, "start", time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def progress(self, step: int, phase: str) -> None:
+        self.step, self.phase, self.changed = step, phase, time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_interval):
+            self._publish()
+            idle = time.monotonic() - self.changed
+            if idle > self.cfg.hang_timeout and self.phase != "done":
+                self._report_hang(idle)
+
+    def _publish(self) -> None:
+        beat = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt(),
+                "step": self.step, "phase": self.phase, "idle_s": round(time.monotonic() - self.changed, 3),
+                "time": time.time()}
+        path = self.dir / f"rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(beat))
+        os.replace(tmp, path)
+
+    def _report_hang(self, idle: float) -> None:
+        """Name the rank that is behind (lowest step, then longest idle) and exit for a restart."""
+        beats = []
+        for k in range(self.world):
+            try:
+                beats.append(json.loads((self.dir / f"rank{k}.json").read_text()))
+            except (OSError, ValueError):
+                beats.append({"rank": k, "step": -1, "phase": "no heartbeat", "idle_s": float("inf"), "host": "?"})
+        behind = min(beats, key=lambda b: (b["step"], -b["idle_s"]))
+        log.error("hang: no progress on rank %d for %.0f s (step %d, %s); rank %d on %s is behind at step %d, "
+                  "phase %s. Exiting %d so the launcher restarts the job from the newest checkpoint.",
+                  self.rank, idle, self.step, self.phase, behind["rank"], behind["host"], behind["step"],
+                  behind["phase"], HANG_EXIT)
+        _append(self.dir.parent / "faults.jsonl", {"event": "hang_detected", "rank": self.rank, "idle_s": idle,
+                                                  "behind_rank": behind["rank"], "behind_phase": behind["phase"],
+                                                  "step": self.step, "attempt": attempt(), "time": time.time()})
+        logging.shutdown()
+        os._exit(HANG_EXIT)
+
+
+def stragglers(compute_s: float, layout, threshold: float) -> list:
+    """Gather every rank's compute time; return [(rank, host, seconds, slowdown)] of those more
+    than `threshold` slower than the median (every rank gets the list)."""
+    mine = (layout.rank, socket.gethostname(), compute_s)
+    everyone = [mine]
+    if layout.world > 1:
+        everyone = [None] * layout.world
+        dist.all_gather_object(everyone, mine)
+    median = statistics.median(t for _, _, t in everyone)
+    return [(r, h, t, t / median - 1) for r, h, t in everyone if median > 0 and t > median * (1 + threshold)]
+
+
+class CollectGarbage:
+    """gc off for the run; a full collection on every rank at the same steps."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.was_enabled = gc.isenabled()
+        if interval > 0:
+            gc.disable()
+
+    def after_step(self, step: int) -> float:
+        if self.interval > 0 and step % self.interval == 0:
+            t0 = time.perf_counter()
+            gc.collect()
+            return time.perf_counter() - t0
+        return 0.0
+
+    def close(self) -> None:
+        if self.was_enabled:
+            gc.enable()
+
+
+# --- Fault injection ---
+
+def planned_faults() -> list:
+    """[(kind, rank or None, value)] from MEGAREPRO_FAULT (KIND[:RANK]@VALUE[#ATTEMPT], comma-
+    separated) that fire in this attempt."""
+    out = []
+    for item in filter(None, (s.strip() for s in os.environ.get("MEGAREPRO_FAULT", "").split(","))):
+        item, _, when = item.partition("#")
+        head, _, value = item.partition("@")
+        kind, _, rank = head.partition(":")
+        if int(when or 0) == attempt():
+            out.append((kind, int(rank) if rank else None, float(value)))
+    return out
+
+
+class Faults:
+    """Fires the planned faults at their steps (checked by train.py after each step)."""
+
+    def __init__(self, rank: int, run_dir: Path):
+        self.rank, self.run_dir = rank, Path(run_dir)
+        self.plan = [(k, r, v) for k, r, v in planned_faults() if r is None or r == rank]
+
+    def _mine(self, kind: str, step: int) -> bool:
+        return any(k == kind and int(v) == step for k, _, v in self.plan)
+
+    def after_step(self, step: int, ckpt_dir: Path) -> None:
+        if self._mine("kill", step):
+            self._note("kill", step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._mine("hang", step):
+            self._note("hang", step)
+            while True:
+                time.sleep(3600)
+        if self._mine("truncate", step):
+            import checkpoint
+            newest = checkpoint.latest(ckpt_dir)
+            if newest is not None:
+                data = sorted(newest.glob("*.distcp"))[-1]
+                os.truncate(data, data.stat().st_size // 2)
+            self._note("truncate", step, folder=str(newest))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_save(self, step: int, saver) -> None:
+        """Arm the checkpoint writer: a full disk for this step's save, a slow disk for every save."""
+        saver.write_delay = max([v for k, _, v in self.plan if k == "slow_save"], default=0.0)
+        if self._mine("disk_full", step):
+            self._note("disk_full", step)
+            saver.write_error = OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def _note(self, kind: str, step: int, **extra) -> None:
+        _append(self.run_dir / "faults.jsonl", {"event": f"injected_{kind}", "rank": self.rank, "step": step,
+                                               "attempt": attempt(), "time": time.time(), **extra})
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,140 @@
+"""Sharded checkpoints (checkpoint.py): resume at the same layout is bitwise, resume at another
+layout continues the same training within fp32 tolerance, async saves write the same bytes as
+sync ones, and a checkpoint that does not verify is never loaded."""
+import io
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint
+
+import checkpoint
+import train
+from conftest import SMALL, read_metrics, run_train
+
+# Saved at tp2 x dp2 with ZeRO-1: TP slices and ZeRO's flat ranges of them are both in the files.
+SAVED_AT = ["parallel.tp=2", "parallel.zero_stage=1"]
+ARGS = SMALL + ["precision=fp32", "train.max_steps=5"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache_dir):
+    """5 uninterrupted steps at tp2 x dp2, saving at step 3."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    run_train(run_dir, ARGS + SAVED_AT + ["checkpoint.interval=3"], cache_dir, nproc=4)
+    return [r["loss"] for r in read_metrics(run_dir)], checkpoint.step_dir(run_dir / "checkpoints", 3)
+
+
+def test_resume_at_the_same_layout_is_bitwise(straight, tmp_path, cache_dir):
+    losses, step3 = straight
+    run_train(tmp_path, ARGS + SAVED_AT + [f"resume={step3}"], cache_dir, nproc=4)
+    assert [r["loss"] for r in read_metrics(tmp_path)] == losses[3:]
+
+
+@pytest.mark.parametrize("ranks, layout", [
+    (1, ["parallel.zero_stage=0"]),                                            # tp1 x pp1 x dp1
+    (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"]),       # tp2 -> pp2 vpp2, dp2 -> 1
+    (2, ["parallel.zero_stage=2"]),                                            # tp2 -> 1, dp2, zero 1 -> 2
+])
+def test_resume_at_another_layout_continues_the_same_run(straight, ranks, layout, tmp_path, cache_dir):
+    """Model and optimizer state (Adam moments of ZeRO shards included) land where the new layout
+    keeps them: the next steps' losses are the uninterrupted run's, within fp32 tolerance."""
+    losses, step3 = straight
+    run_train(tmp_path, ARGS + layout + [f"resume={step3}"], cache_dir, nproc=ranks)
+    resumed = [r["loss"] for r in read_metrics(tmp_path)]
+    assert len(resumed) == 2
+    assert resumed == pytest.approx(losses[3:], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory, cache_dir):
+    """4 steps in one process, saving (synchronously) at steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("sync")
+    run_train(run_dir, ASYNC_ARGS, cache_dir)
+    return run_dir
+
+
+ASYNC_ARGS = SMALL + ["precision=fp32", "train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep=0"]
+
+
+def test_async_save_writes_what_sync_save_writes(sync_run, tmp_path, cache_dir):
+    run_train(tmp_path, ASYNC_ARGS + ["checkpoint.async_save=true"], cache_dir)
+    for step in (2, 4):
+        sync, asyn = (checkpoint.step_dir(d / "checkpoints", step) for d in (sync_run, tmp_path))
+        a, b = saved_items(sync), saved_items(asyn)
+        assert a.keys() == b.keys() and any(k[0].startswith("optim/") for k in a if isinstance(k, tuple))
+        for key in a:
+            if key != "config":  # (which says checkpoint.async_save=true in one of them)
+                assert same(a[key], b[key]), (step, key)
+    stalls = json.loads((tmp_path / "run.json").read_text())["final"]["checkpoint_stall_s"]
+    assert len(stalls) == 2
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    if hasattr(a, "shape"):  # numpy
+        return a.shape == b.shape and (a == b).all()
+    return a == b
+
+
+def saved_items(folder) -> dict:
+    """Every item as stored, by key (and offset for tensor pieces): a tensor's raw bytes, and a
+    non-tensor's value (stored pickled, and pickles of tensors carry a per-save id)."""
+    meta = torch.distributed.checkpoint.FileSystemReader(folder).read_metadata()
+    out = {}
+    for index, info in meta.storage_data.items():
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        if isinstance(meta.state_dict_metadata[index.fqn], torch.distributed.checkpoint.metadata.BytesStorageMetadata):
+            out[index.fqn] = pickle.loads(torch.load(io.BytesIO(raw), weights_only=False).getvalue())
+        else:
+            out[(index.fqn, tuple(index.offset))] = raw
+    return out
+
+
+def test_a_checkpoint_that_does_not_verify_is_skipped(sync_run, tmp_path, capsys):
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(sync_run / "checkpoints", ckpt)
+    step2, step4 = checkpoint.step_dir(ckpt, 2), checkpoint.step_dir(ckpt, 4)
+    assert checkpoint.latest(ckpt) == step4
+    data = next(step4.glob("*.distcp"))
+    original = data.read_bytes()
+    data.write_bytes(original[:len(original) // 2])  # truncated
+    assert "not the size" in checkpoint.problem(step4) and checkpoint.latest(ckpt) == step2
+    data.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # same size, one bit flipped
+    assert "sha256" in checkpoint.problem(step4) and checkpoint.latest(ckpt) == step2
+    # train.py, told to resume from it, says why in one line and exits 2
+    with pytest.raises(SystemExit) as exit:
+        train.resume(str(step4), ckpt, None, None, None, None, None)
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and err.startswith("config error: resume:") and len(err.splitlines()) == 1
+    data.write_bytes(original)
+    (step4 / checkpoint.MANIFEST).unlink()  # an interrupted save: its manifest was never written
+    assert checkpoint.latest(ckpt) == step2
+    shutil.rmtree(step2)
+    assert checkpoint.latest(ckpt) is None
+
+
+@pytest.mark.parametrize("shape, lo, hi, expected", [
+    ((10,), 3, 7, [((3,), (4,), 3)]),
+    ((4, 5), 5, 15, [((1, 0), (2, 5), 5)]),                                       # whole rows
+    ((4, 5), 7, 9, [((1, 2), (1, 2), 7)]),                                        # inside one row
+    ((4, 5), 3, 17, [((0, 3), (1, 2), 3), ((1, 0), (2, 5), 5), ((3, 0), (1, 2), 15)]),
+    ((4, 5), 3, 10, [((0, 3), (1, 2), 3), ((1, 0), (1, 5), 5)]),
+    ((4, 5), 6, 6, []),
+])
+def test_a_flat_range_is_covered_by_rectangles(shape, lo, hi, expected):
+    rects = checkpoint.flat_range_rectangles(shape, lo, hi)
+    assert rects == expected
+    values = torch.arange(torch.Size(shape).numel()).view(shape)
+    covered = sorted(int(v) for offs, sizes, _ in rects
+                     for v in values[tuple(slice(o, o + n) for o, n in zip(offs, sizes))].flatten())
+    assert covered == list(range(lo, hi))
