@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         usage="emucluster.py --hosts N [--ranks-per-host R] [--bandwidth RATE] [--host-bandwidth K=RATE] "
               "[--kill-host K --after S] [--timeout S] [--rundir DIR] -- SCRIPT [ARGS...]",
         description="Run a torchrun job across N emulated hosts (network namespaces) with throttled links.")
-    p.add_argument("--hosts", type=int, required=True, help="number of emulated hosts (nodes)")
+    p.add_argument("--hosts", type=int, default=1, help="number of emulated hosts (nodes)")
     p.add_argument("--ranks-per-host", type=int, default=1, help="torchrun --nproc_per_node on each host")
     p.add_argument("--bandwidth", default="2gbit",
                    help="each host's link rate, tc syntax (2gbit, 200mbit, 100mbps) or 'none' (default 2gbit)")
@@ -62,11 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rundir", type=Path, default=None,
                    help="write each host's output to DIR/host<K>.log (it is streamed to stdout either way)")
     p.add_argument("--loopback", action="store_true", help="skip the namespaces: one torchrun on loopback")
+    p.add_argument("--check", action="store_true",
+                   help="only say whether namespaces can be made here (exit 0) or why not (exit 1)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
-    if not args.command:
+    if not args.command and not args.check:
         p.error("missing the training script: ... -- SCRIPT [ARGS...]")
     if args.hosts < 1 or args.ranks_per_host < 1:
         p.error("--hosts and --ranks-per-host must be >= 1")
@@ -363,6 +365,10 @@ def main(argv=None) -> int:
     # SIGINT too: a shell starts background jobs with it ignored, and Ctrl-C must still clean up
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, on_signal)
+    if args.check:
+        reason = why_no_namespaces()
+        print(f"emucluster: {reason or 'network namespaces available'}", flush=True)
+        return 1 if reason else 0
     try:
         reason = "--loopback given" if args.loopback else why_no_namespaces()
         return run_loopback(args, reason) if reason else run_emulated(args)
