@@ -7,7 +7,8 @@
     python experiments/bench_kernels.py --only fused --device cuda --fused true,triton
 
 Every number is forward + backward, the median of --reps timed runs after --warmup untimed
-ones (the first of which compiles, for the fused path; its time is reported separately).
+ones (the first of which compiles, for the fused path; its time is reported separately). The
+eager and fused runs of an op alternate, so that load from other processes falls on both.
 
 (a) fused: each kernels.fused value of --fused (true: torch.compile'd functions; triton: the
     Triton kernels, CUDA only) against the eager reference for the LayerNorm, the residual add +
@@ -86,17 +87,26 @@ def cuda_clock() -> float:
 
 def timed(fn, reps: int, warmup: int, clock) -> tuple[float, float]:
     """(median seconds of the timed runs, seconds of the first call)."""
-    start = clock()
-    fn()
-    first = clock() - start
-    for _ in range(warmup - 1):
-        fn()
-    times = []
-    for _ in range(reps):
+    return timed_together([fn], reps, warmup, clock)[0]
+
+
+def timed_together(fns, reps: int, warmup: int, clock) -> list:
+    """timed() for each of fns, their timed runs taken in turn (a, b, a, b, ...): a burst of load
+    from another process then slows each alike, rather than all the runs of one of them."""
+    firsts = []
+    for fn in fns:
         start = clock()
         fn()
-        times.append(clock() - start)
-    return statistics.median(times), first
+        firsts.append(clock() - start)
+        for _ in range(warmup - 1):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, t in zip(fns, times):
+            start = clock()
+            fn()
+            t.append(clock() - start)
+    return [(statistics.median(t), first) for t, first in zip(times, firsts)]
 
 
 def forward_backward(fn, inputs):
@@ -162,11 +172,9 @@ def bench_fused(args, dtype, clock) -> None:
     print("| op | eager ms | " + " | ".join(f"{n} ms | speed-up | first {n} call s" for n in names) + " |")
     print("|---|---:|" + "---:|---:|---:|" * len(values))
     for name, make in fused_ops(args, dtype).items():
-        eager, _ = timed(make(False), args.reps, args.warmup, clock)
-        cells = []
-        for value in values:  # the first call compiles (true) or JIT-builds the kernels (triton)
-            fused, first = timed(make(value), args.reps, args.warmup, clock)
-            cells.append(f"{fused * 1e3:.1f} | {eager / fused:.2f}x | {first:.1f}")
+        # The first call compiles (true) or JIT-builds the kernels (triton).
+        (eager, _), *fused = timed_together([make(v) for v in [False, *values]], args.reps, args.warmup, clock)
+        cells = [f"{t * 1e3:.1f} | {eager / t:.2f}x | {first:.1f}" for t, first in fused]
         print(f"| {name} | {eager * 1e3:.1f} | " + " | ".join(cells) + " |", flush=True)
 
 
