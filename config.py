@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from checkpoint import CheckpointConfig
 from ft import FTConfig
 from data import DataConfig
-from kernels import ATTENTION_IMPLS, KernelsConfig
+from kernels import ATTENTION_IMPLS, FUSED_IMPLS, KernelsConfig
 from model import ModelConfig
 from optim import OptimConfig
 from parallel import ParallelConfig
@@ -242,6 +242,7 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     _choice("hardware.device", cfg.hardware.device, ("auto", "cpu", "cuda"))
     _choice("hardware.backend", cfg.hardware.backend, ("auto", "gloo", "nccl"))
     _choice("kernels.attention", cfg.kernels.attention, ATTENTION_IMPLS)
+    _choice("kernels.fused", cfg.kernels.fused, FUSED_IMPLS)
     _choice("train.recompute", t.recompute, ("none", "selective", "full"))
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("online", "offline", "disabled"))
     if m.d_model % m.n_heads:

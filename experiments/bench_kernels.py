@@ -4,13 +4,16 @@
     python experiments/bench_kernels.py --only fused --shape 16,256,256
     python experiments/bench_kernels.py --only attention --seqs 2048,4096 --windows 512
     python experiments/bench_kernels.py --threads 1 --clock cpu   # on a shared machine, see below
+    python experiments/bench_kernels.py --only fused --device cuda --fused true,triton
 
 Every number is forward + backward, the median of --reps timed runs after --warmup untimed
-ones (the first of which compiles, for the fused path; its time is reported separately).
+ones (the first of which compiles, for the fused path; its time is reported separately). The
+eager and fused runs of an op alternate, so that load from other processes falls on both.
 
-(a) fused: kernels.fused=true (torch.compile'd functions) against the eager reference for the
-    LayerNorm, the residual add + LayerNorm, bias + GeLU (on the MLP's 4h-wide activation) and
-    the cross-entropy, each on its own, and "LN+GeLU", the two ops the MLP input goes through.
+(a) fused: each kernels.fused value of --fused (true: torch.compile'd functions; triton: the
+    Triton kernels, CUDA only) against the eager reference for the LayerNorm, the residual add +
+    LayerNorm, bias + GeLU (on the MLP's 4h-wide activation) and the cross-entropy, each on its
+    own, and "LN+GeLU", the two ops the MLP input goes through.
 (b) attention: kernels.attention_banded against one causal SDPA call (which already skips the
     upper triangle), B=1, for every sequence length and window. "FLOP ratio" is the speed-up the
     work alone predicts, s / (2·(W + block)); "x2 s" is the time ratio to the previous, half as
@@ -48,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=("fused", "attention", "all"), default="all")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--fused", default="true", help="kernels.fused values to time against eager: true, triton or both")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -74,19 +79,34 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 62))
 
 
+def cuda_clock() -> float:
+    """The wall clock once the GPU has finished: CUDA kernels run asynchronously."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def timed(fn, reps: int, warmup: int, clock) -> tuple[float, float]:
     """(median seconds of the timed runs, seconds of the first call)."""
-    start = clock()
-    fn()
-    first = clock() - start
-    for _ in range(warmup - 1):
-        fn()
-    times = []
-    for _ in range(reps):
+    return timed_together([fn], reps, warmup, clock)[0]
+
+
+def timed_together(fns, reps: int, warmup: int, clock) -> list:
+    """timed() for each of fns, their timed runs taken in turn (a, b, a, b, ...): a burst of load
+    from another process then slows each alike, rather than all the runs of one of them."""
+    firsts = []
+    for fn in fns:
         start = clock()
         fn()
-        times.append(clock() - start)
-    return statistics.median(times), first
+        firsts.append(clock() - start)
+        for _ in range(warmup - 1):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, t in zip(fns, times):
+            start = clock()
+            fn()
+            t.append(clock() - start)
+    return [(statistics.median(t), first) for t, first in zip(times, firsts)]
 
 
 def forward_backward(fn, inputs):
@@ -106,10 +126,10 @@ def forward_backward(fn, inputs):
 def fused_ops(args, dtype):
     """name -> (fn(fused) -> closure), on the shapes of one transformer layer's activations."""
     B, T, h = (int(s) for s in args.shape.split(","))
-    leaf = lambda *shape: torch.randn(*shape, dtype=dtype).requires_grad_()
-    norm = nn.LayerNorm(h).to(dtype)
+    leaf = lambda *shape: torch.randn(*shape, dtype=dtype, device=args.device).requires_grad_()
+    norm = nn.LayerNorm(h).to(args.device, dtype)
     x, delta, pre_gelu, bias = leaf(B, T, h), leaf(B, T, h), leaf(B, T, 4 * h), leaf(4 * h)
-    logits, targets = leaf(B * T // 8, args.vocab), torch.randint(0, args.vocab, (B * T // 8,))
+    logits, targets = leaf(B * T // 8, args.vocab), torch.randint(0, args.vocab, (B * T // 8,), device=args.device)
     params = list(norm.parameters())
 
     def ln(fused):
@@ -132,15 +152,30 @@ def fused_ops(args, dtype):
             f"cross-entropy ({B * T // 8}x{args.vocab})": ce}
 
 
+def fused_values(args) -> list:
+    """--fused as kernels.fused values; triton dropped, with a line saying why, off CUDA (Triton's
+    CPU interpreter runs Python per program: correct, and useless to time)."""
+    known = {"true": True, "triton": "triton"}
+    if not set(args.fused.split(",")) <= set(known):
+        sys.exit(f"--fused {args.fused}: use true, triton or true,triton")
+    values = [known[v] for v in args.fused.split(",")]
+    if "triton" in values and args.device != "cuda":
+        print("kernels.fused=triton: not timed, Triton kernels run on CUDA only (--device cuda)")
+        values.remove("triton")
+    return values
+
+
 def bench_fused(args, dtype, clock) -> None:
-    print(f"\n### Fused vs eager, {args.dtype}, activations {args.shape}, forward + backward\n")
-    print("| op | eager ms | fused ms | speed-up | first fused call (compile) s |")
-    print("|---|---:|---:|---:|---:|")
+    values = fused_values(args)
+    names = ["fused" if v is True else str(v) for v in values]
+    print(f"\n### Fused vs eager, {args.dtype} on {args.device}, activations {args.shape}, forward + backward\n")
+    print("| op | eager ms | " + " | ".join(f"{n} ms | speed-up | first {n} call s" for n in names) + " |")
+    print("|---|---:|" + "---:|---:|---:|" * len(values))
     for name, make in fused_ops(args, dtype).items():
-        eager, _ = timed(make(False), args.reps, args.warmup, clock)
-        fused, first = timed(make(True), args.reps, args.warmup, clock)
-        print(f"| {name} | {eager * 1e3:.1f} | {fused * 1e3:.1f} | {eager / fused:.2f}x | {first:.1f} |",
-              flush=True)
+        # The first call compiles (true) or JIT-builds the kernels (triton).
+        (eager, _), *fused = timed_together([make(v) for v in [False, *values]], args.reps, args.warmup, clock)
+        cells = [f"{t * 1e3:.1f} | {eager / t:.2f}x | {first:.1f}" for t, first in fused]
+        print(f"| {name} | {eager * 1e3:.1f} | " + " | ".join(cells) + " |", flush=True)
 
 
 def bench_attention(args, dtype, clock) -> None:
@@ -152,7 +187,7 @@ def bench_attention(args, dtype, clock) -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     banded_times = {}
     for s in seqs:
-        q, k, v = (torch.randn(1, H, s, D, dtype=dtype).requires_grad_() for _ in range(3))
+        q, k, v = (torch.randn(1, H, s, D, dtype=dtype, device=args.device).requires_grad_() for _ in range(3))
         full, _ = timed(forward_backward(lambda a, b, c: kernels.attention_sdpa(a, b, c, None), [q, k, v]),
                         args.reps, args.warmup, clock)
         for W in windows:
@@ -171,8 +206,10 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     recycled = args.malloc == "recycle" and keep_freed_memory()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.device == "cuda":
+        clock = cuda_clock
     dtype = DTYPES[args.dtype]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, {args.clock} clock, "
           f"median of {args.reps} after {args.warmup} warm-up, "
           f"{'recycled' if recycled else 'default'} malloc")
     if args.only in ("fused", "all"):

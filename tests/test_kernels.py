@@ -6,6 +6,10 @@ Compiling is what costs here, so the fused tests use one shape per dtype: each c
 function is built once and reused across tests.
 """
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,3 +237,184 @@ def test_model_with_every_fast_path_equals_eager_model():
         torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
         for name, g in grads[0].items():
             torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# --- Triton kernels (kernels.fused=triton), run by Triton's interpreter on CPU ---
+
+def import_triton_for_its_interpreter() -> bool:
+    """Import triton, if installed, with TRITON_INTERPRET=1 set, as the interpreter needs: triton
+    wraps its own library functions (tl.sum and the like) when triton.language is imported, and
+    only so wrapped do they run in the interpreter. The variable is unset again at once, so no
+    other test, nor a process one starts, sees it. False if triton is not installed."""
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            import triton.language  # noqa: F401
+        except ImportError:
+            pass
+        finally:
+            del os.environ["TRITON_INTERPRET"]
+    return kernels.triton_importable()
+
+
+T_ROWS = (2, 5)  # the interpreter runs each row's program in Python: few rows, so that it takes seconds
+
+needs_triton = pytest.mark.skipif(not import_triton_for_its_interpreter(),
+                                  reason="triton is not installed (the optional extra: pip install '.[triton]')")
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton's interpreter runs the kernels on CPU tensors, on any host. TRITON_INTERPRET=1 must
+    also be set when the kernels are built (triton.jit reads it as it wraps each function), so
+    the cache of built kernels is cleared before and after.
+
+    The interpreter rounds fp32 -> bf16 toward zero, where compiled Triton rounds to nearest even
+    (the default of its casts): left alone, bf16 outputs would carry up to twice eager's rounding
+    error, the interpreter's and not the kernel's. So here it rounds as compiled code does."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not isinstance(tl.sum, interpreter.InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module?); "
+                    "run tests/test_kernels.py on its own")
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_to_nearest(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_to_nearest)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels._triton_kernels.cache_clear()
+    yield
+    assert kernels._triton_kernels.cache_info().currsize, "the Triton kernels never ran"
+    kernels._triton_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.usefixtures("triton_interpreter")
+@needs_triton
+def test_triton_layer_norm(dtype, bias, residual):
+    """LayerNorm and residual add + LayerNorm, all in one dtype."""
+    norm = layer_norm_module(bias, dtype)
+    if residual:
+        inputs = [leaf(*T_ROWS, HIDDEN, dtype=dtype, scale=3.0, shift=2.0), leaf(*T_ROWS, HIDDEN, dtype=dtype, seed=1)]
+        check_same(lambda x, d, n: kernels.add_layer_norm(x, d, n),
+                   lambda x, d, n: kernels.add_layer_norm(x, d, n, fused="triton"), inputs, norm=norm)
+    else:
+        check_same(lambda x, n: kernels.layer_norm(x, n), lambda x, n: kernels.layer_norm(x, n, fused="triton"),
+                   [leaf(*T_ROWS, HIDDEN, dtype=dtype, scale=3.0, shift=2.0)], norm=norm)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@needs_triton
+def test_triton_add_layer_norm_under_autocast_dtypes():
+    """As under autocast: an fp32 residual stream, a bf16 branch output, fp32 LayerNorm parameters."""
+    inputs = [leaf(*T_ROWS, HIDDEN), leaf(*T_ROWS, HIDDEN, dtype=torch.bfloat16, seed=1)]
+    check_same(lambda x, d, n: kernels.add_layer_norm(x, d, n),
+               lambda x, d, n: kernels.add_layer_norm(x, d, n, fused="triton"), inputs,
+               norm=layer_norm_module(True, torch.float32))
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
+@pytest.mark.usefixtures("triton_interpreter")
+@needs_triton
+def test_triton_bias_gelu(dtype, bias):
+    # 40 rows and 200 columns: partial tiles in both directions (32 x 128 tiles).
+    inputs = [leaf(40, 200, dtype=dtype, scale=2.0)] + ([leaf(200, seed=1)] if bias else [])
+    check_same(lambda x, b=None: kernels.bias_gelu(x, b), lambda x, b=None: kernels.bias_gelu(x, b, fused="triton"),
+               inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.usefixtures("triton_interpreter")
+@needs_triton
+def test_triton_cross_entropy(dtype, monkeypatch):
+    # Blocks of 64 of a vocab of 200: the online log-sum-exp rescales across blocks and the last is partial.
+    monkeypatch.setattr(kernels, "_vocab_block", lambda V: 64)
+    logits = leaf(*T_ROWS, 200, dtype=dtype, scale=4.0)
+    targets = torch.randint(0, 200, T_ROWS, generator=torch.Generator().manual_seed(3))
+    check_same(lambda z: kernels.cross_entropy(z, targets), lambda z: kernels.cross_entropy(z, targets, fused="triton"),
+               [logits])
+
+
+@needs_triton
+def test_triton_on_cpu_says_what_to_use_instead(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="use kernels.fused=true"):
+        kernels.bias_gelu(torch.randn(4, 8), None, fused="triton")
+
+
+def test_triton_missing_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(kernels, "triton_importable", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install '\.\[triton\]'.*use kernels.fused=true"):
+        kernels.layer_norm(torch.randn(4, 8), nn.LayerNorm(8), fused="triton")
+
+
+def test_fused_switch_values():
+    """kernels.fused takes false, true or triton from the command line; anything else is refused."""
+    import config
+    assert config.compose(["kernels.fused=triton"]).kernels.fused == "triton"
+    cfg = config.compose(["kernels.fused=true"])
+    assert cfg.kernels.fused is True
+    cfg.kernels.fused = "tritn"
+    with pytest.raises(config.ConfigError, match="kernels.fused: unknown value 'tritn'"):
+        config.validate(cfg, world=1)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@needs_triton
+def test_model_with_triton_kernels_equals_eager_model():
+    """kernels.fused=triton reaches every fused op of the model: the sequential block runs all four."""
+    from model import GPT, ModelConfig
+    cfg = ModelConfig(n_layers=1, n_heads=2, d_model=32, vocab_size=64, block="sequential")
+    eager = GPT(cfg)
+    eager.init_weights(seed=0)
+    fast = GPT(cfg, kernels.KernelsConfig(fused="triton"))
+    fast.load_state_dict(eager.state_dict())
+    tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    losses, grads = [], []
+    for net, fused in ((eager, False), (fast, "triton")):
+        loss = kernels.cross_entropy(net(tokens[:, :-1]), tokens[:, 1:], fused=fused)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in net.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# Every kernel compiled for an H100 (sm_90) by Triton's own compiler and ptxas, no GPU needed: what
+# the interpreter does not check (types, loop-carried values, the closures the kernels live in).
+# A fresh process, as triton here was imported for the interpreter.
+COMPILE_FOR_GPU = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels
+k, f32 = kernels._triton_kernels(), "*fp32"
+for t in ("*bf16", "*fp32"):
+    for fn, types, consts in [
+        (k.layer_norm_fwd, [t, t, f32, f32, t, t, f32, f32, "i32", "fp32"], dict(HAS_DELTA=True, HAS_BIAS=True, BLOCK=1024)),
+        (k.layer_norm_bwd, [t, f32, f32, f32, t, t, t, f32, f32, "i32", "i32"], dict(HAS_DSUM=True, BLOCK=1024)),
+        (k.bias_gelu, [t, f32, t, t, f32, "i32", "i32"], dict(HAS_BIAS=True, BACKWARD=False, BLOCK_M=32, BLOCK_N=128)),
+        (k.bias_gelu, [t, f32, t, t, f32, "i32", "i32"], dict(HAS_BIAS=True, BACKWARD=True, BLOCK_M=32, BLOCK_N=128)),
+        (k.cross_entropy_fwd, [t, "*i64", f32, f32, "i32"], dict(BLOCK_V=4096)),
+        (k.cross_entropy_bwd, [t, "*i64", f32, f32, t, "i32"], dict(BLOCK_V=4096)),
+    ]:
+        signature = dict(zip(fn.arg_names, types)) | {name: "constexpr" for name in consts}
+        triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+@needs_triton
+def test_triton_kernels_compile_for_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
