@@ -342,7 +342,7 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
     if ptb:
         items.append(("add", shard))
     for name, width in items:
-        pf, pb, of, ob = ELEMENTWISE[name][cfg.kernels.fused]
+        pf, pb, of, ob = ELEMENTWISE[name][bool(cfg.kernels.fused)]  # true or triton: fused
         fwd["elementwise"] = fwd.get("elementwise", 0.0) + stream_time(r, pf * width * M * e, of)
         bwd["elementwise"] = bwd.get("elementwise", 0.0) + stream_time(r, pb * width * M * e, ob)
 
@@ -398,7 +398,7 @@ def _elem(cfg: config.Config) -> int:
 def ends_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
     """The first rank's embedding and the last rank's norm, head and loss: ((fwd, bwd), (fwd, bwd))."""
     m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, _elem(cfg)
-    h, V, fused = m.d_model, m.vocab_size // lay.tp, cfg.kernels.fused
+    h, V, fused = m.d_model, m.vocab_size // lay.tp, bool(cfg.kernels.fused)
     emb_f = {"elementwise": stream_time(r, 2 * M * h * e)}
     emb_b = {"elementwise": stream_time(r, M * h * (e + 8), 2)}  # scatter-add into the fp32 grad
     head_f = {"gemm": gemm_time(r, M, V, h, 1, e)}
