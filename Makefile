@@ -25,8 +25,8 @@ venv: $(STAMP)
 # figures. W&B runs offline (wandb/ in each job's dir; `wandb sync` uploads).
 # Where root allows, on the emulated cluster (experiments/emucluster.py): 2 hosts x 2 ranks, TP
 # inside a host over its loopback, DP across throttled links ($(DEMO_LINK)), so communication costs
-# what it would between hosts. Otherwise tp2 on 2 gloo ranks over this machine's loopback. The
-# table says which fabric each run used.
+# what it would between hosts (20 steps per job: 4 ranks share the 2 cores). Otherwise tp2 on 2
+# gloo ranks over this machine's loopback. The table says which fabric each run used.
 # := expands once, so every command sees one dir (no comment after a value: make keeps its spaces)
 NOW := $(shell date +%Y-%m-%d_%H-%M-%S)
 SWEEP ?= multirun/ablation-$(NOW)
@@ -34,7 +34,7 @@ DEMO_LINK ?= 250mbit
 ABLATION = train.py -m experiment=megascale_ablation 'ablation.step=range(0,9)' logging.wandb.mode=offline hydra.sweep.dir=$(SWEEP)
 demo: $(STAMP)
 	if $(BIN)/python experiments/emucluster.py --check; then \
-		$(BIN)/python experiments/emucluster.py --hosts 2 --ranks-per-host 2 --bandwidth $(DEMO_LINK) -- $(ABLATION); \
+		$(BIN)/python experiments/emucluster.py --hosts 2 --ranks-per-host 2 --bandwidth $(DEMO_LINK) -- $(ABLATION) train.max_steps=20; \
 	else \
 		$(BIN)/torchrun --standalone --nproc_per_node 2 $(ABLATION); \
 	fi

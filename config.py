@@ -277,6 +277,11 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
         if not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
                               "use hardware.device=cpu (or auto) on this machine")
+    if cfg.resume not in ("auto", "none") and not remote:  # a launcher's nodes may see other paths
+        from checkpoint import MANIFEST
+        if not (Path(cfg.resume) / MANIFEST).is_file():
+            raise ConfigError("resume", f"{cfg.resume} is not a complete checkpoint (no {MANIFEST})",
+                              "give a checkpoints/step_* folder, or resume=auto|none")
     if not 0 <= cfg.ablation.step <= 8:
         raise ConfigError("ablation.step", f"{cfg.ablation.step} is not a step of Table 3",
                           "use 0 (baseline) to 8 (+LAMB), or the multirun ablation.step=range(0,9)")

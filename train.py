@@ -247,8 +247,11 @@ def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group
         return 0
     folder, why = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        folder = checkpoint.latest(ckpt_dir) if how == "auto" else Path(how)
-        why = None if folder is None else checkpoint.problem(folder)
+        if how == "auto":
+            folder = checkpoint.latest(ckpt_dir)  # the newest that verifies
+        else:
+            folder = Path(how)
+            why = checkpoint.problem(folder)
     if dist.is_initialized():
         box = [folder, why]
         dist.broadcast_object_list(box, src=0, group=group)

@@ -81,6 +81,8 @@ def test_dry_run_prints_175B_size_without_hardware(tmp_path, cache_dir):
     ("data.source=/no/such/corpus.txt", "data.source"),
     ("hardware.device=tpu", "hardware.device"),
     ("model=175b", "model"),
+    ("resume=/no/such/checkpoints/step_00000010", "resume"),
+    ("ft.hang_timeout=0", "ft.hang_timeout"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, cache_dir, override, key):
     proc = run_train(tmp_path, [override], cache_dir, check=False)
