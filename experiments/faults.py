@@ -47,8 +47,8 @@ def torchrun(ranks: int, run_dir: Path, steps: int, faults: str = "", extra=()) 
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def rows(run_dir: Path) -> list:
-    path = run_dir / "metrics.jsonl"
+def rows(run_dir) -> list:
+    path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -77,7 +77,8 @@ def run_scenario(ranks: int, out: Path, steps: int = 12) -> dict:
     second = torchrun(ranks, faulty, steps, LAUNCH_2)
     code_2 = second.wait()
     statuses = [a["status"] for a in json.loads((faulty / "run.json").read_text())["attempts"]]
-    return {"ranks": ranks, "exit_codes": [code_1, code_2], "attempts": statuses, "sigterm_at": sigterm_at,
+    return {"ranks": ranks, "run_dir": str(faulty), "exit_codes": [code_1, code_2], "attempts": statuses,
+            "sigterm_at": sigterm_at,
             "reference_loss": rows(reference)[-1]["loss"], "table": table(faulty, sigterm_at, rows(reference)[-1])}
 
 

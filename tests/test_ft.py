@@ -31,6 +31,10 @@ def test_every_fault_is_survived_with_the_uninterrupted_final_loss(scenario):
     # SIGTERM varies), launch 2 finishes; killed and hung attempts never finish their record
     assert scenario["exit_codes"][1] == 0 and scenario["attempts"][-1] == "finished"
     assert scenario["attempts"].count("interrupted") == 1, scenario["attempts"]
+    # metrics.jsonl is only appended to: the steps that killed attempts logged are still there,
+    # and logged again, tagged with the later attempt, after the restart
+    logged = [(r["attempt"], r["step"]) for r in faults.rows(scenario["run_dir"])]
+    assert logged == sorted(logged) and len(logged) > len({s for _, s in logged}) == 12
     rows = {r["fault"]: r for r in scenario["table"]}
     assert len(rows) == 5 and all(r["final_loss_equal"] for r in rows.values()), scenario["table"]
     # Saves are asynchronous: when a rank dies the newest save may still be being written, so the

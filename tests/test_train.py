@@ -1,13 +1,9 @@
-"""train.py end to end: learning, resume, data parallelism, logging, and bad input."""
+"""train.py end to end: learning, gradient accumulation, dry runs, and bad input (resume: test_checkpoint.py, test_ft.py)."""
 import json
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import ROOT, SMALL, read_metrics, run_train, train_env
+from conftest import SMALL, read_metrics, run_train
 
 
 def test_tiny_model_learns_on_the_embedded_corpus(tmp_path, cache_dir):
@@ -27,44 +23,12 @@ def test_tiny_model_learns_on_the_embedded_corpus(tmp_path, cache_dir):
     assert run["flops_per_token"] > 0 and run["config"]["model"]["name"] == "tiny"
 
 
-def test_sigterm_then_resume_is_bitwise_identical(tmp_path, cache_dir):
-    args = SMALL + ["train.max_steps=24", "precision=fp32"]
-    run_train(tmp_path / "straight", args, cache_dir)
-    reference = [r["loss"] for r in read_metrics(tmp_path / "straight")]
-
-    # Interrupt a second run mid-way with SIGTERM (what a preemption sends), then rerun the same command.
-    run_dir = tmp_path / "interrupted"
-    cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=train_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    metrics_file = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
-    stopped_at = len(read_metrics(run_dir))
-    assert 5 <= stopped_at < 24, "the run must stop early, at a step boundary"
-    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
-
-    run_train(run_dir, args, cache_dir)  # resume=auto is the default
-    resumed = [r["loss"] for r in read_metrics(run_dir)]
-    assert resumed == reference  # bitwise, every step, not approximately
-    attempts = json.loads((run_dir / "run.json").read_text())["attempts"]
-    assert [a["status"] for a in attempts] == ["interrupted", "finished"]
-
-
 def test_gradient_accumulation_equals_one_big_batch(tmp_path, cache_dir):
     args = SMALL + ["train.max_steps=4", "precision=fp32"]
     run_train(tmp_path / "whole", args, cache_dir)
     run_train(tmp_path / "accum", args + ["parallel.microbatches=4"], cache_dir)
     for a, b in zip(read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "accum")):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-
-
-def test_metrics_are_appended_not_overwritten(tmp_path, cache_dir):
-    run_train(tmp_path, SMALL + ["train.max_steps=3", "resume=none"], cache_dir)
-    run_train(tmp_path, SMALL + ["train.max_steps=3", "resume=none"], cache_dir)
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 1, 2, 3]
 
 
 def test_dry_run_prints_175B_size_without_hardware(tmp_path, cache_dir):
