@@ -168,7 +168,7 @@ class Faults:
     def _mine(self, kind: str, step: int) -> bool:
         return any(k == kind and int(v) == step for k, _, v in self.plan)
 
-    def after_step(self, step: int, ckpt_dir: Path) -> None:
+    def after_step(self, step: int, ckpt_dir: Path, saver) -> None:
         if self._mine("kill", step):
             self._note("kill", step)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -178,6 +178,7 @@ class Faults:
                 time.sleep(3600)
         if self._mine("truncate", step):
             import checkpoint
+            saver.wait()  # the newest checkpoint is the one a restart would take
             newest = checkpoint.latest(ckpt_dir)
             if newest is not None:
                 data = sorted(newest.glob("*.distcp"))[-1]

@@ -148,7 +148,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                 beat.progress(step, "checkpoint")
                 faults.before_save(step, saver)
                 save(saver, step, engine, optimizer, scheduler, loader, cfg)
-            faults.after_step(step, ckpt_dir)
+            faults.after_step(step, ckpt_dir, saver)
             if stop_now:
                 status = "interrupted"
                 log.warning("stop requested: saving a checkpoint at step %d and exiting cleanly", step)

@@ -140,11 +140,14 @@ def table(run_dir: Path, sigterm_at: float, reference: dict) -> list:
                     restarted=True, steps_lost=stopped - resumed))
     cut = first("injected_truncate")
     k, start, resumed = after(cut["time"])
+    log = (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")
+    skipped = f"skipping checkpoint: {cut['folder']}" in log
+    verdict = "failed its manifest and was skipped" if skipped else "was NOT detected"
     out.append(dict(fault="truncated checkpoint file", step=cut["step"], detected_s=None,
-                    how=f"{Path(cut['folder']).name} truncated, then kill -9; at resume it failed its "
-                        f"manifest and was skipped",
+                    how=f"newest ({Path(cut['folder']).name}) truncated, then kill -9; at resume it {verdict}",
                     restarted=True, steps_lost=cut["step"] - resumed))
     final = logged[-1]
+    out[-1]["detected"] = skipped
     for row in out:
         row["final_loss_equal"] = final["step"] == reference["step"] and final["loss"] == reference["loss"]
     return out
