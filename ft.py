@@ -33,9 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 log = logging.getLogger("ft")
