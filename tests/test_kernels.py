@@ -228,15 +228,7 @@ def test_model_with_every_fast_path_equals_eager_model():
         fast = GPT(cfg, kernels.KernelsConfig(attention="banded", fused=True, attention_block=16))
         fast.load_state_dict(eager.state_dict())
         tokens = torch.randint(0, 64, (2, 77), generator=torch.Generator().manual_seed(1))
-        losses, grads = [], []
-        for net, fused in ((eager, False), (fast, True)):
-            loss = kernels.cross_entropy(net(tokens[:, :-1]), tokens[:, 1:], fused=fused)
-            loss.backward()
-            losses.append(loss.detach())
-            grads.append({n: p.grad for n, p in net.named_parameters()})
-        torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
-        for name, g in grads[0].items():
-            torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+        assert_same_loss_and_grads(eager, fast, tokens, fused=True)
 
 
 # --- Triton kernels (kernels.fused=triton), run by Triton's interpreter on CPU ---
@@ -378,15 +370,7 @@ def test_model_with_triton_kernels_equals_eager_model():
     fast = GPT(cfg, kernels.KernelsConfig(fused="triton"))
     fast.load_state_dict(eager.state_dict())
     tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
-    losses, grads = [], []
-    for net, fused in ((eager, False), (fast, "triton")):
-        loss = kernels.cross_entropy(net(tokens[:, :-1]), tokens[:, 1:], fused=fused)
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad for n, p in net.named_parameters()})
-    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
-    for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_loss_and_grads(eager, fast, tokens, fused="triton")
 
 
 # Every kernel compiled for an H100 (sm_90) by Triton's own compiler and ptxas, no GPU needed: what
@@ -418,3 +402,16 @@ def test_triton_kernels_compile_for_gpu():
     proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def assert_same_loss_and_grads(eager, fast, tokens, fused) -> None:
+    """The fast model (with kernels.fused=`fused`) gives the eager model's loss and gradients."""
+    losses, grads = [], []
+    for net, how in ((eager, False), (fast, fused)):
+        loss = kernels.cross_entropy(net(tokens[:, :-1]), tokens[:, 1:], fused=how)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in net.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
