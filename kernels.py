@@ -1,6 +1,7 @@
 """Operators the model calls, each with an eager reference and (where it pays) a faster path.
 
-Switches: kernels.attention=auto|flash|banded|sdpa|reference and kernels.fused=false|true|triton.
+Switches: kernels.attention=auto|flash|banded|sdpa|unfused|reference and
+kernels.fused=false|true|triton.
 The eager reference always stays, so tests can compare every fast path with it.
 
 Attention takes and returns [B, H, T, D] and is always causal. With a sliding window W, query i
@@ -10,6 +11,10 @@ backend obeys exactly this rule (flash-attn spells it window_size=(W-1, 0)):
 - flash:     flash-attn's kernel (CUDA, bf16/fp16, the optional `gpu` extra). Skips masked tiles.
 - banded:    blockwise PyTorch (below); does O(T·(W+block)) work instead of O(T²). CPU and GPU.
 - sdpa:      one SDPA call with a [T, T] mask; correct but computes every masked score.
+- unfused:   Megatron-LM's core attention before FlashAttention: the [T, T] scores and
+             probabilities materialized in the compute dtype, softmax in fp32. MegaScale's
+             baseline (Table 3 steps 0-1, Table 2's Megatron-LM column); FlashAttention-2 is
+             its "efficient operators" step.
 - reference: naive softmax(QKᵀ)V in fp32, the oracle.
 - auto:      flash where it can run, else banded where the window skips enough, else sdpa.
 
@@ -48,7 +53,7 @@ class KernelsConfig:
     attention_block: int = 128
 
 
-ATTENTION_IMPLS = ("auto", "flash", "banded", "sdpa", "reference")
+ATTENTION_IMPLS = ("auto", "flash", "banded", "sdpa", "unfused", "reference")
 FUSED_IMPLS = (False, True, "triton")
 DEFAULT_BLOCK = KernelsConfig.attention_block
 
@@ -73,9 +78,16 @@ def band_mask(n_q: int, n_k: int, q_offset: int, window: Optional[int], device) 
 
 def attention_reference(q, k, v, window: Optional[int] = None) -> torch.Tensor:
     """Naive softmax attention, [B, H, T, D] in and out. The oracle for every other backend."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return attention_unfused(q.float(), k.float(), v.float(), window).to(q.dtype)
+
+
+def attention_unfused(q, k, v, window: Optional[int] = None) -> torch.Tensor:
+    """softmax(QKᵀ/√d)V with every score of the [T, T] square materialized, as Megatron-LM's core
+    attention (a batched GEMM, its fused scale-mask-softmax kernel, a batched GEMM): the GEMMs run
+    in q's dtype, the softmax in fp32, the probabilities go back to q's dtype for the second GEMM."""
+    scores = (q @ k.transpose(-1, -2)).float() / q.shape[-1] ** 0.5
     scores = scores.masked_fill(~window_mask(q.shape[-2], window, q.device), float("-inf"))
-    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    return scores.softmax(-1).to(v.dtype) @ v
 
 
 def attention_sdpa(q, k, v, window: Optional[int] = None) -> torch.Tensor:
@@ -197,6 +209,8 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
         return attention_banded(q, k, v, window, block)
     if impl == "sdpa":
         return attention_sdpa(q, k, v, window)
+    if impl == "unfused":
+        return attention_unfused(q, k, v, window)
     if impl == "reference":
         return attention_reference(q, k, v, window)
     raise ValueError(f"unknown attention impl {impl!r}; use one of {ATTENTION_IMPLS}")

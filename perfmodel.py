@@ -30,8 +30,9 @@ What the paper leaves unstated, assumed here:
   (window 512 = T/4; the paper gives none), chunked TP overlap in 4 pieces, PP overlap, DP overlap
   (on the layout's ZeRO-1), flash attention and fused LayerNorm/GeLU/cross-entropy, the two-level
   data pipeline; LAMB only where the batch triples (Table 3's last step). kernels.attention=auto
-  is flash-attn on CUDA (attention_impl). The YAML's step 0 runs SDPA (a fused kernel), so the
-  predicted ablation's baseline is not quite Table 2's Megatron-LM setting (materialized softmax).
+  is flash-attn on CUDA (attention_impl). Steps 0-1 run Megatron-LM's materialized softmax
+  (kernels.attention=unfused), as Table 2's Megatron-LM column does; step 2's window runs the
+  banded kernel, fused per block.
 
 Usage: python perfmodel.py [predict|ablation|scaling|plan|530b|validate] [key=value ...]
        (gpus=N, batch=B, micro_batch=B, scale=cluster|cpu, top=N are perfmodel's own keys)
@@ -287,17 +288,20 @@ def banded_keys(cfg: config.Config, T: int) -> Optional[int]:
     return min(T, -(-(block + W - 1) // 16) * 16)
 
 
+MATERIALIZED = ("unfused", "reference")  # attention backends that keep the [T, T] probabilities
+
+
 def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, float]:
     """softmax(QK^T)V for one microbatch on one rank: (forward, backward) seconds.
-    reference (Megatron's core attention) materializes every score of the causal square, the window
-    only masks them. The others run a fused kernel (flash-attn, or SDPA's flash/memory-efficient
+    unfused (Megatron's core attention) and reference materialize every score of the causal square,
+    the window only masks them. The others run a fused kernel (flash-attn, or SDPA's flash/memory-efficient
     kernels, CPU and CUDA alike) that keeps no scores: flash skips masked blocks, inside and outside
     the window; sdpa with a window gets an explicit [T, T] mask and computes every score; banded
     computes only its windows of banded_keys() keys per query, masked, so none are skipped."""
     m, T, e = cfg.model, lay.seq, _elem(cfg)
     hd, n = m.d_model // m.n_heads, lay.micro_batch * m.n_heads // lay.tp
     impl, W = cfg.kernels.attention, m.attention.window
-    if impl == "reference":
+    if impl in MATERIALIZED:
         # Forward: S = QK^T, softmax (read S, write P), O = PV. Backward: dP = dO V^T, dV = P^T dO,
         # softmax backward (read P and dP, write dS), dQ = dS K, dK = dS^T Q.
         fwd = gemm_time(r, T, T, hd, n, e) + stream_time(r, 2 * n * T * T * e) + gemm_time(r, T, hd, T, n, e)
@@ -445,7 +449,7 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     h, ff = m.d_model, m.mlp_ratio * m.d_model
     norms = 1 if m.block == "parallel" else 2
     kept = 2 * norms * h + 3 * h + h + 2 * ff   # norm in/out, q k v, attention out, fc1 out, GeLU out
-    if cfg.kernels.attention == "reference":  # the materialized probabilities
+    if cfg.kernels.attention in MATERIALIZED:  # the probabilities
         return e * kept / tp + e * m.n_heads / tp * seq
     return e * kept / tp + 4 * m.n_heads / tp  # a fused kernel keeps only the log-sum-exp
 
@@ -495,7 +499,7 @@ def memory(cfg: config.Config, lay: Layout, capacity_gib: Optional[float] = None
         layers = in_flight_layers(lay, m.n_layers, rank)
         if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
             acts = layers * M * e * m.d_model / lay.tp + per_layer
-        elif cfg.train.recompute == "selective" and cfg.kernels.attention == "reference":
+        elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
             acts = layers * (per_layer - M * e * m.n_heads / lay.tp * lay.seq) + per_layer
         else:
             acts = layers * per_layer
@@ -532,7 +536,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     layer = _add(_add({}, fwd), bwd)
     if cfg.train.recompute == "full":
         _add(layer, fwd)
-    elif cfg.train.recompute == "selective" and cfg.kernels.attention == "reference":
+    elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
         layer["attention"] += attn_fwd
     body = _add({}, layer, m.n_layers // lay.pp)
     (emb_f, emb_b), (head_f, head_b) = ends_time(cfg, lay, r, net)

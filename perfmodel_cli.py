@@ -45,7 +45,7 @@ MEGASCALE_STEP = 7
 # Megatron-LM at the paper's commit, beside the study's layout: materialized-softmax core
 # attention, unfused LayerNorm/GeLU/cross-entropy, the naive loader, Adam, the distributed
 # optimizer (ZeRO-1), no overlap switch on.
-MEGATRON = ["kernels.attention=reference", "kernels.fused=false", "data.pipeline=naive", "optim.name=adamw",
+MEGATRON = ["kernels.attention=unfused", "kernels.fused=false", "data.pipeline=naive", "optim.name=adamw",
             "parallel.zero_stage=1"]
 LAYOUTS = {"175B": ["model=175B", "parallel=megascale_175B"],     # Table 1 (conf/parallel/)
            "530B": ["model=530B", "parallel=megascale_530B"]}

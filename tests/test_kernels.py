@@ -38,7 +38,7 @@ def out_and_grads(fn, q, k, v, grad_out):
 
 @pytest.mark.parametrize("T", [T_ODD, T_EVEN])
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("impl", ["banded", "sdpa", "auto"])
+@pytest.mark.parametrize("impl", ["banded", "sdpa", "unfused", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_backend_equals_reference(impl, window, T, dtype):
     q, k, v = qkv(T, dtype)
