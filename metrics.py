@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -19,82 +18,6 @@ from typing import Optional
 import torch
 
 log = logging.getLogger(__name__)
-
-# Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity). Matched by substring of the
-# CUDA device name, longest key first, so "H100" does not shadow "H100 PCIe".
-DEVICE_PEAK_TFLOPS = {
-    "A100": 312.0, "A800": 312.0, "H100 PCIe": 756.0, "H100": 989.0, "H800": 989.0, "H200": 989.0,
-    "GH200": 989.0, "B200": 2250.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0, "A10": 125.0,
-    "V100": 125.0, "MI300X": 1307.0, "MI250X": 383.0,
-}
-
-
-def cache_dir() -> Path:
-    path = Path(os.environ.get("MEGAREPRO_CACHE", Path.home() / ".cache" / "megarepro"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[float] = None) -> tuple[float, str]:
-    """Peak FLOP/s per device that MFU divides by, and where the number came from."""
-    if override:
-        return float(override), "config"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key in sorted(DEVICE_PEAK_TFLOPS, key=len, reverse=True):
-            if key in name:
-                scale = 1.0 if dtype == torch.bfloat16 else 0.5  # TF32 tensor cores run at half the bf16 rate
-                return DEVICE_PEAK_TFLOPS[key] * scale, f"table:{key}"
-        log.warning("unknown GPU %r: set hardware.peak_tflops for a meaningful MFU", name)
-        return float("nan"), "unknown"
-    return measured_cpu_peak(dtype), "measured"
-
-
-def measured_cpu_peak(dtype: torch.dtype, max_size: int = 2048, reps: int = 5) -> float:
-    """A CPU has no datasheet peak that torch reaches, so MFU on CPU divides by the best matmul
-    rate measured on this machine at this thread count. The size grows until one matmul takes
-    ~50 ms, which bounds the cost (well under a second) even where a dtype is emulated (bf16
-    without AVX512-BF16/AMX runs ~1000x slower than fp32). Shared machines are noisy, and a peak
-    measured under load would inflate MFU forever, so every run measures again and the cache keeps
-    the best rate seen on this machine."""
-    key = f"{platform.node()}|{_cpu_model()}|{torch.get_num_threads()}t|{dtype}|torch{torch.__version__}"
-    path = cache_dir() / "cpu_peak.json"
-    known = json.loads(path.read_text()) if path.exists() else {}
-    size, best = 128, 0.0
-    while True:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        a @ b  # warm-up
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-        best = max(best, 2 * size**3 / min(times) / 1e12)
-        if size >= max_size or min(times) > 0.05:
-            break
-        size *= 2
-    if best > known.get(key, 0.0):
-        known[key] = best
-        _atomic_write(path, json.dumps(known, indent=1))
-    return known[key]
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """precision=auto: bf16 on CUDA, and on a CPU only where bf16 matmuls are not slower than fp32
-    (AVX512-BF16 or AMX). On an AVX2-only CPU bf16 is emulated and ~1000x slower, so fp32 it is."""
-    if precision != "auto":
-        return precision
-    if device.type == "cuda":
-        return "bf16"
-    return "bf16" if measured_cpu_peak(torch.bfloat16) >= measured_cpu_peak(torch.float32) else "fp32"
-
-
-def _cpu_model() -> str:
-    try:
-        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
 
 def memory_gib(device: torch.device) -> float:
     """Peak memory: max allocated on CUDA; peak resident set size of the process on CPU."""
@@ -117,7 +40,8 @@ class StepMeter:
                 "tflops_per_device": tflops, "mfu": tflops / self.peak}
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Write to a temporary file, then rename: a reader or a crash never sees half a file."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -168,7 +92,7 @@ class RunLog:
         return json.loads(path.read_text()) if path.exists() else {}
 
     def _write_record(self) -> None:
-        _atomic_write(self.run_dir / "run.json", json.dumps(self.record, indent=2, default=str))
+        atomic_write(self.run_dir / "run.json", json.dumps(self.record, indent=2, default=str))
 
     def update(self, **fields) -> None:
         if self.enabled:

@@ -42,14 +42,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import config
+import machine
 import model as gpt
 from config import ConfigError, HardwareConfig
 
@@ -81,7 +80,7 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
                 setattr(hw, key, value)
     missing = [k for k in MEASURED + FITTED if getattr(hw, k) is None]
     if missing and on_cpu:
-        measured = local_measurements()
+        measured = machine.local_measurements()
         for key in missing:
             setattr(hw, key, measured.get(key))
         missing = [k for k in missing if getattr(hw, k) is None]
@@ -382,7 +381,7 @@ def precision(cfg: config.Config) -> str:
 def resolve_config(cfg: config.Config, hw: HardwareConfig) -> config.Config:
     """cfg with what `auto` leaves to the machine decided as the run would decide it on hw (a
     resolved hardware): precision=auto is bf16 on CUDA and, on a CPU, only where bf16 matmuls are
-    not slower than fp32 (metrics.resolve_precision: on an AVX2-only CPU they are emulated);
+    not slower than fp32 (machine.resolve_precision: on an AVX2-only CPU they are emulated);
     kernels.attention=auto is attention_impl's choice. A shallow copy; cfg is left as it is."""
     impl = attention_impl(cfg, hw.device)
     if cfg.precision != "auto" and impl == cfg.kernels.attention:
@@ -599,120 +598,6 @@ def optimizer_time(cfg: config.Config, lay: Layout, r: Rates) -> float:
     per_param = (38 if lamb else 30) + (4 if cfg.train.grad_clip > 0 else 0)
     tensors = cfg.model.n_layers // lay.pp * (12 if cfg.model.block == "sequential" else 10) + 3
     return stream_time(r, per_param * params, 12 + (2 * tensors if lamb else 0))
-
-
-# --- This machine, measured (hardware=cpu_local) ---
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MEGAREPRO_CACHE") or Path.home() / ".cache" / "megarepro")
-
-
-def local_measurements(remeasure: bool = False) -> Dict[str, float]:
-    """This machine's numbers for cpu_local, measured once (~20 s) and cached per torch version,
-    CPU model and thread count, since they don't change between runs."""
-    import torch
-    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": _cpu_model()}
-    path = cache_dir() / "cpu_local.json"
-    if path.exists() and not remeasure:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return cached["measured"]
-    measured = measure_local_hardware()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "measured": measured}, indent=1))
-    return measured
-
-
-def _cpu_model() -> str:
-    try:
-        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
-
-
-def _best_time(fn, repeats: int = 5) -> float:
-    """The fastest of a few runs after a warm-up: on a shared machine the minimum is the closest to
-    what the hardware does unloaded (timeit's rule); the median measures the neighbours too."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def measure_local_hardware() -> Dict[str, float]:
-    """Microbenchmarks, none of them the model being predicted: matmul rates (a 2048^3 GEMM gives the
-    peak, as train.py's MFU uses; a K=64 one the size effect), a copy (DRAM bandwidth), a chain of
-    tiny autograd ops (fixed cost per op), causal SDPA at a generic shape, gloo all-reduce.
-    GEMMs go through F.linear, the oneDNN path nn.Linear and autocast take: on CPUs without native
-    bf16 (this one: AVX2), a bare bf16 `a @ b` falls back to a path ~10x slower."""
-    import torch
-    import torch.nn.functional as F
-
-    def gemm_rate(M, N, K, dtype):
-        a, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
-        return 2 * M * N * K / _best_time(lambda: F.linear(a, w), 3)
-
-    peak = gemm_rate(2048, 2048, 2048, torch.bfloat16)
-    skinny = gemm_rate(2048, 2048, 64, torch.bfloat16) / peak
-    lo, hi = 0.01, 4096.0  # solve (64/(64+d)) / (2048/(2048+d)) = skinny for the half-speed dim d
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 64 / (64 + mid) * (2048 + mid) / 2048 > skinny else (lo, mid)
-    half = (lo + hi) / 2
-    x = torch.empty(2 ** 26)
-    y = torch.empty_like(x)
-    bandwidth = 2 * x.numel() * 4 / _best_time(lambda: y.copy_(x))
-
-    leaf = torch.ones(16, requires_grad=True)
-
-    def chain():
-        z = leaf
-        for _ in range(200):
-            z = z * 1.0001
-        z.sum().backward()
-    op_us = _best_time(chain) / 400 * 1e6  # 200 forward ops and their 200 backward nodes
-
-    q, k, v = (torch.randn(8, 8, 512, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    attn_s = _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3)
-    attn_flops = 3.5 * 4 * 8 * 8 * 512 * mean_keys(512, None) * 64
-    gloo = measure_gloo_GBps()
-    ranks = 2  # cpu_local's devices_per_host: the measured host is shared by its ranks
-    return {"peak_tflops": peak / 1e12, "peak_tflops_fp32": gemm_rate(2048, 2048, 2048, torch.float32) / 1e12,
-            "gemm_half_dim": half, "gemm_efficiency": 1 / (2048 / (2048 + half)) ** 3,
-            "memory_GBps": bandwidth / 1e9, "op_overhead_us": op_us,
-            "flash_efficiency": attn_flops / attn_s / peak,
-            "intra_host_GBps": gloo, "inter_host_Gbps": gloo * 8 * ranks,
-            "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / ranks}
-
-
-def measure_gloo_GBps(nbytes: int = 2 ** 24) -> float:
-    """All-reduce bus bandwidth between two local gloo processes of one thread each."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = 29000 + os.getpid() % 1000
-    procs = [ctx.Process(target=_gloo_worker, args=(rank, port, nbytes, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    seconds = queue.get()
-    for p in procs:
-        p.join()
-    return nbytes / seconds / 1e9  # ring all-reduce on 2 ranks moves 2*(n-1)/n = 1 buffer per rank
-
-
-def _gloo_worker(rank: int, port: int, nbytes: int, queue) -> None:
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    buf = torch.ones(nbytes // 4)
-    seconds = _best_time(lambda: dist.all_reduce(buf))
-    if rank == 0:
-        queue.put(seconds)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import config
+import machine
 import perfmodel as pm
 from config import ConfigError
 # Table 3's row names and the number formats: one definition, shared with the tables of measured runs.
@@ -263,8 +264,8 @@ def measure_tiny_step(batch: int = 16, seq: int = 256, repeats: int = 5, precisi
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"forward_backward_s": pm._best_time(lambda: (forward_backward(), net.zero_grad()), repeats),
-            "step_s": pm._best_time(step, repeats)}
+    return {"forward_backward_s": machine.best_time(lambda: (forward_backward(), net.zero_grad()), repeats),
+            "step_s": machine.best_time(step, repeats)}
 
 
 VALIDATE = ["model=tiny", "hardware=cpu_local", "train.seq_len=256", "train.batch_size=16"]
@@ -273,7 +274,7 @@ VALIDATE = ["model=tiny", "hardware=cpu_local", "train.seq_len=256", "train.batc
 def validate_cpu(remeasure: bool = False) -> Dict[str, float]:
     """The tiny model's step on one rank of this CPU, measured and predicted, in the precision a run
     here would take (precision=auto: fp32 where bf16 matmuls are emulated)."""
-    pm.local_measurements(remeasure)
+    machine.local_measurements(remeasure)
     cfg = compose(VALIDATE)
     hw = pm.resolve_hardware(cfg.hardware)
     precision = pm.resolve_config(cfg, hw).precision

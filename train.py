@@ -29,6 +29,7 @@ import checkpoint
 import config
 import data
 import ft
+import machine
 import metrics
 import optim
 import parallel
@@ -66,7 +67,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed + rank)
     np.random.seed(cfg.train.seed + rank)
-    precision = metrics.resolve_precision(cfg.precision, device)
+    precision = machine.resolve_precision(cfg.precision, device)
     autocast_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     # --- Data: every rank prepares (the cache is built once under a file lock) ---
@@ -101,7 +102,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
 
     # --- Logging ---
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    peak, peak_source = metrics.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops)
+    peak, peak_source = machine.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops)
     meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, world, peak)
     record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
               "study": dataclasses.asdict(cfg.study),

@@ -17,7 +17,8 @@ eager and fused runs of an op alternate, so that load from other processes falls
 (b) attention: kernels.attention_banded against one causal SDPA call (which already skips the
     upper triangle), B=1, for every sequence length and window. "FLOP ratio" is the speed-up the
     work alone predicts, s / (2·(W + block)); "x2 s" is the time ratio to the previous, half as
-    long sequence at the same window: 2.0 is linear.
+    long sequence at the same window, from banded runs of that window at every length timed in
+    turn (not from the table's banded column, timed beside causal SDPA): 2.0 is linear.
 
 --clock cpu times with the process' CPU time instead of the wall clock. With --threads 1 it is
 the time the work takes on one core, and other processes sharing the machine barely change it.
@@ -85,14 +86,10 @@ def cuda_clock() -> float:
     return time.perf_counter()
 
 
-def timed(fn, reps: int, warmup: int, clock) -> tuple[float, float]:
-    """(median seconds of the timed runs, seconds of the first call)."""
-    return timed_together([fn], reps, warmup, clock)[0]
-
-
 def timed_together(fns, reps: int, warmup: int, clock) -> list:
-    """timed() for each of fns, their timed runs taken in turn (a, b, a, b, ...): a burst of load
-    from another process then slows each alike, rather than all the runs of one of them."""
+    """(median seconds of the timed runs, seconds of the first call) for each of fns, their timed
+    runs taken in turn (a, b, a, b, ...): a burst of load from another process then slows each
+    alike, rather than all the runs of one of them."""
     firsts = []
     for fn in fns:
         start = clock()
@@ -182,21 +179,23 @@ def bench_attention(args, dtype, clock) -> None:
     seqs = [int(s) for s in args.seqs.split(",")]
     windows = [int(w) for w in args.windows.split(",")]
     H, D, blk = args.heads, args.head_dim, args.block
+    qkv = {s: [torch.randn(1, H, s, D, dtype=dtype, device=args.device).requires_grad_() for _ in range(3)]
+           for s in seqs}
+    banded = lambda s, W: forward_backward(lambda a, b, c: kernels.attention_banded(a, b, c, W, blk), qkv[s])
+    # "x2 s" compares banded runs of one window at every length, timed in turn: the ratio of two
+    # medians taken minutes apart, around the much longer causal runs, moved with the machine's load.
+    by_length = {W: [t for t, _ in timed_together([banded(s, W) for s in seqs], args.reps, args.warmup, clock)]
+                 for W in windows}
     print(f"\n### Banded SWA vs causal SDPA, {args.dtype}, B=1 H={H} D={D} block={blk}, forward + backward\n")
     print("| s | W | causal SDPA ms | banded ms | speed-up | FLOP ratio | x2 s |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    banded_times = {}
-    for s in seqs:
-        q, k, v = (torch.randn(1, H, s, D, dtype=dtype, device=args.device).requires_grad_() for _ in range(3))
-        full, _ = timed(forward_backward(lambda a, b, c: kernels.attention_sdpa(a, b, c, None), [q, k, v]),
-                        args.reps, args.warmup, clock)
-        for W in windows:
-            banded, _ = timed(forward_backward(lambda a, b, c: kernels.attention_banded(a, b, c, W, blk), [q, k, v]),
-                              args.reps, args.warmup, clock)
-            banded_times[s, W] = banded
-            half = banded_times.get((s // 2, W))
-            doubling = f"{banded / half:.2f}" if half else "-"
-            print(f"| {s} | {W} | {full * 1e3:.0f} | {banded * 1e3:.0f} | {full / banded:.2f}x "
+    for i, s in enumerate(seqs):
+        causal = forward_backward(lambda a, b, c: kernels.attention_sdpa(a, b, c, None), qkv[s])
+        times = timed_together([causal] + [banded(s, W) for W in windows], args.reps, args.warmup, clock)
+        full = times[0][0]
+        for W, (band, _) in zip(windows, times[1:]):
+            doubling = f"{by_length[W][i] / by_length[W][i - 1]:.2f}" if i and seqs[i] == 2 * seqs[i - 1] else "-"
+            print(f"| {s} | {W} | {full * 1e3:.0f} | {band * 1e3:.0f} | {full / band:.2f}x "
                   f"| {s / (2 * (W + blk)):.2f} | {doubling} |", flush=True)
 
 

@@ -2,12 +2,12 @@
 Nothing here measures the CPU: cpu_local is exercised through a cache file written by the test."""
 import copy
 import json
-import math
 
 import pytest
 import torch
 
 import config
+import machine
 import model as gpt
 import perfmodel as pm
 import perfmodel_cli as cli
@@ -245,7 +245,7 @@ def test_cpu_ablation_and_scaling_predict_the_cpu_studies(tmp_path, monkeypatch,
     measured = {"peak_tflops": 0.004, "peak_tflops_fp32": 0.08, "gemm_half_dim": 40.0, "gemm_efficiency": 1.0,
                 "memory_GBps": 8.0, "op_overhead_us": 6.0, "flash_efficiency": 0.9, "intra_host_GBps": 1.2,
                 "inter_host_Gbps": 20.0, "memory_gib": 12.0}
-    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": pm._cpu_model()}
+    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": machine.cpu_model()}
     (tmp_path / "cpu_local.json").write_text(json.dumps({"key": key, "measured": measured}))
     results = cli.ablation(scale="cpu")
     for step, (_, cfg, pred) in enumerate(results):
@@ -333,7 +333,7 @@ def test_cpu_local_reads_its_cache_and_charges_every_op(tmp_path, monkeypatch, t
     measured = {"peak_tflops": 0.8, "peak_tflops_fp32": 0.2, "gemm_half_dim": 16.0, "gemm_efficiency": 1.0,
                 "memory_GBps": 10.0, "op_overhead_us": 20.0, "flash_efficiency": 0.3, "intra_host_GBps": 1.0,
                 "inter_host_Gbps": 16.0, "memory_gib": 8.0}
-    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": pm._cpu_model()}
+    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": machine.cpu_model()}
     (tmp_path / "cpu_local.json").write_text(json.dumps({"key": key, "measured": measured}))
     hw = pm.resolve_hardware(cli.compose(["hardware=cpu_local"]).hardware)
     assert hw.peak_tflops == 0.8 and hw.op_overhead_us == 20.0 and hw.inter_host_efficiency == 1.0

@@ -1,0 +1,200 @@
+"""What this machine can do, measured once and cached.
+
+- The peak FLOP/s that MFU divides by: a GPU's from its datasheet (DEVICE_PEAK_TFLOPS); a CPU has
+  no datasheet peak that torch reaches, so its best measured matmul rate (measured_cpu_peak). The
+  same measurement decides precision=auto on a CPU (resolve_precision).
+- The microbenchmarks perfmodel's hardware=cpu_local is made of (local_measurements): matmul rates,
+  DRAM bandwidth, the fixed cost of an op, attention, gloo bandwidth.
+
+Both caches live in $MEGAREPRO_CACHE (default ~/.cache/megarepro), keyed by what changes the
+numbers: torch version, CPU model, thread count.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from metrics import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("MEGAREPRO_CACHE") or Path.home() / ".cache" / "megarepro")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cpu_model() -> str:
+    try:
+        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+# Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity). Matched by substring of the
+# CUDA device name, longest key first, so "H100" does not shadow "H100 PCIe".
+DEVICE_PEAK_TFLOPS = {
+    "A100": 312.0, "A800": 312.0, "H100 PCIe": 756.0, "H100": 989.0, "H800": 989.0, "H200": 989.0,
+    "GH200": 989.0, "B200": 2250.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0, "A10": 125.0,
+    "V100": 125.0, "MI300X": 1307.0, "MI250X": 383.0,
+}
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[float] = None) -> tuple[float, str]:
+    """Peak FLOP/s per device that MFU divides by, and where the number came from."""
+    if override:
+        return float(override), "config"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key in sorted(DEVICE_PEAK_TFLOPS, key=len, reverse=True):
+            if key in name:
+                scale = 1.0 if dtype == torch.bfloat16 else 0.5  # TF32 tensor cores run at half the bf16 rate
+                return DEVICE_PEAK_TFLOPS[key] * scale, f"table:{key}"
+        log.warning("unknown GPU %r: set hardware.peak_tflops for a meaningful MFU", name)
+        return float("nan"), "unknown"
+    return measured_cpu_peak(dtype), "measured"
+
+
+def measured_cpu_peak(dtype: torch.dtype, max_size: int = 2048, reps: int = 5) -> float:
+    """A CPU has no datasheet peak that torch reaches, so MFU on CPU divides by the best matmul
+    rate measured on this machine at this thread count. The size grows until one matmul takes
+    ~50 ms, which bounds the cost (well under a second) even where a dtype is emulated (bf16
+    without AVX512-BF16/AMX runs ~1000x slower than fp32). Shared machines are noisy, and a peak
+    measured under load would inflate MFU forever, so every run measures again and the cache keeps
+    the best rate seen on this machine."""
+    key = f"{platform.node()}|{cpu_model()}|{torch.get_num_threads()}t|{dtype}|torch{torch.__version__}"
+    path = cache_dir() / "cpu_peak.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    size, best = 128, 0.0
+    while True:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a @ b  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        best = max(best, 2 * size**3 / min(times) / 1e12)
+        if size >= max_size or min(times) > 0.05:
+            break
+        size *= 2
+    if best > known.get(key, 0.0):
+        known[key] = best
+        atomic_write(path, json.dumps(known, indent=1))
+    return known[key]
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """precision=auto: bf16 on CUDA, and on a CPU only where bf16 matmuls are not slower than fp32
+    (AVX512-BF16 or AMX). On an AVX2-only CPU bf16 is emulated and ~1000x slower, so fp32 it is."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16"
+    return "bf16" if measured_cpu_peak(torch.bfloat16) >= measured_cpu_peak(torch.float32) else "fp32"
+
+
+# --- hardware=cpu_local: perfmodel's description of this machine ---
+
+def local_measurements(remeasure: bool = False) -> Dict[str, float]:
+    """This machine's numbers for cpu_local, measured once (~20 s) and cached per torch version,
+    CPU model and thread count, since they don't change between runs."""
+    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model()}
+    path = cache_dir() / "cpu_local.json"
+    if path.exists() and not remeasure:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return cached["measured"]
+    measured = measure_local_hardware()
+    atomic_write(path, json.dumps({"key": key, "measured": measured}, indent=1))
+    return measured
+
+
+def best_time(fn, repeats: int = 5) -> float:
+    """The fastest of a few runs after a warm-up: on a shared machine the minimum is the closest to
+    what the hardware does unloaded (timeit's rule); the median measures the neighbours too."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_local_hardware() -> Dict[str, float]:
+    """Microbenchmarks, none of them the model being predicted: matmul rates (a 2048^3 GEMM gives the
+    peak, as train.py's MFU uses; a K=64 one the size effect), a copy (DRAM bandwidth), a chain of
+    tiny autograd ops (fixed cost per op), causal SDPA at a generic shape, gloo all-reduce.
+    GEMMs go through F.linear, the oneDNN path nn.Linear and autocast take: on CPUs without native
+    bf16 (this one: AVX2), a bare bf16 `a @ b` falls back to a path ~10x slower."""
+    def gemm_rate(M, N, K, dtype):
+        a, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
+        return 2 * M * N * K / best_time(lambda: F.linear(a, w), 3)
+
+    peak = gemm_rate(2048, 2048, 2048, torch.bfloat16)
+    skinny = gemm_rate(2048, 2048, 64, torch.bfloat16) / peak
+    lo, hi = 0.01, 4096.0  # solve (64/(64+d)) / (2048/(2048+d)) = skinny for the half-speed dim d
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 64 / (64 + mid) * (2048 + mid) / 2048 > skinny else (lo, mid)
+    half = (lo + hi) / 2
+    x = torch.empty(2 ** 26)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() * 4 / best_time(lambda: y.copy_(x))
+
+    leaf = torch.ones(16, requires_grad=True)
+
+    def chain():
+        z = leaf
+        for _ in range(200):
+            z = z * 1.0001
+        z.sum().backward()
+    op_us = best_time(chain) / 400 * 1e6  # 200 forward ops and their 200 backward nodes
+
+    q, k, v = (torch.randn(8, 8, 512, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    attn_s = best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3)
+    attn_flops = 3.5 * 4 * 8 * 8 * 512 * (512 + 1) / 2 * 64  # fwd + bwd, (T+1)/2 keys per causal query
+    gloo = measure_gloo_GBps()
+    ranks = 2  # cpu_local's devices_per_host: the measured host is shared by its ranks
+    return {"peak_tflops": peak / 1e12, "peak_tflops_fp32": gemm_rate(2048, 2048, 2048, torch.float32) / 1e12,
+            "gemm_half_dim": half, "gemm_efficiency": 1 / (2048 / (2048 + half)) ** 3,
+            "memory_GBps": bandwidth / 1e9, "op_overhead_us": op_us,
+            "flash_efficiency": attn_flops / attn_s / peak,
+            "intra_host_GBps": gloo, "inter_host_Gbps": gloo * 8 * ranks,
+            "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / ranks}
+
+
+def measure_gloo_GBps(nbytes: int = 2 ** 24) -> float:
+    """All-reduce bus bandwidth between two local gloo processes of one thread each."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = 29000 + os.getpid() % 1000
+    procs = [ctx.Process(target=_gloo_worker, args=(rank, port, nbytes, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    seconds = queue.get()
+    for p in procs:
+        p.join()
+    return nbytes / seconds / 1e9  # ring all-reduce on 2 ranks moves 2*(n-1)/n = 1 buffer per rank
+
+
+def _gloo_worker(rank: int, port: int, nbytes: int, queue) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = torch.ones(nbytes // 4)
+    seconds = best_time(lambda: dist.all_reduce(buf))
+    if rank == 0:
+        queue.put(seconds)
+    dist.destroy_process_group()
