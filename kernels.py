@@ -21,6 +21,7 @@ backend obeys exactly this rule (flash-attn spells it window_size=(W-1, 0)):
 Fused operators (kernels.fused=true) are the eager functions below run through torch.compile:
 inductor turns each into one read-and-write pass forward and one backward, where eager PyTorch
 makes a pass per op. The functions are compiled lazily, once, the first time they are called.
+A lone LayerNorm, one ATen kernel each way already, stays ATen's (layer_norm).
 
 kernels.fused=triton runs hand-written Triton kernels instead (CUDA, the optional `triton`
 extra): residual add + LayerNorm and bias + GeLU forward and backward, and the cross-entropy,
@@ -242,10 +243,6 @@ class _Compiled:
         return self.compiled(*args)
 
 
-def _layer_norm(x, weight, bias, eps: float):
-    return F.layer_norm(x, weight.shape, weight, bias, eps)
-
-
 def _add_layer_norm(x, delta, weight, bias, eps: float):
     x = x + delta
     return x, F.layer_norm(x, weight.shape, weight, bias, eps)
@@ -272,19 +269,20 @@ def _cross_entropy(logits, targets):
     return (torch.logsumexp(logits, dim=-1) - target_logit).mean()
 
 
-_layer_norm_fused = _Compiled(_layer_norm)
 _add_layer_norm_fused = _Compiled(_add_layer_norm)
 _bias_gelu_fused = _Compiled(_bias_gelu)
 _cross_entropy_fused = _Compiled(_cross_entropy)
 
 
 def layer_norm(x: torch.Tensor, norm: nn.LayerNorm, fused=False) -> torch.Tensor:
-    """fused: a value of KernelsConfig.fused (False, True or "triton"), for every function here."""
-    if not fused:
-        return norm(x)
+    """fused: a value of KernelsConfig.fused (False, True or "triton"), for every function here.
+
+    A lone LayerNorm is already one ATen kernel forward and one backward, so compiling it has
+    nothing to fuse; on this CPU inductor's LayerNorm loops ran at 0.40-0.54x of ATen's (1 thread,
+    bf16 and fp32, experiments/bench_kernels.py). fused=true keeps ATen's; only Triton replaces it."""
     if _use_triton(fused, x):
         return _TritonLayerNorm.apply(x, None, norm.weight, norm.bias, norm.eps)
-    return _layer_norm_fused(x, norm.weight, norm.bias, norm.eps)
+    return norm(x)
 
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm, fused=False):

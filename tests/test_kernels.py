@@ -157,13 +157,6 @@ def layer_norm_module(bias: bool, dtype):
     return norm
 
 
-@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
-def test_fused_layer_norm(dtype, bias):
-    x = leaf(*ROWS, HIDDEN, dtype=dtype, scale=3.0, shift=2.0)
-    check_same(lambda x, n: kernels.layer_norm(x, n), lambda x, n: kernels.layer_norm(x, n, fused=True),
-               [x], norm=layer_norm_module(bias, dtype))
-
-
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_fused_add_layer_norm(x_dtype):
     """bf16 throughout, and as under autocast: an fp32 residual stream, a bf16 branch output
