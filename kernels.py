@@ -134,9 +134,14 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
     0, and a last partial block when T is not a multiple of `block`.
 
     Work: T·(block + W) scores instead of the T²/2 of causal SDPA, so the speed-up over it is
-    about T / (2·(W + block)). Why not three calls per block (unmasked middle, masked edges)?
-    Merging them needs each call's log-sum-exp and a custom backward; the mask costs one add per
-    score, less than the waste it would save.
+    about T / (2·(W + block)). The mask covers every score of the middle call, also those of
+    keys all of a block's queries see. Masking only where needed was tried and measured: three
+    calls per window (the masked left edge, the unmasked interior, the block's own keys causal)
+    of SDPA's CPU flash kernel, merged by their log-sum-exps, with the kernel's backward per piece.
+    At s=8192, W=256-1024, 1 thread (experiments/bench_band_split.py), the mask cost 0-4% of the
+    single call; the split ran at 0.75-0.93x of it in fp32 (what precision=auto trains in on this
+    CPU) and 1.02-1.06x in bf16: three calls, the merge and the pieces' gradient copies cost about
+    what the mask's one add per score does, so the single call stays.
     """
     B, H, T, D = q.shape
     if window is None or window >= T:
