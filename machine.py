@@ -133,7 +133,7 @@ def best_time(fn, repeats: int = 5) -> float:
 
 def measure_local_hardware() -> Dict[str, float]:
     """Microbenchmarks, none of them the model being predicted: matmul rates (a 2048^3 GEMM gives the
-    peak, as train.py's MFU uses; a K=64 one the size effect), a copy (DRAM bandwidth), a chain of
+    peak of each dtype, as train.py's MFU uses; a K=64 one the size effect), a copy (DRAM bandwidth), a chain of
     tiny autograd ops (fixed cost per op), causal SDPA at a generic shape, gloo all-reduce.
     GEMMs go through F.linear, the oneDNN path nn.Linear and autocast take: on CPUs without native
     bf16 (this one: AVX2), a bare bf16 `a @ b` falls back to a path ~10x slower."""
@@ -141,8 +141,13 @@ def measure_local_hardware() -> Dict[str, float]:
         a, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
         return 2 * M * N * K / best_time(lambda: F.linear(a, w), 3)
 
-    peak = gemm_rate(2048, 2048, 2048, torch.bfloat16)
-    skinny = gemm_rate(2048, 2048, 64, torch.bfloat16) / peak
+    peaks = {dtype: gemm_rate(2048, 2048, 2048, dtype) for dtype in (torch.bfloat16, torch.float32)}
+    # The shape effect and attention's rate are measured in the dtype a run here computes in (the
+    # faster one, as resolve_precision picks): an emulated bf16 GEMM's shape profile says nothing
+    # of the fp32 GEMMs a run takes instead.
+    fast = max(peaks, key=peaks.get)
+    peak = peaks[fast]
+    skinny = gemm_rate(2048, 2048, 64, fast) / peak
     lo, hi = 0.01, 4096.0  # solve (64/(64+d)) / (2048/(2048+d)) = skinny for the half-speed dim d
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -161,12 +166,12 @@ def measure_local_hardware() -> Dict[str, float]:
         z.sum().backward()
     op_us = best_time(chain) / 400 * 1e6  # 200 forward ops and their 200 backward nodes
 
-    q, k, v = (torch.randn(8, 8, 512, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(8, 8, 512, 64, dtype=fast, requires_grad=True) for _ in range(3))
     attn_s = best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3)
     attn_flops = 3.5 * 4 * 8 * 8 * 512 * (512 + 1) / 2 * 64  # fwd + bwd, (T+1)/2 keys per causal query
     gloo = measure_gloo_GBps()
     ranks = 2  # cpu_local's devices_per_host: the measured host is shared by its ranks
-    return {"peak_tflops": peak / 1e12, "peak_tflops_fp32": gemm_rate(2048, 2048, 2048, torch.float32) / 1e12,
+    return {"peak_tflops": peaks[torch.bfloat16] / 1e12, "peak_tflops_fp32": peaks[torch.float32] / 1e12,
             "gemm_half_dim": half, "gemm_efficiency": 1 / (2048 / (2048 + half)) ** 3,
             "memory_GBps": bandwidth / 1e9, "op_overhead_us": op_us,
             "flash_efficiency": attn_flops / attn_s / peak,
