@@ -290,15 +290,32 @@ def validate_cpu(remeasure: bool = False) -> Dict[str, float]:
 STEP_TIME_KEYS = ("step_time_s", "step_time", "time_s", "dt_s", "dt")
 
 
+def runs_in(paths: Sequence[str]) -> List[Path]:
+    """Each path a run directory (it holds Hydra's .hydra/config.yaml) or a multirun sweep
+    directory, which stands for its job directories in job order."""
+    runs = []
+    for path in map(Path, paths):
+        if (path / ".hydra" / "config.yaml").exists():
+            runs.append(path)
+            continue
+        jobs = sorted((d for d in path.glob("*") if (d / ".hydra" / "config.yaml").exists()),
+                      key=lambda d: (len(d.name), d.name))
+        if not jobs:
+            raise ConfigError("validate", f"{path} holds no run (no .hydra/config.yaml in it or its subfolders)",
+                              "give a run directory or a multirun sweep directory")
+        runs += jobs
+    return runs
+
+
 def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus: Optional[int] = None):
-    """Predicted against measured step time of finished runs: each dir holds Hydra's
-    .hydra/config.yaml and metrics.jsonl (one JSON object per step, with a step time under one of
-    STEP_TIME_KEYS, and optionally `world_size`). The first fifth of the steps is skipped (warm-up,
-    compilation). Returns [{run, measured_s, predicted_s, error}]."""
+    """Predicted against measured step time of finished runs (run or sweep directories, runs_in):
+    each run holds Hydra's .hydra/config.yaml and metrics.jsonl (one JSON object per step, with a
+    step time under one of STEP_TIME_KEYS, and optionally `world_size`). The first fifth of the
+    steps is skipped (warm-up, compilation). Returns [{run, label, measured_s, predicted_s, error}]."""
     from omegaconf import OmegaConf
     hw = compose([f"hardware={hardware}"]).hardware
     out = []
-    for run in map(Path, run_dirs):
+    for run in runs_in(run_dirs):
         schema = OmegaConf.structured(config.Config)
         cfg = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(run / ".hydra" / "config.yaml")))
         cfg.hardware = hw
@@ -310,7 +327,9 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
         measured = statistics.median(times[len(times) // 5:])
         world = gpus or next((l["world_size"] for l in lines if "world_size" in l), None)
         predicted = pm.predict(cfg, world).step_s
-        out.append({"run": str(run), "measured_s": measured, "predicted_s": predicted, "error": predicted / measured - 1})
+        label = cfg.study.label if cfg.study.name else run.name
+        out.append({"run": str(run), "label": label, "measured_s": measured, "predicted_s": predicted,
+                    "error": predicted / measured - 1})
     return out
 
 
@@ -406,9 +425,14 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
              seconds(result["predicted_forward_backward_s"]), pct(result["forward_backward_error"], True) + "%"],
             ["tiny step with AdamW", seconds(result["measured_step_s"]), seconds(result["predicted_step_s"]),
              pct(result["step_error"], True) + "%"]]))
-        for r in compare_with_runs(overrides) if overrides else []:
-            print(f"{r['run']}: measured {seconds(r['measured_s'])}, predicted {seconds(r['predicted_s'])}, "
-                  f"error {pct(r['error'], True)}%")
+        if overrides:
+            rows = compare_with_runs(overrides)
+            print("\n" + markdown_table(["run", "measured step", "predicted step", "error"], [
+                [r["label"], seconds(r["measured_s"]), seconds(r["predicted_s"]), pct(r["error"], True) + "%"]
+                for r in rows]))
+            errors = sorted(abs(r["error"]) for r in rows)
+            print(f"\n{len(rows)} runs: median |error| {100 * statistics.median(errors):.0f}%, "
+                  f"max {100 * errors[-1]:.0f}%")
     else:
         cfg = compose(overrides)
         gpus = int(own["gpus"]) if "gpus" in own else None

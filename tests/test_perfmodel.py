@@ -356,6 +356,9 @@ def test_compare_with_runs_reads_hydra_config_and_metrics(tmp_path, tiny):
     predicted = pm.predict(tiny, 1).step_s
     assert result["measured_s"] == 0.5 and result["predicted_s"] == pytest.approx(predicted)
     assert result["error"] == pytest.approx(predicted / 0.5 - 1)
+    assert cli.runs_in([str(tmp_path)]) == [run]                # a multirun sweep dir stands for its jobs
+    with pytest.raises(config.ConfigError, match="holds no run"):
+        cli.runs_in([str(run / ".hydra")])
 
 
 def test_a_study_predicts_every_step_and_predict_one(capsys):
