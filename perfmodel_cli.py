@@ -10,7 +10,7 @@ perfmodel.py; this is a second file only to keep each under ~700 lines. Run it a
   python perfmodel.py ablation | scaling [scale=...]             the same two, by name
   python perfmodel.py 530b                                       the 530B model, batch = GPUs
   python perfmodel.py plan model=175B gpus=1024 batch=768        layouts ranked by predicted MFU
-  python perfmodel.py validate [--remeasure] [RUN_DIR ...]       cpu_local prediction vs measurement
+  python perfmodel.py validate [--remeasure] [RUN_OR_SWEEP_DIR ...]  cpu_local prediction vs measured runs
   python perfmodel.py [predict] [overrides] [gpus=N] [batch=B]   one config, with its breakdown
 """
 from __future__ import annotations
