@@ -9,10 +9,8 @@ The pipeline, top to bottom:
    written once to tokens.bin. Sequence i of length T is tokens[i*T : i*T + T + 1]: the model reads
    the first T tokens and predicts the last T. The file does not depend on T, so runs with
    different sequence lengths share it. The last val_fraction of the stream is held out.
-4. Sample. Sampler shuffles sequence indices per epoch, seeded by (seed, epoch); a DP rank takes a
-   contiguous slice of each global batch, so dp ranks together read exactly what one process
-   reads on the same global batch. Loader prefetches in a thread but reports the position the
-   training loop consumed, so resuming from a checkpoint is bit-identical.
+4. Sample (sampling.py). A seeded sampler picks each step's sequences, each DP rank its slice of
+   the global batch, and loaders hand them to the training loop, resumable to the sequence.
 
 The packed corpus is cached under a hash of everything that determines its bytes. torchrun ranks
 call prepare() together: one builds under a file lock, the others wait and reuse its result.
@@ -26,10 +24,8 @@ import json
 import logging
 import os
 import platform
-import queue
 import re
 import sysconfig
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +33,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -522,215 +517,3 @@ def _check_size(corpus: Corpus, cfg: DataConfig, seq_len: int) -> None:
         raise ConfigError("data.val_fraction", f"the held-out split has {len(corpus.val)} tokens, fewer than one "
                           f"sequence of train.seq_len={seq_len} plus its target",
                           f"use data.val_fraction>={need:.4g}, or 0 to disable evaluation")
-
-
-# --- Sampling: which sequences each rank reads at each step ---
-
-class Sampler:
-    """Epoch e visits the sequences in a permutation seeded by (seed, e). The global batch of step s
-    is the next B indices of the concatenated epochs; DP rank r takes its contiguous B/dp slice."""
-
-    def __init__(self, num_sequences: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
-        if num_sequences < 1:
-            raise ValueError(f"num_sequences={num_sequences}: there is nothing to sample")
-        if global_batch < 1 or global_batch % dp_size:
-            raise ValueError(f"global_batch={global_batch} must be positive and divisible by dp_size={dp_size}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_size})")
-        if seed < 0:
-            raise ValueError(f"seed={seed} must be >= 0")
-        self.num_sequences, self.global_batch = num_sequences, global_batch
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.consumed = 0  # sequences of the global stream consumed by all ranks together
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # a batch spans at most the current and the next epoch
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
-        return self._perms[epoch]
-
-    def _stream(self, start: int, count: int) -> np.ndarray:
-        parts = []
-        while count > 0:
-            epoch, offset = divmod(start, self.num_sequences)
-            take = min(count, self.num_sequences - offset)
-            parts.append(self._permutation(epoch)[offset: offset + take])
-            start, count = start + take, count - take
-        return np.concatenate(parts)
-
-    def next_indices(self) -> np.ndarray:
-        local = self.global_batch // self.dp_size
-        indices = self._stream(self.consumed + self.dp_rank * local, local)
-        self.consumed += self.global_batch
-        return indices
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "num_sequences": self.num_sequences}
-
-    def load_state_dict(self, state: dict) -> None:
-        # The position is counted in sequences, not steps, so a resume may change the global batch
-        # or the DP degree and still continue the same stream.
-        if (state["seed"], state["num_sequences"]) != (self.seed, self.num_sequences):
-            raise ValueError(f"the saved sampler is for seed={state['seed']} over {state['num_sequences']} sequences, "
-                             f"this one for seed={self.seed} over {self.num_sequences}: the data or seed changed")
-        self.consumed = int(state["consumed"])
-
-
-def _rows_to_batch(rows: np.ndarray, pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = torch.from_numpy(rows.astype(np.int64))
-    inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-    if pin_memory:
-        inputs, targets = inputs.pin_memory(), targets.pin_memory()
-    return inputs, targets
-
-
-class Loader:
-    """Batches (inputs, targets), int64 [local_batch, seq_len], forever. A background thread keeps up
-    to `prefetch` batches ready; state_dict() is the position after the batches handed out."""
-
-    def __init__(self, corpus: Corpus, split: str, seq_len: int, sampler: Sampler, prefetch: int = 2,
-                 pin_memory: bool = False):
-        self.rows = corpus.sequences(split, seq_len)
-        if sampler.num_sequences != len(self.rows):
-            raise ValueError(f"the sampler covers {sampler.num_sequences} sequences, the {split} split has {len(self.rows)}")
-        self.sampler, self.prefetch, self.pin_memory = sampler, prefetch, pin_memory
-        self._consumed = sampler.state_dict()
-        self._queue: Optional[queue.Queue] = None
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-
-    def _make(self):
-        batch = _rows_to_batch(self.rows[self.sampler.next_indices()], self.pin_memory)
-        return batch, self.sampler.state_dict()
-
-    def _produce(self) -> None:
-        while not self._stop.is_set():
-            try:
-                item = self._make()
-            except BaseException as err:  # handed to the consumer, which raises it in the training loop
-                item = err
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, BaseException):
-                return
-
-    def __iter__(self) -> "Loader":
-        return self
-
-    def __enter__(self) -> "Loader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.prefetch == 0:
-            batch, self._consumed = self._make()
-            return batch
-        if self._thread is None:
-            self._stop.clear()
-            self._queue = queue.Queue(maxsize=self.prefetch)
-            self._thread = threading.Thread(target=self._produce, name="data-prefetch", daemon=True)
-            self._thread.start()
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        batch, self._consumed = item
-        return batch
-
-    def skip(self) -> None:
-        """Advance one batch without reading it: for a rank that receives its batch from another."""
-        assert self.prefetch == 0, "skip() is for a loader that does not prefetch"
-        self.sampler.next_indices()
-        self._consumed = self.sampler.state_dict()
-
-    def state_dict(self) -> dict:
-        return {"sampler": dict(self._consumed)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.close()
-        self.sampler.load_state_dict(state["sampler"])
-        self._consumed = self.sampler.state_dict()
-
-    def close(self) -> None:
-        """Stop the prefetch thread and rewind the sampler to what was consumed (prefetched batches
-        are dropped); iterating again restarts from there."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread, self._queue = None, None
-        self.sampler.load_state_dict(self._consumed)
-
-
-class TPSharedLoader:
-    """data.pipeline=megascale with TP > 1. The TP ranks of a DP slice need identical batches, and
-    reading them once per rank repeats the work tp times. MegaScale has one reader per host that
-    writes into shared memory; here TP rank 0 reads (with background prefetch) and broadcasts the
-    [2, batch, seq] tokens to its TP group. The other ranks advance their own sampler without
-    reading, so every rank's checkpointed data position stays the same."""
-
-    def __init__(self, loader: Loader, group, is_reader: bool, shape: tuple, device: torch.device):
-        import torch.distributed as dist
-        self.loader, self.group, self.is_reader, self.shape, self.device = loader, group, is_reader, shape, device
-        self.src = dist.get_global_rank(group, 0)
-
-    def __iter__(self) -> "TPSharedLoader":
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch.distributed as dist
-        if self.is_reader:
-            tokens = torch.stack(next(self.loader)).to(self.device)
-        else:
-            self.loader.skip()
-            tokens = torch.empty((2, *self.shape), dtype=torch.int64, device=self.device)
-        dist.broadcast(tokens, src=self.src, group=self.group)
-        return tokens[0], tokens[1]
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
-
-    def close(self) -> None:
-        self.loader.close()
-
-
-def train_loader(corpus: Corpus, cfg: DataConfig, seq_len: int, sampler: Sampler, tp_group=None,
-                 tp_rank: int = 0, device: torch.device = torch.device("cpu")):
-    """The training batches as data.pipeline asks (ablation step 7, "misc"):
-    naive:     every rank reads and prepares its own batch, in the training loop, when it needs it.
-    megascale: the next batches are prepared in the background (data.prefetch deep) while the
-               current step computes and synchronises gradients, and under TP one rank per TP
-               group reads them for the whole group (TPSharedLoader)."""
-    if cfg.pipeline == "naive":
-        return Loader(corpus, "train", seq_len, sampler, prefetch=0)
-    reader = tp_group is None or tp_rank == 0
-    loader = Loader(corpus, "train", seq_len, sampler, prefetch=cfg.prefetch if reader else 0)
-    if tp_group is None:
-        return loader
-    return TPSharedLoader(loader, tp_group, reader, (sampler.global_batch // sampler.dp_size, seq_len), device)
-
-
-def eval_batches(corpus: Corpus, seq_len: int, n_batches: int, global_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same held-out batches on every call: n_batches * global_batch sequences spread evenly over
-    the val split (repeating only if it is smaller), each global batch sliced per DP rank."""
-    n_val = corpus.num_sequences("val", seq_len)
-    if n_val < 1:
-        raise ValueError(f"the val split has no sequence of length {seq_len}: raise data.val_fraction or disable eval")
-    if global_batch % dp_size:
-        raise ValueError(f"global_batch={global_batch} must be divisible by dp_size={dp_size}")
-    total = n_batches * global_batch
-    picks = (np.arange(total) * n_val) // total if total <= n_val else np.arange(total) % n_val
-    rows, local = corpus.sequences("val", seq_len), global_batch // dp_size
-    return [_rows_to_batch(rows[picks[b * global_batch + dp_rank * local: b * global_batch + (dp_rank + 1) * local]], False)
-            for b in range(n_batches)]

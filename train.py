@@ -33,6 +33,7 @@ import machine
 import metrics
 import optim
 import parallel
+import sampling
 from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
@@ -78,9 +79,9 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     if cfg.model.vocab_size < corpus.vocab_size:
         _fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
               f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
-    sampler = data.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
+    sampler = sampling.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
                            layout.dp_rank, layout.dp, seed=cfg.train.seed)
-    loader = data.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler, layout.group("tp") if layout.tp > 1 else None,
+    loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler, layout.group("tp") if layout.tp > 1 else None,
                                layout.tp_rank, device)
 
     # --- Model and optimizer: the same full init on every rank, then parallelism from outside ---
@@ -123,7 +124,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     collector = ft.CollectGarbage(cfg.train.gc_interval)
     step, history, status = start_step, [], "finished"
     bar = _progress(cfg, rank, start_step)
-    eval_set = data.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
+    eval_set = sampling.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
                                  layout.dp_rank, layout.dp) if cfg.train.eval_interval > 0 else []
     try:
         for step in range(start_step + 1, cfg.train.max_steps + 1):

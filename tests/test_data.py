@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import sampling  # noqa: E402
 from config import ConfigError  # noqa: E402
 
 DOCS = [
@@ -76,9 +77,9 @@ def test_sequences_and_targets_are_shifted_windows(jsonl_corpus):
     assert len(rows) == jsonl_corpus.num_sequences("train", T) == (len(jsonl_corpus.train) - 1) // T
     for i in (0, 1, len(rows) - 1):
         np.testing.assert_array_equal(rows[i], jsonl_corpus.train[i * T: i * T + T + 1])
-    sampler = data.Sampler(len(rows), global_batch=4, seed=3)
-    inputs, targets = next(data.Loader(jsonl_corpus, "train", T, sampler, prefetch=0))
-    idx = data.Sampler(len(rows), global_batch=4, seed=3).next_indices()
+    sampler = sampling.Sampler(len(rows), global_batch=4, seed=3)
+    inputs, targets = next(sampling.Loader(jsonl_corpus, "train", T, sampler, prefetch=0))
+    idx = sampling.Sampler(len(rows), global_batch=4, seed=3).next_indices()
     assert inputs.dtype == targets.dtype == torch.int64 and inputs.shape == targets.shape == (4, T)
     train = torch.from_numpy(jsonl_corpus.train.astype(np.int64))
     for row, i in enumerate(idx):
@@ -246,8 +247,8 @@ def test_an_unreachable_hub_dataset_is_a_one_line_config_error(tmp_path):
 
 def test_sampler_is_deterministic_and_each_epoch_is_a_permutation():
     N, B = 10, 4
-    first_batch = data.Sampler(N, B, seed=7).next_indices()
-    a, b = data.Sampler(N, B, seed=7), data.Sampler(N, B, seed=7)
+    first_batch = sampling.Sampler(N, B, seed=7).next_indices()
+    a, b = sampling.Sampler(N, B, seed=7), sampling.Sampler(N, B, seed=7)
     steps_a = [a.next_indices() for _ in range(10)]
     steps_b = [b.next_indices() for _ in range(10)]
     assert all(np.array_equal(x, y) for x, y in zip(steps_a, steps_b))
@@ -257,40 +258,40 @@ def test_sampler_is_deterministic_and_each_epoch_is_a_permutation():
         np.testing.assert_array_equal(flat[epoch * N:(epoch + 1) * N],
                                       np.random.default_rng([7, epoch]).permutation(N))
     assert not np.array_equal(flat[:N], flat[N:2 * N])  # a new order each epoch
-    other = np.concatenate([data.Sampler(N, B, seed=8).next_indices() for _ in range(10)])
+    other = np.concatenate([sampling.Sampler(N, B, seed=8).next_indices() for _ in range(10)])
     assert not np.array_equal(flat, other)
 
 
 def test_dp_ranks_together_read_the_single_process_global_batch():
     N, B = 23, 6  # N not a multiple of B: batches wrap across epochs
-    single = data.Sampler(N, B, seed=1)
-    ranks = [data.Sampler(N, B, dp_rank=r, dp_size=2, seed=1) for r in range(2)]
+    single = sampling.Sampler(N, B, seed=1)
+    ranks = [sampling.Sampler(N, B, dp_rank=r, dp_size=2, seed=1) for r in range(2)]
     for _ in range(12):
         parts = [s.next_indices() for s in ranks]
         assert [len(p) for p in parts] == [3, 3]
         np.testing.assert_array_equal(np.concatenate(parts), single.next_indices())
     with pytest.raises(ValueError):
-        data.Sampler(N, 5, dp_size=2)
+        sampling.Sampler(N, 5, dp_size=2)
 
 
 def test_sampler_state_restores_the_following_batches():
-    a = data.Sampler(17, 4, seed=2)
+    a = sampling.Sampler(17, 4, seed=2)
     for _ in range(5):
         a.next_indices()
     state = a.state_dict()
     expected = [a.next_indices() for _ in range(6)]
-    b = data.Sampler(17, 4, seed=2)
+    b = sampling.Sampler(17, 4, seed=2)
     b.load_state_dict(state)
     assert all(np.array_equal(x, b.next_indices()) for x in expected)
     with pytest.raises(ValueError, match="data or seed changed"):
-        data.Sampler(17, 4, seed=3).load_state_dict(state)
+        sampling.Sampler(17, 4, seed=3).load_state_dict(state)
 
 
 # --- Loader ---
 
 def _loader(corpus, prefetch, seed=5, **kw):
     n = corpus.num_sequences("train", 16)
-    return data.Loader(corpus, "train", 16, data.Sampler(n, 4, seed=seed, **kw), prefetch=prefetch)
+    return sampling.Loader(corpus, "train", 16, sampling.Sampler(n, 4, seed=seed, **kw), prefetch=prefetch)
 
 
 def test_prefetch_gives_the_same_stream_and_the_consumed_state(jsonl_corpus):
@@ -336,14 +337,14 @@ def test_dp_loaders_concatenate_to_the_single_process_batch(jsonl_corpus):
 
 
 def test_eval_batches_are_fixed_held_out_and_dp_sliced(jsonl_corpus):
-    first = data.eval_batches(jsonl_corpus, 16, n_batches=2, global_batch=4)
-    again = data.eval_batches(jsonl_corpus, 16, n_batches=2, global_batch=4)
+    first = sampling.eval_batches(jsonl_corpus, 16, n_batches=2, global_batch=4)
+    again = sampling.eval_batches(jsonl_corpus, 16, n_batches=2, global_batch=4)
     assert len(first) == 2 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
     val_rows = torch.from_numpy(jsonl_corpus.sequences("val", 16).astype(np.int64))
     for x, y in first:  # every row is a val sequence, never a training one
         for row_x, row_y in zip(x, y):
             full = torch.cat([row_x, row_y[-1:]])
             assert any(torch.equal(full, v) for v in val_rows)
-    halves = [data.eval_batches(jsonl_corpus, 16, 2, 4, dp_rank=r, dp_size=2) for r in range(2)]
+    halves = [sampling.eval_batches(jsonl_corpus, 16, 2, 4, dp_rank=r, dp_size=2) for r in range(2)]
     for b in range(2):
         assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), first[b][0])
