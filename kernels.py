@@ -283,7 +283,7 @@ def layer_norm(x: torch.Tensor, norm: nn.LayerNorm, fused=False) -> torch.Tensor
     """fused: a value of KernelsConfig.fused (False, True or "triton"), for every function here.
 
     A lone LayerNorm is already one ATen kernel forward and one backward, so compiling it has
-    nothing to fuse; on this CPU inductor's LayerNorm loops ran at 0.40-0.54x of ATen's (1 thread,
+    nothing to fuse; on this CPU inductor's LayerNorm loops ran at 0.40-0.70x of ATen's (1 thread,
     bf16 and fp32, experiments/bench_kernels.py). fused=true keeps ATen's; only Triton replaces it."""
     if _use_triton(fused, x):
         return _TritonLayerNorm.apply(x, None, norm.weight, norm.bias, norm.eps)
