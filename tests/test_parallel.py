@@ -17,7 +17,8 @@ STEPS = 3
 EXACT = SMALL + [f"train.max_steps={STEPS}", "precision=fp32", f"checkpoint.interval={STEPS}", "train.eval_interval=3"]
 
 LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, TP x PP inside
-    # tp2_pp2_dp2_overlap (8 ranks, every overlap on), and the ZeRO-2 path inside dp2_zero2_overlap (the same reductions, per bucket) and pp2_dp2.
+    # tp2_pp2_dp2_overlap (8 ranks, every overlap on), and the ZeRO-2 path inside
+    # dp2_zero2_overlap (the same reductions, per bucket) and pp2_dp2.
     "tp2": (2, ["parallel.tp=2"]),
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"]),
     "dp2_zero0": (2, ["parallel.zero_stage=0"]),  # plain data parallelism: 2 ranks = 1 rank
