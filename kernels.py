@@ -78,8 +78,11 @@ def band_mask(n_q: int, n_k: int, q_offset: int, window: Optional[int], device) 
 
 
 def attention_reference(q, k, v, window: Optional[int] = None) -> torch.Tensor:
-    """Naive softmax attention, [B, H, T, D] in and out. The oracle for every other backend."""
-    return attention_unfused(q.float(), k.float(), v.float(), window).to(q.dtype)
+    """Naive softmax attention, [B, H, T, D] in and out. The oracle for every other backend, so it
+    shares no code with them (attention_unfused included; test_model checks it per token)."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~window_mask(q.shape[-2], window, q.device), float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
 
 def attention_unfused(q, k, v, window: Optional[int] = None) -> torch.Tensor:
