@@ -77,33 +77,34 @@ def band_mask(n_q: int, n_k: int, q_offset: int, window: Optional[int], device) 
     return allowed
 
 
-def attention_reference(q, k, v, window: Optional[int] = None) -> torch.Tensor:
+def attention_reference(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
     """Naive softmax attention, [B, H, T, D] in and out. The oracle for every other backend, so it
     shares no code with them (attention_unfused included; test_model checks it per token)."""
     scores = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
     scores = scores.masked_fill(~window_mask(q.shape[-2], window, q.device), float("-inf"))
-    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+    return (F.dropout(scores.softmax(-1), dropout) @ v.float()).to(q.dtype)
 
 
-def attention_unfused(q, k, v, window: Optional[int] = None) -> torch.Tensor:
+def attention_unfused(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
     """softmax(QKᵀ/√d)V with every score of the [T, T] square materialized, as Megatron-LM's core
     attention (a batched GEMM, its fused scale-mask-softmax kernel, a batched GEMM): the GEMMs run
-    in q's dtype, the softmax in fp32, the probabilities go back to q's dtype for the second GEMM."""
+    in q's dtype, the softmax in fp32, the probabilities go back to q's dtype for the second GEMM. Dropout on the
+    probabilities is one more pass over the square each way, plus its mask (Megatron's is too)."""
     scores = (q @ k.transpose(-1, -2)).float() / q.shape[-1] ** 0.5
     scores = scores.masked_fill(~window_mask(q.shape[-2], window, q.device), float("-inf"))
-    return scores.softmax(-1).to(v.dtype) @ v
+    return F.dropout(scores.softmax(-1).to(v.dtype), dropout) @ v
 
 
-def attention_sdpa(q, k, v, window: Optional[int] = None) -> torch.Tensor:
+def attention_sdpa(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
     """One SDPA call. Full causal uses is_causal, which lets the kernel skip the upper triangle;
     a window needs an explicit mask, and then every score of the [T, T] square is computed."""
     T = q.shape[-2]
     if window is None or window >= T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(T, window, q.device))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(T, window, q.device), dropout_p=dropout)
 
 
-def attention_flash(q, k, v, window: Optional[int] = None) -> torch.Tensor:
+def attention_flash(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
     """flash-attn (Dao et al.). Its layout is [B, T, H, D]; its window is (left, right) keys."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(f"kernels.attention=flash needs CUDA tensors in bf16/fp16, got {q.dtype} on "
@@ -115,7 +116,7 @@ def attention_flash(q, k, v, window: Optional[int] = None) -> torch.Tensor:
                            "on a CUDA host); use kernels.attention=banded or sdpa instead") from err
     left = -1 if window is None else window - 1
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                          causal=True, window_size=(left, 0))
+                          dropout_p=dropout, causal=True, window_size=(left, 0))
     return out.transpose(1, 2)
 
 
@@ -123,7 +124,8 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT_BLOCK,
+                     dropout: float = 0.0) -> torch.Tensor:
     """Sliding-window attention that computes only the key blocks inside the window.
 
     Queries are cut into blocks of `block` rows. Block c (rows [c·block, (c+1)·block)) needs keys
@@ -148,16 +150,16 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
     """
     B, H, T, D = q.shape
     if window is None or window >= T:
-        return attention_sdpa(q, k, v, window)
+        return attention_sdpa(q, k, v, window, dropout)
     window_len = _round_up(block + window - 1, 16)
     lead = window_len - block                  # keys before the block's first query, >= W - 1
     head = min(T, _round_up(lead, block))       # queries whose window would start before key 0
     n_mid = (T - head) // block
     mid_end = head + n_mid * block
     if n_mid == 0:
-        return attention_sdpa(q, k, v, window)
+        return attention_sdpa(q, k, v, window, dropout)
 
-    outs = [attention_sdpa(q[:, :, :head], k[:, :, :head], v[:, :, :head], window)] if head else []
+    outs = [attention_sdpa(q[:, :, :head], k[:, :, :head], v[:, :, :head], window, dropout)] if head else []
 
     # [B*H, T, D] with a uniform stride over B*H, so that the unfolded windows reshape as a view.
     # (For q, k, v sliced out of a fused QKV projection this is the one copy, O(T·D).)
@@ -170,14 +172,14 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
         return x[:, head - lead: mid_end].unfold(1, window_len, block).transpose(-1, -2)
 
     q_mid = q[:, :, head:mid_end].reshape(B * H, n_mid, block, D)
-    out = F.scaled_dot_product_attention(q_mid, windows(kf), windows(vf), attn_mask=mask)
+    out = F.scaled_dot_product_attention(q_mid, windows(kf), windows(vf), attn_mask=mask, dropout_p=dropout)
     outs.append(out.view(B, H, n_mid * block, D))
 
     if mid_end < T:  # the last, partial block: the top rows and leftmost columns of the same mask
         n_tail = T - mid_end
         keys = slice(mid_end - lead, T)
         outs.append(F.scaled_dot_product_attention(q[:, :, mid_end:], k[:, :, keys], v[:, :, keys],
-                                                   attn_mask=mask[:n_tail, :lead + n_tail]))
+                                                   attn_mask=mask[:n_tail, :lead + n_tail], dropout_p=dropout))
     return torch.cat(outs, dim=2)
 
 
@@ -207,21 +209,24 @@ def pick_attention_impl(q, window: Optional[int], block: int = DEFAULT_BLOCK) ->
 
 
 def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
-              block: int = DEFAULT_BLOCK) -> torch.Tensor:
+              block: int = DEFAULT_BLOCK, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention with an optional sliding window, [B, H, T, D] in and out. `block` is the
-    banded backend's query block size."""
+    banded backend's query block size; `dropout` the probability of dropping an attention
+    probability (training only: the caller passes 0 in eval). Every backend applies it inside its
+    softmax(QKᵀ)V, so dropout changes which random numbers are drawn between backends, never what
+    they compute in expectation; at 0 they are equal to the reference, as before."""
     if impl == "auto":
         impl = pick_attention_impl(q, window, block)
     if impl == "flash":
-        return attention_flash(q, k, v, window)
+        return attention_flash(q, k, v, window, dropout)
     if impl == "banded":
-        return attention_banded(q, k, v, window, block)
+        return attention_banded(q, k, v, window, block, dropout)
     if impl == "sdpa":
-        return attention_sdpa(q, k, v, window)
+        return attention_sdpa(q, k, v, window, dropout)
     if impl == "unfused":
-        return attention_unfused(q, k, v, window)
+        return attention_unfused(q, k, v, window, dropout)
     if impl == "reference":
-        return attention_reference(q, k, v, window)
+        return attention_reference(q, k, v, window, dropout)
     raise ValueError(f"unknown attention impl {impl!r}; use one of {ATTENTION_IMPLS}")
 
 

@@ -54,6 +54,54 @@ def test_attention_backend_equals_reference(impl, window, T, dtype):
         torch.testing.assert_close(g.float(), e, **TOL[dtype], msg=lambda m: f"{name}: {m}")
 
 
+DROPOUT_IMPLS = ["banded", "sdpa", "unfused", "reference"]
+
+
+def seeded(fn, seed=0):
+    """fn with the global generator reset before every call, so each call draws the same mask."""
+    def call(*args):
+        torch.manual_seed(seed)
+        return fn(*args)
+    return call
+
+
+@pytest.mark.parametrize("impl", DROPOUT_IMPLS)
+def test_attention_dropout_is_unbiased(impl):
+    """Dropout on the probabilities, rescaled by 1/(1-p), leaves the output's expectation alone:
+    the mean over many masks tends to the output without dropout. (Backends draw different
+    masks, so they are compared with the reference in expectation, not value by value.)"""
+    q, k, v = (t.detach() for t in qkv(T_EVEN, torch.float32))
+    exact = kernels.attention_reference(q, k, v, 40)
+    torch.manual_seed(0)
+    draws = torch.stack([kernels.attention(q, k, v, 40, impl=impl, block=BLOCK, dropout=0.3) for _ in range(400)])
+    assert not torch.allclose(draws[0], exact, atol=1e-3)   # it does drop
+    error = (draws.mean(0) - exact).norm() / exact.norm()
+    assert error < 0.05, error                               # 1/sqrt(400) of one draw's spread, about 0.02
+
+
+@pytest.mark.parametrize("impl", ["banded", "sdpa"])
+def test_attention_dropout_backward_uses_the_forward_mask(impl):
+    """The gradient of one seeded draw is the derivative of that draw (gradcheck, float64): the
+    backward replays the forward's mask, in SDPA and in every piece of banded's split. (unfused
+    computes its softmax in fp32, too coarse for finite differences; the next test checks its
+    gradients against the reference's, which are torch's own dropout backward.)"""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    fn = seeded(lambda a, b, c: kernels.attention(a, b, c, 12, impl=impl, block=BLOCK, dropout=0.2))
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5)
+
+
+def test_unfused_dropout_draws_the_references_mask():
+    """Megatron's core attention drops the materialized probabilities exactly as the oracle does
+    (same shape, dtype and generator in fp32), so with one seed they agree value for value."""
+    q, k, v = qkv(T_ODD, torch.float32)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    ref = out_and_grads(seeded(lambda a, b, c: kernels.attention_reference(a, b, c, 40, dropout=0.25)), q, k, v, grad_out)
+    got = out_and_grads(seeded(lambda a, b, c: kernels.attention(a, b, c, 40, impl="unfused", dropout=0.25)), q, k, v, grad_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=lambda m: f"{name}: {m}")
+
+
 def test_banded_computes_only_the_band(monkeypatch):
     """The work bound, counted rather than timed: the scores banded asks SDPA for stay within
     T·(W + block) (plus the first blocks' small square), not T², and only the calls whose
