@@ -257,6 +257,9 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     if m.attention.window is not None and m.attention.window < 1:
         raise ConfigError("model.attention.window", f"window {m.attention.window} < 1",
                           "use a window >= 1, or null for full causal attention")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError("model.dropout", f"{m.dropout} is not a probability in [0, 1)",
+                          "use 0 (off) or e.g. 0.1 (Megatron-LM's default)")
     if t.seq_len > m.max_seq_len:
         raise ConfigError("train.seq_len", f"{t.seq_len} is longer than model.max_seq_len={m.max_seq_len}",
                           f"use train.seq_len<={m.max_seq_len} or raise model.max_seq_len")

@@ -48,6 +48,10 @@ class ModelConfig:
     bias: bool = True             # Megatron's GPT and GPT-NeoX have biases; PaLM has none
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Dropout on the attention probabilities and on each residual branch (attention, MLP; PTB's
+    # sum), training only. 0 as in nanoGPT's and most LLM pretraining; Megatron-LM defaults to 0.1
+    # for both (--attention-dropout, --hidden-dropout), which the 175B/530B configs follow.
+    dropout: float = 0.0
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +75,7 @@ class Attention(nn.Module):
         self.window = cfg.attention.window
         self.rope_theta = cfg.rope_theta
         self.impl, self.block_size = ops.attention, ops.attention_block
+        self.dropout = cfg.dropout
         # Rows grouped as (head, q|k|v, head_dim), the GPT-NeoX/Megatron layout: a tensor-parallel
         # shard of the rows is a whole set of heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
@@ -92,7 +97,8 @@ class Attention(nn.Module):
     def core(self, q, k, v):
         """softmax(QK^T)V: the part selective recomputation re-runs instead of storing (its
         activations grow with s^2 for full attention and are cheap to recompute)."""
-        return kernels.attention(q, k, v, window=self.window, impl=self.impl, block=self.block_size)
+        return kernels.attention(q, k, v, window=self.window, impl=self.impl, block=self.block_size,
+                                 dropout=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -118,14 +124,21 @@ class Block(nn.Module):
         # PTB shares one LayerNorm between attention and MLP; the sequential block has two.
         self.ln_2 = None if self.parallel else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg, ops)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
             h = kernels.layer_norm(x, self.ln_1, fused=self.fused)
-            return x + self.attn(h) + self.mlp(h)
-        x, h = kernels.add_layer_norm(x, self.attn(kernels.layer_norm(x, self.ln_1, fused=self.fused)),
+            return x + self.drop(self.attn(h) + self.mlp(h))
+        x, h = kernels.add_layer_norm(x, self.drop(self.attn(kernels.layer_norm(x, self.ln_1, fused=self.fused))),
                                       self.ln_2, fused=self.fused)
-        return x + self.mlp(h)
+        return x + self.drop(self.mlp(h))
+
+    def drop(self, branch: torch.Tensor) -> torch.Tensor:
+        """Dropout on a residual branch before it joins the stream (Megatron's bias-dropout-add).
+        PTB drops the sum of its two branches: under TP they are summed before the one
+        reduce-scatter they share, and the mask is drawn after it (parallel.py)."""
+        return F.dropout(branch, self.dropout, self.training) if self.dropout else branch
 
 
 class GPT(nn.Module):

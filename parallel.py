@@ -352,11 +352,11 @@ def _block_steps(block, x, gather, reduce_scatter):
     full = yield gather(kernels.layer_norm(x, block.ln_1, fused=block.fused), g)
     if block.parallel:
         y = yield reduce_scatter(block.attn(full) + block.mlp(full), g)
-        return x + _add_bias(_add_bias(y, attn_bias), mlp_bias)
+        return x + block.drop(_add_bias(_add_bias(y, attn_bias), mlp_bias))
     a = yield reduce_scatter(block.attn(full), g)
-    x, h = kernels.add_layer_norm(x, _add_bias(a, attn_bias), block.ln_2, fused=block.fused)
+    x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn_bias)), block.ln_2, fused=block.fused)
     full = yield gather(h, g)
-    return x + _add_bias((yield reduce_scatter(block.mlp(full), g)), mlp_bias)
+    return x + block.drop(_add_bias((yield reduce_scatter(block.mlp(full), g)), mlp_bias))
 
 
 def _chunked_block(block, x):
@@ -368,10 +368,10 @@ def _chunked_block(block, x):
     if block.parallel:  # PTB: one region; the MLP's partial sums join attention's before the shared reduce-scatter
         y = overlap.chunked_region(h, g, k, pre=lambda f: (attn.qkv(f), mlp(f)), mix=attn.mix,
                                    post=lambda a, m: attn.out(a) + m)
-        return x + _add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias)
+        return x + block.drop(_add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias))
     a = overlap.chunked_region(h, g, k, pre=lambda f: (attn.qkv(f),), mix=attn.mix, post=attn.out)
-    x, h = kernels.add_layer_norm(x, _add_bias(a, attn.out.bias), block.ln_2, fused=block.fused)
-    return x + _add_bias(overlap.chunked_region(h, g, k, pre=mlp), mlp.fc_out.bias)
+    x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn.out.bias)), block.ln_2, fused=block.fused)
+    return x + block.drop(_add_bias(overlap.chunked_region(h, g, k, pre=mlp), mlp.fc_out.bias))
 
 
 def tp_shard_dim(name: str) -> Optional[int]:

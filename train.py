@@ -64,8 +64,12 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     device = parallel.pick_device(cfg.hardware.device)
     rank, world = parallel.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
     layout = parallel.build_layout(cfg.parallel, rank, world, device)
-    # Every generator a rank has, so that two runs of one config write identical checkpoints.
-    torch.manual_seed(cfg.train.seed)
+    # Every generator a rank has, so that two runs of one config write identical checkpoints. Each
+    # rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
+    # heads and sequence slices each TP rank holds, and for each pipeline stage's layers (Megatron's
+    # RNG tracker offsets by rank for the same reason). Weights never come from it: init_weights
+    # has its own generator, so every rank still builds the same full model.
+    torch.manual_seed(cfg.train.seed + rank)
     random.seed(cfg.train.seed + rank)
     np.random.seed(cfg.train.seed + rank)
     precision = machine.resolve_precision(cfg.precision, device)

@@ -45,6 +45,31 @@ def test_sequential_block_is_pre_ln():
     torch.testing.assert_close(block(x), y + block.mlp(block.ln_2(y)))
 
 
+@pytest.mark.parametrize("block", ["sequential", "parallel"])
+def test_dropout_drops_each_residual_branch_in_training_only(block):
+    """model.dropout: attention probabilities, then each residual branch (PTB: their sum), in the
+    order the block draws them; eval mode is the block without dropout."""
+    F = torch.nn.functional
+    model = GPT(tiny(block=block, dropout=0.2))
+    model.init_weights(1)
+    blk, x = model.blocks["0"], torch.randn(2, 9, 64)
+    torch.manual_seed(3)
+    got = blk(x)
+    torch.manual_seed(3)
+    if block == "parallel":
+        h = blk.ln_1(x)
+        a = blk.attn(h)                      # draws the attention-probability mask first
+        expected = x + F.dropout(a + blk.mlp(h), 0.2)
+    else:
+        y = x + F.dropout(blk.attn(blk.ln_1(x)), 0.2)
+        expected = y + F.dropout(blk.mlp(blk.ln_2(y)), 0.2)
+    torch.testing.assert_close(got, expected)
+    model.eval()
+    plain = GPT(tiny(block=block))
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(torch.arange(9)[None]), plain(torch.arange(9)[None]))
+
+
 def test_causality_and_window():
     """Changing a future token never changes earlier logits; with SWA a token W or more positions back
     cannot influence the output of a single-layer model either."""
