@@ -56,3 +56,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, cache_dir, override, key):
     assert key in lines[0] and "Fix:" in lines[0]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0])
+def test_dropout_outside_0_1_is_a_config_error(value):
+    """The same check as above, in-process (each spawned case costs seconds)."""
+    import config
+    with pytest.raises(config.ConfigError, match="model.dropout"):
+        config.validate(config.compose([f"model.dropout={value}"]), world=1)
