@@ -25,6 +25,13 @@ What the paper leaves unstated, assumed here:
   beyond Megatron's own async backward collectives, materialized-softmax attention (its default
   core attention), unfused LayerNorm, GeLU and cross-entropy, the naive data loader. Stages hold
   the embedding (first) and an untied head (last), as model.py. A100s with 80 GB.
+- Dropout: where the paper is silent, Megatron-LM's defaults: --attention-dropout 0.1 and
+  --hidden-dropout 0.1 (its GPT-3 175B example sets neither), in both columns (conf/model/175B,
+  530B). Megatron's materialized attention pays a pass over the [T, T] probabilities each way
+  for it; flash attention draws the mask inside the kernel (priced free); the residual dropout
+  is small in both. This assumption moves the fit: with dropout 0, the GEMM efficiency fits at
+  0.704 and the MegaScale column misses at 256-768 GPUs (-4.1, -3.8, -3.1 points); with it, 0.73
+  and within 2.4 on every row (the Megatron column within 1.30 and 1.32 points).
 - MegaScale and Table 3: what conf/experiment/megascale_ablation.yaml switches on, composed as
   train.py composes it (Table 2's MegaScale column is its step 7, every switch but LAMB): PTB, SWA
   (window 512 = T/4; the paper gives none), chunked TP overlap in 4 pieces, PP overlap, DP overlap
@@ -249,6 +256,9 @@ ELEMENTWISE = {
     "rope": {False: (10, 8, 12, 12), True: (10, 8, 12, 12)},  # model.apply_rope on q and k; never fused
     "copy": {False: (2, 2, 1, 1), True: (2, 2, 1, 1)},        # attention output back to [tokens, h]
     "add": {False: (3, 3, 1, 1), True: (3, 3, 1, 1)},         # PTB's three-way residual sum
+    # model.Block.drop: read the branch, write it and a byte mask; back, read grad and mask, write.
+    # (In bf16 units: 2.5 passes each way.) Not fused into the residual add (Megatron fuses them).
+    "dropout": {False: (2.5, 2.5, 1, 1), True: (2.5, 2.5, 1, 1)},
 }
 
 
@@ -302,11 +312,16 @@ def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, fl
     impl, W = cfg.kernels.attention, m.attention.window
     if impl in MATERIALIZED:
         # Forward: S = QK^T, softmax (read S, write P), O = PV. Backward: dP = dO V^T, dV = P^T dO,
-        # softmax backward (read P and dP, write dS), dQ = dS K, dK = dS^T Q.
-        fwd = gemm_time(r, T, T, hd, n, e) + stream_time(r, 2 * n * T * T * e) + gemm_time(r, T, hd, T, n, e)
+        # softmax backward (read P and dP, write dS), dQ = dS K, dK = dS^T Q. Dropout on P is a
+        # pass of its own each way: read P, write the kept P and a byte mask; read the gradient
+        # and the mask, write the gradient.
+        drop = stream_time(r, (2 * e + 1) * n * T * T) if m.dropout else 0.0
+        fwd = gemm_time(r, T, T, hd, n, e) + stream_time(r, 2 * n * T * T * e) + drop + gemm_time(r, T, hd, T, n, e)
         bwd = (gemm_time(r, T, T, hd, n, e) + gemm_time(r, T, hd, T, n, e) + stream_time(r, 3 * n * T * T * e)
-               + gemm_time(r, T, hd, T, n, e) + gemm_time(r, T, hd, T, n, e))
+               + drop + gemm_time(r, T, hd, T, n, e) + gemm_time(r, T, hd, T, n, e))
         return fwd, bwd
+    # Fused kernels draw the dropout mask inside the kernel from a seed (flash-attn regenerates it
+    # in the backward), priced as free: random bits beside the exp, no pass over memory.
     if impl == "banded" and banded_keys(cfg, T):
         keys = banded_keys(cfg, T)
     else:
@@ -344,6 +359,8 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
     items = [("add_norm", shard * (1 if ptb else 2)), ("bias_gelu", ff // t), ("rope", 2 * h // t), ("copy", h // t)]
     if ptb:
         items.append(("add", shard))
+    if m.dropout:  # each residual branch (PTB: their sum), on the sequence shard
+        items += [("dropout", shard)] * (1 if ptb else 2)
     for name, width in items:
         pf, pb, of, ob = ELEMENTWISE[name][bool(cfg.kernels.fused)]  # true or triton: fused
         fwd["elementwise"] = fwd.get("elementwise", 0.0) + stream_time(r, pf * width * M * e, of)
@@ -443,14 +460,22 @@ def rank_params(m: gpt.ModelConfig, lay: Layout) -> Tuple[int, int]:
 
 def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     """Bytes one layer keeps per token for its backward (no recomputation); cf. Korthikanti et al.
-    2022, without dropout. Under SP, norm inputs and outputs are split over TP like the heads."""
+    2022. Under SP, norm inputs and outputs are split over TP like the heads."""
     m, e = cfg.model, _elem(cfg)
     h, ff = m.d_model, m.mlp_ratio * m.d_model
     norms = 1 if m.block == "parallel" else 2
     kept = 2 * norms * h + 3 * h + h + 2 * ff   # norm in/out, q k v, attention out, fc1 out, GeLU out
-    if cfg.kernels.attention in MATERIALIZED:  # the probabilities
-        return e * kept / tp + e * m.n_heads / tp * seq
-    return e * kept / tp + 4 * m.n_heads / tp  # a fused kernel keeps only the log-sum-exp
+    masks = (1 if m.block == "parallel" else 2) * h if m.dropout else 0   # residual dropout, a byte each
+    if cfg.kernels.attention in MATERIALIZED:  # the probabilities (and after dropout, the kept ones and the mask)
+        return (e * kept + masks) / tp + square_bytes(cfg) * m.n_heads / tp * seq
+    return (e * kept + masks) / tp + 4 * m.n_heads / tp  # a fused kernel keeps only the log-sum-exp
+
+
+def square_bytes(cfg: config.Config) -> int:
+    """Bytes per score that materialized attention keeps for its backward: the probabilities, and
+    with dropout also the kept probabilities and the byte mask."""
+    e = _elem(cfg)
+    return e + (e + 1 if cfg.model.dropout else 0)
 
 
 def in_flight_layers(lay: Layout, n_layers: int, rank: int) -> float:
@@ -499,7 +524,7 @@ def memory(cfg: config.Config, lay: Layout, capacity_gib: Optional[float] = None
         if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
             acts = layers * M * e * m.d_model / lay.tp + per_layer
         elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
-            acts = layers * (per_layer - M * e * m.n_heads / lay.tp * lay.seq) + per_layer
+            acts = layers * (per_layer - M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq) + per_layer
         else:
             acts = layers * per_layer
         if rank == lay.pp - 1:
