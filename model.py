@@ -14,10 +14,12 @@ blocks it doesn't own and every parameter keeps its name, so checkpoints stay la
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -55,11 +57,27 @@ class ModelConfig:
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, head_dim] in fp32, GPT-NeoX layout (rotate the two halves)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    """cos/sin tables [T, head_dim] in fp32, GPT-NeoX layout (rotate the two halves).
+
+    Built in numpy's fp64 and rounded once. torch's CPU cos/sin (MKL's vector maths in this
+    build) returned a different table on their first call in about 1 process in 10 under load, and
+    a run computes the table once, so two runs of one config did not write identical checkpoints;
+    numpy's are single-threaded and always the same. Cached: every layer of every step asks for the
+    same table (a compiled model computes it in its graph instead)."""
+    if torch.compiler.is_compiling():
+        return _rope_tables(seq_len, head_dim, theta, device)
+    with torch.inference_mode(False):  # so that a table first made in an eval pass can be saved for backward
+        return _cached_rope_tables(seq_len, head_dim, theta, device)
+
+
+def _rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return tuple(torch.from_numpy(f(angles)).float().to(device) for f in (np.cos, np.sin))
+
+
+_cached_rope_tables = functools.lru_cache(maxsize=16)(_rope_tables)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

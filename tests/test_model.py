@@ -118,6 +118,19 @@ def test_rope_rotates_pairs_and_preserves_norm():
     torch.testing.assert_close(rot(q, 7) @ rot(k, 4), rot(q, 5) @ rot(k, 2))
 
 
+def test_rope_tables_are_the_correctly_rounded_angles():
+    """Each entry is cos/sin of p·θ^(-2i/d) in double precision, rounded once to fp32: the same on
+    every code path (torch's fp32 cos/sin gave another table in some processes, breaking bitwise
+    run-to-run reproducibility), and the table is cached, not rebuilt per layer."""
+    T, d, theta = 300, 64, 10000.0
+    angles = [[p * theta ** (-(2 * (i % (d // 2))) / d) for i in range(d)] for p in range(T)]
+    cos, sin = rope_tables(T, d, theta, "cpu")
+    assert cos.dtype == torch.float32 and cos.shape == (T, d)
+    assert torch.equal(cos, torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64).float())
+    assert torch.equal(sin, torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64).float())
+    assert rope_tables(T, d, theta, "cpu")[0] is cos
+
+
 def test_init_is_deterministic_and_scales_residual_projections():
     a, b = GPT(tiny()), GPT(tiny())
     a.init_weights(7)
