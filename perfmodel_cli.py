@@ -9,7 +9,8 @@ perfmodel.py; this is a second file only to keep each under ~700 lines. Run it a
         the Megatron-LM and MegaScale columns with the paper's beside them
   python perfmodel.py ablation | scaling [scale=...]             the same two, by name
   python perfmodel.py 530b                                       the 530B model, batch = GPUs
-  python perfmodel.py plan model=175B gpus=1024 batch=768        layouts ranked by predicted MFU
+  python perfmodel.py plan scale=cluster gpus=1024 batch=768     layouts ranked by predicted MFU (scale=cluster:
+        175B at seq 2048 in bf16 on a100_cluster; without it the embedded defaults, seq 256)
   python perfmodel.py validate [--remeasure] [RUN_OR_SWEEP_DIR ...]  cpu_local prediction vs measured runs
   python perfmodel.py [predict] [overrides] [gpus=N] [batch=B]   one config, with its breakdown
 """
