@@ -66,6 +66,11 @@ class HardwareConfig:
     gemm_half_dim: Optional[float] = 32.0     # a GEMM dim of this size runs at half speed (tiles, waves)
     gemm_efficiency: Optional[float] = None   # fraction of peak a large GEMM reaches
     flash_efficiency: Optional[float] = 0.5   # fraction of peak a fused attention kernel reaches
+    # The same three for fp32 runs, where they differ (a CPU with AMX or AVX512-BF16 runs bf16 GEMMs
+    # on other units, with another size profile); None: the bf16 values.
+    gemm_half_dim_fp32: Optional[float] = None
+    gemm_efficiency_fp32: Optional[float] = None
+    flash_efficiency_fp32: Optional[float] = None
     memory_efficiency: float = 0.8            # fraction of memory_GBps a streaming kernel reaches
     intra_host_efficiency: float = 0.75       # collective bus bandwidth / link rate inside a host
     inter_host_efficiency: Optional[float] = None  # the same for large collectives across hosts

@@ -105,10 +105,19 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 # --- hardware=cpu_local: perfmodel's description of this machine ---
 
+LOCAL_MEASUREMENTS_VERSION = 2  # 2: the shape effect and attention's rate per dtype (the *_fp32 keys)
+
+
+def local_measurements_key() -> Dict[str, object]:
+    """What the cached measurements depend on; another key measures again."""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
+            "version": LOCAL_MEASUREMENTS_VERSION}
+
+
 def local_measurements(remeasure: bool = False) -> Dict[str, float]:
     """This machine's numbers for cpu_local, measured once (~20 s) and cached per torch version,
     CPU model and thread count, since they don't change between runs."""
-    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model()}
+    key = local_measurements_key()
     path = cache_dir() / "cpu_local.json"
     if path.exists() and not remeasure:
         cached = json.loads(path.read_text())
@@ -136,23 +145,19 @@ def measure_local_hardware() -> Dict[str, float]:
     peak of each dtype, as train.py's MFU uses; a K=64 one the size effect), a copy (DRAM bandwidth), a chain of
     tiny autograd ops (fixed cost per op), causal SDPA at a generic shape, gloo all-reduce.
     GEMMs go through F.linear, the oneDNN path nn.Linear and autocast take: on CPUs without native
-    bf16 (this one: AVX2), a bare bf16 `a @ b` falls back to a path ~10x slower."""
+    bf16 (AVX2 only), a bare bf16 `a @ b` falls back to a path ~10x slower."""
     def gemm_rate(M, N, K, dtype):
         a, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
         return 2 * M * N * K / best_time(lambda: F.linear(a, w), 3)
 
     peaks = {dtype: gemm_rate(2048, 2048, 2048, dtype) for dtype in (torch.bfloat16, torch.float32)}
-    # The shape effect and attention's rate are measured in the dtype a run here computes in (the
-    # faster one, as resolve_precision picks): an emulated bf16 GEMM's shape profile says nothing
-    # of the fp32 GEMMs a run takes instead.
-    fast = max(peaks, key=peaks.get)
-    peak = peaks[fast]
-    skinny = gemm_rate(2048, 2048, 64, fast) / peak
-    lo, hi = 0.01, 4096.0  # solve (64/(64+d)) / (2048/(2048+d)) = skinny for the half-speed dim d
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 64 / (64 + mid) * (2048 + mid) / 2048 > skinny else (lo, mid)
-    half = (lo + hi) / 2
+    # The shape effect and attention's rate differ by dtype (AMX or AVX512-BF16 run bf16 GEMMs on
+    # other units than fp32's FMAs), so each is measured in each dtype a run takes: fp32, and bf16
+    # where it is not slower (precision=auto's rule). Where bf16 is emulated, its shape profile
+    # would say nothing of the fp32 GEMMs a run takes instead; bf16 then gets fp32's.
+    dtypes = [torch.float32] + ([torch.bfloat16] if peaks[torch.bfloat16] >= peaks[torch.float32] else [])
+    shape = {dtype: _shape_and_attention(gemm_rate, peaks[dtype], dtype) for dtype in dtypes}
+    bf16 = shape.get(torch.bfloat16, shape[torch.float32])
     x = torch.empty(2 ** 26)
     y = torch.empty_like(x)
     bandwidth = 2 * x.numel() * 4 / best_time(lambda: y.copy_(x))
@@ -166,17 +171,30 @@ def measure_local_hardware() -> Dict[str, float]:
         z.sum().backward()
     op_us = best_time(chain) / 400 * 1e6  # 200 forward ops and their 200 backward nodes
 
-    q, k, v = (torch.randn(8, 8, 512, 64, dtype=fast, requires_grad=True) for _ in range(3))
-    attn_s = best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3)
-    attn_flops = 3.5 * 4 * 8 * 8 * 512 * (512 + 1) / 2 * 64  # fwd + bwd, (T+1)/2 keys per causal query
     gloo = measure_gloo_GBps()
     ranks = 2  # cpu_local's devices_per_host: the measured host is shared by its ranks
     return {"peak_tflops": peaks[torch.bfloat16] / 1e12, "peak_tflops_fp32": peaks[torch.float32] / 1e12,
-            "gemm_half_dim": half, "gemm_efficiency": 1 / (2048 / (2048 + half)) ** 3,
+            **bf16, **{key + "_fp32": value for key, value in shape[torch.float32].items()},
             "memory_GBps": bandwidth / 1e9, "op_overhead_us": op_us,
-            "flash_efficiency": attn_flops / attn_s / peak,
             "intra_host_GBps": gloo, "inter_host_Gbps": gloo * 8 * ranks,
             "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / ranks}
+
+
+def _shape_and_attention(gemm_rate, peak: float, dtype: torch.dtype) -> Dict[str, float]:
+    """In one dtype: the GEMM dim that runs at half speed (from a K=64 GEMM against the 2048³ one),
+    the efficiency that makes the 2048³ GEMM the peak under that shape model, and the fraction of
+    the peak causal SDPA reaches forward and backward at a generic shape."""
+    skinny = gemm_rate(2048, 2048, 64, dtype) / peak
+    lo, hi = 0.01, 4096.0  # solve (64/(64+d)) / (2048/(2048+d)) = skinny for the half-speed dim d
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 64 / (64 + mid) * (2048 + mid) / 2048 > skinny else (lo, mid)
+    half = (lo + hi) / 2
+    q, k, v = (torch.randn(8, 8, 512, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+    attn_s = best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3)
+    attn_flops = 3.5 * 4 * 8 * 8 * 512 * (512 + 1) / 2 * 64  # fwd + bwd, (T+1)/2 keys per causal query
+    return {"gemm_half_dim": half, "gemm_efficiency": 1 / (2048 / (2048 + half)) ** 3,
+            "flash_efficiency": attn_flops / attn_s / peak}
 
 
 def measure_gloo_GBps(nbytes: int = 2 ** 24) -> float:

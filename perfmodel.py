@@ -65,6 +65,8 @@ FIT_FILE = DATA_DIR / "perfmodel_fit.json"
 FITTED = ("gemm_efficiency", "inter_host_efficiency")
 MEASURED = ("peak_tflops", "peak_tflops_fp32", "memory_GBps", "op_overhead_us", "gemm_half_dim",
             "gemm_efficiency", "flash_efficiency", "intra_host_GBps", "inter_host_Gbps", "memory_gib")
+# Measured on a CPU too; elsewhere None means the bf16 value (Rates.of).
+MEASURED_FP32 = ("gemm_half_dim_fp32", "gemm_efficiency_fp32", "flash_efficiency_fp32")
 
 
 # --- Hardware: conf/hardware completed by the fit, or on a CPU by measuring this machine ---
@@ -88,7 +90,7 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     missing = [k for k in MEASURED + FITTED if getattr(hw, k) is None]
     if missing and on_cpu:
         measured = machine.local_measurements()
-        for key in missing:
+        for key in missing + [k for k in MEASURED_FP32 if getattr(hw, k) is None]:
             setattr(hw, key, measured.get(key))
         missing = [k for k in missing if getattr(hw, k) is None]
     if missing:
@@ -117,9 +119,17 @@ class Rates:
     def of(cls, hw: HardwareConfig, precision: str, ranks: int) -> "Rates":
         share = min(ranks, hw.devices_per_host) if hw.device == "cpu" else 1
         peak = hw.peak_tflops if precision == "bf16" else hw.peak_tflops_fp32
-        return cls(peak * 1e12 / share, hw.gemm_efficiency, hw.gemm_half_dim, hw.flash_efficiency,
+        gemm_eff, half_dim, flash_eff = (_of_dtype(hw, key, precision) for key in
+                                         ("gemm_efficiency", "gemm_half_dim", "flash_efficiency"))
+        return cls(peak * 1e12 / share, gemm_eff, half_dim, flash_eff,
                    hw.memory_GBps * 1e9 * hw.memory_efficiency / share, hw.op_overhead_us * 1e-6,
                    hw.device == "cpu")
+
+
+def _of_dtype(hw: HardwareConfig, key: str, precision: str) -> float:
+    """hw.<key>, or for an fp32 run its <key>_fp32 where the hardware has one."""
+    fp32 = getattr(hw, key + "_fp32") if precision != "bf16" else None
+    return getattr(hw, key) if fp32 is None else fp32
 
 
 # --- Primitive costs: a kernel, a collective, a pipeline ---

@@ -273,8 +273,7 @@ def test_cpu_ablation_and_scaling_predict_the_cpu_studies(tmp_path, monkeypatch,
     measured = {"peak_tflops": 0.004, "peak_tflops_fp32": 0.08, "gemm_half_dim": 40.0, "gemm_efficiency": 1.0,
                 "memory_GBps": 8.0, "op_overhead_us": 6.0, "flash_efficiency": 0.9, "intra_host_GBps": 1.2,
                 "inter_host_Gbps": 20.0, "memory_gib": 12.0}
-    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": machine.cpu_model()}
-    (tmp_path / "cpu_local.json").write_text(json.dumps({"key": key, "measured": measured}))
+    (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(), "measured": measured}))
     results = cli.ablation(scale="cpu")
     for step, (_, cfg, pred) in enumerate(results):
         assert cfg.hardware.name == "cpu_local" and cfg.ablation.step == step
@@ -348,14 +347,20 @@ def test_cpu_local_reads_its_cache_and_charges_every_op(tmp_path, monkeypatch, t
     monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
     measured = {"peak_tflops": 0.8, "peak_tflops_fp32": 0.2, "gemm_half_dim": 16.0, "gemm_efficiency": 1.0,
                 "memory_GBps": 10.0, "op_overhead_us": 20.0, "flash_efficiency": 0.3, "intra_host_GBps": 1.0,
-                "inter_host_Gbps": 16.0, "memory_gib": 8.0}
-    key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": machine.cpu_model()}
-    (tmp_path / "cpu_local.json").write_text(json.dumps({"key": key, "measured": measured}))
+                "inter_host_Gbps": 16.0, "memory_gib": 8.0,
+                "gemm_half_dim_fp32": 64.0, "gemm_efficiency_fp32": 0.9, "flash_efficiency_fp32": 0.6}
+    (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(), "measured": measured}))
     hw = pm.resolve_hardware(cli.compose(["hardware=cpu_local"]).hardware)
     assert hw.peak_tflops == 0.8 and hw.op_overhead_us == 20.0 and hw.inter_host_efficiency == 1.0
     r = pm.Rates.of(hw, "bf16", 2)                      # two ranks share the host: half each
     assert r.flops == pytest.approx(0.4e12) and r.mem == pytest.approx(5e9)
     assert pm.stream_time(r, 5e9, ops=10) == pytest.approx(1.0 + 10 * 20e-6)   # CPU: fixed cost adds
+    # fp32 runs take fp32's own shape profile and attention rate; bf16 runs the bf16 ones
+    r32 = pm.Rates.of(hw, "fp32", 1)
+    assert (r32.flops, r32.half_dim, r32.gemm_eff, r32.flash_eff) == (pytest.approx(0.2e12), 64.0, 0.9, 0.6)
+    assert (r.half_dim, r.gemm_eff, r.flash_eff) == (16.0, 1.0, 0.3)
+    a100 = pm.resolve_hardware(cli.compose(["hardware=a100_cluster"]).hardware)   # none given: bf16's
+    assert pm.Rates.of(a100, "fp32", 1).half_dim == pm.Rates.of(a100, "bf16", 1).half_dim == 32
     cfg = copy.deepcopy(tiny)
     cfg.hardware = hw
     assert 0 < pm.predict(cfg, 1).step_s < 10
