@@ -371,8 +371,9 @@ def parse(argv: Sequence[str]):
     elif experiment and command not in studies.values():
         overrides.append(f"experiment={experiment}")
     command = command or "predict"
-    if command not in ("ablation", "scaling") and "scale" in own:
-        overrides.append(f"scale={own.pop('scale')}")
+    if command not in ("ablation", "scaling") and "scale" in own:  # with the studies' defaults at that scale
+        scale, keys = own.pop("scale"), {o.split("=", 1)[0] for o in overrides}
+        overrides += [f"scale={scale}"] + [d for d in SCALE_DEFAULTS.get(scale, []) if d.split("=", 1)[0] not in keys]
     return command, own, overrides, flags
 
 

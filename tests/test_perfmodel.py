@@ -387,6 +387,8 @@ def test_a_study_predicts_every_step_and_predict_one(capsys):
     assert capsys.readouterr().err.startswith("config error: ablation.step: the ablation study predicts every one")
     assert cli.main(["predict", "experiment=megascale_ablation", "scale=cluster", "ablation.step=3"]) == 0
     assert "175B on 256 x a100_cluster" in capsys.readouterr().out
+    assert cli.parse(["predict", "experiment=megascale_ablation", "scale=cpu"])[2][-1] == "hardware=cpu_local"
+    assert cli.parse(["plan", "scale=cpu", "hardware=cpu"])[2] == ["hardware=cpu", "scale=cpu"]   # given: kept
 
 
 def test_bad_layout_is_one_config_error(capsys):
