@@ -59,9 +59,9 @@ class ModelConfig:
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [T, head_dim] in fp32, GPT-NeoX layout (rotate the two halves).
 
-    Built in numpy's fp64 and rounded once. torch's CPU cos/sin (MKL's vector maths in this
-    build) returned a different table on their first call in about 1 process in 10 under load, and
-    a run computes the table once, so two runs of one config did not write identical checkpoints;
+    Built in numpy's fp64 and rounded once. torch's CPU cos/sin (fp32 and fp64 alike) returned a
+    different table on their first call in about 1 process in 10 under load, and a run computes
+    the table once, so two runs of one config did not write identical checkpoints;
     numpy's are single-threaded and always the same. Cached: every layer of every step asks for the
     same table (a compiled model computes it in its graph instead)."""
     if torch.compiler.is_compiling():
