@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo ablation train scaling convergence test test-fast venv slurm-up slurm-down clean
+.PHONY: demo ablation train scaling convergence test test-fast venv gpu slurm-up slurm-down clean
 
 # The project is a flat set of scripts run from this folder, so only its dependencies are
 # installed (pinned in pyproject.toml; torch==2.13.0 is the CPU or CUDA build the host provides),
@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# On a CUDA host: the optional `gpu` extra (flash-attn, for kernels.attention=flash and auto). It
+# compiles against the venv's torch (no build isolation, so it never pulls another torch), which
+# takes a while where no wheel matches.
+gpu: $(STAMP)
+	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu']))" > $(VENV)/gpu-requirements.txt
+	$(BIN)/python -m pip install -q packaging ninja
+	$(BIN)/python -m pip install --no-build-isolation -r $(VENV)/gpu-requirements.txt
 
 # The main job: MegaScale's Table 3 at CPU scale. The 9 cumulative steps as one Hydra multirun,
 # each with a progress bar, then the table (Markdown here; CSV and LaTeX beside the runs) and the

@@ -66,19 +66,21 @@ def step_dir(ckpt_dir: Path, step: int) -> Path:
     return Path(ckpt_dir) / f"step_{step:08d}"
 
 
-def rng_state() -> dict:
+def rng_state(device: Optional[torch.device] = None) -> dict:
+    """Every generator this rank draws from: the host's, and its own GPU's (only the run's device:
+    a restart may see fewer GPUs, or the same GPU under another index)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device is not None and device.type == "cuda" and torch.is_tensor(state.get("cuda")):
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # --- A rank's pieces of one logical tensor ---
@@ -172,45 +174,44 @@ def _whole(shape, base, t: torch.Tensor) -> Chunks:
 
 def model_chunks(engine) -> dict:
     """"model/<name>": this rank's TP slice of every parameter it holds (pipeline stages hold
-    different names; DP replicas write the same rectangles, and DCP keeps one of each)."""
+    different names; DP replicas write the same rectangles, and DCP keeps one of each). In mixed
+    precision the model's weights are the optimizer's fp32 masters, each rank its piece: the
+    checkpoint holds the same fp32 weights whatever the run's precision."""
     engine.zero.gather_all()  # with DP overlap, the parameters may still be on the wire
     out = {}
-    for name, p in engine.named_model_parameters():
-        shape, base = _logical(name, p.shape, engine.layout)
-        out[f"model/{name}"] = _whole(shape, base, p.detach())
+    for i, (name, p) in enumerate(engine.named_model_parameters()):
+        if engine.zero.mixed:
+            out[f"model/{name}"] = _placed(engine, i, engine.zero.shards[i].detach())
+        else:
+            shape, base = _logical(name, p.shape, engine.layout)
+            out[f"model/{name}"] = _whole(shape, base, p.detach())
     return out
 
 
-def _shard_placement(engine, i: int) -> tuple:
-    """(logical shape, rectangles, first flat index) of optimizer parameter i on this rank."""
-    param, name = engine.zero.params[i], engine.names[i]
-    shape, base = _logical(name, param.shape, engine.layout)
+def _placed(engine, i: int, tensor: torch.Tensor) -> Chunks:
+    """A tensor shaped like optimizer piece i (the whole parameter at ZeRO-0, a flat range of it
+    at ZeRO 1/2), placed in the logical parameter."""
+    name = engine.names[i]
+    shape, base = _logical(name, engine.zero.params[i].shape, engine.layout)
     if engine.zero.stage == 0:
-        return shape, base, None, 0
-    size = engine.zero.shard_sizes[i]
-    lo = engine.layout.dp_rank * size
-    return shape, base, flat_range_rectangles(param.shape, lo, min(lo + size, param.numel())), lo
+        return _whole(shape, base, tensor)
+    lo, hi = engine.zero.pieces[i]
+    return _place(shape, base, flat_range_rectangles(engine.zero.params[i].shape, lo, hi), tensor.view(-1), lo)
 
 
 def optimizer_chunks(engine, optimizer, template: Optional[dict] = None) -> dict:
-    """"optim/<name>/<key>": each state tensor placed like its parameter's shard. Scalars (a
+    """"optim/<name>/<key>": each state tensor placed like its parameter's piece. Scalars (a
     step count) are the same on every rank and saved once. With a template ({key: saved dtype
     and size}), fresh zero tensors to load into."""
     out = {}
     for i, shard in enumerate(engine.zero.shards):
         name = engine.names[i]
-        shape, base, rects, lo = _shard_placement(engine, i)
         state = optimizer.state.get(shard, {}) if template is None else {
             k.rsplit("/", 1)[1]: torch.zeros(() if len(meta.size) == 0 else shard.shape, dtype=meta.properties.dtype)
             for k, meta in template.items() if k.startswith(f"optim/{name}/")}
         for key, value in state.items():
             fqn = f"optim/{name}/{key}"
-            if not torch.is_tensor(value) or value.dim() == 0:
-                out[fqn] = value
-            elif rects is None:
-                out[fqn] = _whole(shape, base, value)
-            else:
-                out[fqn] = _place(shape, base, rects, value.view(-1), lo)
+            out[fqn] = value if not torch.is_tensor(value) or value.dim() == 0 else _placed(engine, i, value)
     return out
 
 
@@ -220,7 +221,7 @@ def training_state(step: int, engine, optimizer, scheduler, loader, config: dict
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {**model_chunks(engine), **optimizer_chunks(engine, optimizer),
             "optim/param_groups": _blob(groups), "scheduler": _blob(scheduler.state_dict()),
-            "loader": _blob(loader.state_dict()), f"rng/{rank}": _blob(rng_state()),
+            "loader": _blob(loader.state_dict()), f"rng/{rank}": _blob(rng_state(engine.device)),
             "step": _blob(step), "config": _blob(config)}
 
 
@@ -491,7 +492,7 @@ def load(folder: Path, engine, optimizer, scheduler, loader, group=None) -> int:
     scheduler.load_state_dict(_unblob(state["scheduler"]))
     loader.load_state_dict(_unblob(state["loader"]))
     if f"rng/{rank}" in state:  # a run at another world size keeps its own seeds' streams
-        set_rng_state(_unblob(state[f"rng/{rank}"]))
+        set_rng_state(_unblob(state[f"rng/{rank}"]), engine.device)
     return _unblob(state["step"])
 
 

@@ -25,6 +25,7 @@ from kernels import ATTENTION_IMPLS, FUSED_IMPLS, KernelsConfig
 from model import ModelConfig
 from optim import OptimConfig
 from parallel import ParallelConfig
+from rehearsal import RehearseConfig
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -161,6 +162,7 @@ class Config:
     ablation: AblationConfig = field(default_factory=AblationConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     convergence: ConvergenceConfig = field(default_factory=ConvergenceConfig)
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
     precision: str = "auto"       # auto | bf16 (autocast, fp32 master weights) | fp32; auto: bf16 where it is fast
     resume: str = "auto"          # auto (newest complete checkpoint, if any) | none | PATH
     dry_run: bool = False         # build on the meta device, print size/FLOPs/memory, exit
@@ -280,11 +282,18 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
                        ("checkpoint.interval", cfg.checkpoint.interval), ("checkpoint.keep", cfg.checkpoint.keep)):
         if value < 0:
             raise ConfigError(key, f"{value} < 0", "use 0 (off) or a positive number of steps")
+    rehearsing = bool(cfg.rehearse.ranks) or cfg.rehearse.rank >= 0
+    remote = remote or rehearsing  # a rehearsal needs none of the job's hardware or paths
     if cfg.hardware.device == "cuda" and not (cfg.dry_run or remote):  # a dry run needs no hardware
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
                               "use hardware.device=cpu (or auto) on this machine")
+    if cfg.kernels.attention == "flash" and not (cfg.dry_run or remote):
+        import kernels
+        problem = kernels.flash_attn_problem()
+        if problem:
+            raise ConfigError("kernels.attention", f"flash: {problem[0]}", problem[1])
     if cfg.resume not in ("auto", "none") and not remote:  # a launcher's nodes may see other paths
         from checkpoint import MANIFEST
         if not (Path(cfg.resume) / MANIFEST).is_file():
@@ -294,6 +303,9 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
         raise ConfigError("ablation.step", f"{cfg.ablation.step} is not a step of Table 3",
                           "use 0 (baseline) to 8 (+LAMB), or the multirun ablation.step=range(0,9)")
     import parallel
+    rehearsing = bool(cfg.rehearse.ranks) or cfg.rehearse.rank >= 0
+    if rehearsing:
+        world = _rehearsal_world(cfg)
     if world is None:  # a dry run plans for the world its layout names, with no processes to count
         planned = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         world = planned if cfg.dry_run and cfg.parallel.dp > 0 else world_size()
@@ -302,6 +314,21 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     import optim
     data.check_config(cfg.data)
     optim.check_config(cfg.optim)
+
+
+def _rehearsal_world(cfg: Config) -> int:
+    """The world a rehearsal plays (rehearse.world, else the layout's tp*pp*dp), its ranks checked."""
+    import rehearsal
+    world = rehearsal.world_of(cfg)
+    if world is None:
+        raise ConfigError("rehearse.world", "parallel.dp=-1 leaves the job's world size unknown",
+                          "set rehearse.world=<GPUs> or parallel.dp")
+    bad = [r for r in list(cfg.rehearse.ranks) + [cfg.rehearse.rank] if r >= world]
+    if bad:
+        raise ConfigError("rehearse.ranks", f"rank {bad[0]} is not in a world of {world}", f"use ranks 0..{world - 1}")
+    if cfg.rehearse.steps < 1:
+        raise ConfigError("rehearse.steps", f"{cfg.rehearse.steps} < 1", "rehearse at least one step (2 shows the steady state)")
+    return world
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:

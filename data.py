@@ -399,11 +399,19 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(root).expanduser()
 
 
-def prepare(cfg: DataConfig, seq_len: int) -> Corpus:
-    """The packed corpus for cfg, built on first use and cached. Safe to call from every rank at once."""
+def prepare(cfg: DataConfig, seq_len: int, known: Optional[str] = None) -> Corpus:
+    """The packed corpus for cfg, built on first use and cached. Safe to call from every rank at once.
+    known: the cache entry another rank found for the same cfg (Corpus.path.name). Where this
+    machine's cache holds it complete, it is opened without reading the source again: hashing the
+    whole corpus on every one of 256 ranks is 256 full reads of shared storage."""
     check_config(cfg)
     root = cache_root(cfg)
     entries = root / "data"
+    if known is not None and _read_meta(entries / known) is not None:
+        corpus = Corpus(entries / known, _read_meta(entries / known), cfg.val_fraction)
+        corpus.meta["reused"] = True
+        _check_size(corpus, cfg, seq_len)
+        return corpus
     entries.mkdir(parents=True, exist_ok=True)
     source = open_source(cfg, root)
     tokenizer = _tokenizer_identity(cfg)

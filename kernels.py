@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
@@ -109,11 +110,10 @@ def attention_flash(q, k, v, window: Optional[int] = None, dropout: float = 0.0)
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(f"kernels.attention=flash needs CUDA tensors in bf16/fp16, got {q.dtype} on "
                            f"{q.device.type}; use kernels.attention=banded or sdpa on this device")
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError as err:
-        raise RuntimeError("kernels.attention=flash needs the flash-attn package (pip install '.[gpu]' "
-                           "on a CUDA host); use kernels.attention=banded or sdpa instead") from err
+    problem = flash_attn_problem()
+    if problem:
+        raise RuntimeError(f"kernels.attention=flash: {problem[0]}. Fix: {problem[1]}")
+    from flash_attn import flash_attn_func
     left = -1 if window is None else window - 1
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                           dropout_p=dropout, causal=True, window_size=(left, 0))
@@ -183,14 +183,29 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
     return torch.cat(outs, dim=2)
 
 
+# flash-attn's sliding window (window_size) arrived in 2.3.0; older versions raise TypeError on it.
+FLASH_ATTN_RANGE = ">=2.3,<3"
+
+
 @functools.lru_cache(maxsize=None)
-def flash_attn_importable() -> bool:
-    """Cached: a failed import is retried from scratch every time, once per layer per step."""
+def flash_attn_problem() -> Optional[tuple]:
+    """(why, fix) when kernels.attention=flash cannot run here, None when it can. Cached: a failed
+    import is retried from scratch every time, once per layer per step."""
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn
     except ImportError:
-        return False
-    return True
+        return (f"the flash-attn package ({FLASH_ATTN_RANGE}) is not installed",
+                "`make gpu` on a CUDA host, or kernels.attention=auto|banded|sdpa")
+    version = tuple(int(part) for part in re.findall(r"\d+", flash_attn.__version__)[:2])
+    if not (2, 3) <= version < (3, 0):
+        return (f"flash-attn {flash_attn.__version__} is installed, and sliding windows (window_size) need "
+                f"{FLASH_ATTN_RANGE}", "`make gpu` installs one; kernels.attention=auto runs without it")
+    return None
+
+
+def flash_attn_importable() -> bool:
+    """flash-attn imports and is a version this code can call (else auto picks another backend)."""
+    return flash_attn_problem() is None
 
 
 def _flash_available(q) -> bool:

@@ -15,6 +15,7 @@ blocks it doesn't own and every parameter keeps its name, so checkpoints stay la
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -186,17 +187,41 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:
         """GPT-2/Megatron init: N(0, 0.02), with the residual projections scaled by 1/sqrt(2L) so the
-        residual stream's variance does not grow with depth. Runs after to_empty() for a meta-built
-        model; every rank that calls it with the same seed gets the same full weights."""
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(0 if seed is None else seed)
+        residual stream's variance does not grow with depth; biases 0, norm weights 1.
+
+        Layout-free and local: a weight is drawn slice by slice along one axis, slice i from its
+        own generator seeded by (seed, parameter name, i), so a module holding only part of a
+        parameter (a pipeline stage, a TP slice marked with `_logical_offset`) draws exactly its
+        part, with one slice in memory on top, and gets the values one process would hold. The
+        axis is the one tensor parallelism splits: rows, except the output projections (attn.out,
+        mlp.fc_out), which are drawn column by column. Runs after to_empty() for a meta-built
+        model, on any device (drawn on the CPU, so every device gets the same numbers)."""
+        seed = 0 if seed is None else seed
         std, L = self.cfg.init_std, self.cfg.n_layers
         for name, p in self.named_parameters():
             if name.endswith("bias") or ".ln_" in name or name.startswith("norm."):
-                p.fill_(1.0 if (name.endswith("weight")) else 0.0)
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
                 continue
-            s = std / math.sqrt(2 * L) if name.endswith(("attn.out.weight", "mlp.fc_out.weight")) else std
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=gen).to(p.dtype))
+            projection = name.endswith(("attn.out.weight", "mlp.fc_out.weight"))
+            _draw_normal(p, name, seed, std / math.sqrt(2 * L) if projection else std, axis=1 if projection else 0)
+
+
+def _draw_normal(p: torch.Tensor, name: str, seed: int, std: float, axis: int) -> None:
+    """Fill p with N(0, std²), slice i along `axis` from a generator seeded by (seed, name, i + the
+    offset of p's first slice in the logical parameter)."""
+    dim, offset = getattr(p, "_logical_offset", (axis, 0))
+    if dim != axis:
+        raise ValueError(f"{name} is a slice along dim {dim}, but is drawn along dim {axis}")
+    base = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:7], "little")
+    view = p.movedim(axis, 0)
+    gen = torch.Generator(device="cpu")
+    rows = max(1, (1 << 22) // max(1, view[0].numel()))  # staged ~16 MB at a time on the way to the device
+    for first in range(0, view.shape[0], rows):
+        block = torch.empty((min(rows, view.shape[0] - first), *view.shape[1:]), dtype=torch.float32)
+        for j in range(block.shape[0]):
+            gen.manual_seed(base + offset + first + j)
+            block[j].normal_(0.0, std, generator=gen)
+        view[first:first + block.shape[0]].copy_(block)
 
 
 # --- Accounting: parameters and FLOPs, from the config alone (works for 175B on no hardware) ---

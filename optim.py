@@ -99,9 +99,11 @@ def build_optimizer(named_params, cfg: OptimConfig, lr: float, norm_group=None) 
     # parameter names, so they drop the same groups and their norm vectors still line up.
     groups = [g for g in param_groups(named_params, cfg) if g["params"]]
     if cfg.name == "adamw":
-        # The fused kernel (CPU and CUDA) was 6-14x faster than foreach here, same update rule.
+        # The fused kernel (CPU and CUDA) was 6-14x faster than foreach here, same update rule. It
+        # has no meta kernel, so a rehearsal (rehearsal.py) steps the same state with foreach.
+        on_meta = any(p.is_meta for g in groups for _, p in g["params"])
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay, fused=True)
+                                 weight_decay=cfg.weight_decay, fused=not on_meta, foreach=on_meta or None)
     if cfg.name == "lamb":
         return Lamb(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
                     trust_clamp=cfg.trust_clamp, norm_group=norm_group)
@@ -262,22 +264,32 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_group=
     """torch.nn.utils.clip_grad_norm_ for sharded parameters: the global L2 norm of all grads, each
     logical element counted once (pieces with `_norm_owner = False` add nothing), summed with one
     all_reduce over norm_group. Scales grads by max_norm / (norm + 1e-6) when the norm exceeds
-    max_norm, as torch does. Returns the total norm (an fp32 0-d tensor) on every rank."""
-    params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
-    owners = [getattr(p, "_norm_owner", True) for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros(1, dtype=torch.float32, device=device)
-    owned = [g for g, own in zip(grads, owners) if own]
-    if owned:
-        total += torch.stack(torch._foreach_norm(owned, 2, dtype=torch.float32)).square().sum()
+    max_norm, as torch does. Returns the total norm (an fp32 0-d tensor) on every rank; nothing is
+    read by the host."""
+    params = [p for p in params if p.grad is not None]
+    squares = grad_squares(params, params[0].device if params else torch.device("cpu"))
     if norm_group is not None:
-        dist.all_reduce(total, group=norm_group)
-    total = total.sqrt()[0]
+        dist.all_reduce(squares, group=norm_group)
+    total = squares.sqrt()
+    scale_grads_(params, total, max_norm)
+    return total
+
+
+def grad_squares(params: list, device) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm: the owned pieces' grads, in one
+    foreach pass, as an fp32 0-d tensor on `device` (to be summed over the ranks)."""
+    owned = [p.grad for p in params if p.grad is not None and getattr(p, "_norm_owner", True)]
+    if not owned:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(owned, 2, dtype=torch.float32)).square().sum()
+
+
+def scale_grads_(params: list, total: torch.Tensor, max_norm: float) -> None:
+    """Multiplies every grad by min(1, max_norm / (total + 1e-6)), on the device."""
+    grads = [p.grad for p in params if p.grad is not None]
     if grads and math.isfinite(max_norm):
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, scale.to(grads[0].dtype))
-    return total
 
 
 # --- Learning-rate schedule ---

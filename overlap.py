@@ -4,9 +4,9 @@ clock that measures how much communication is left exposed.
 Written by hand over async collectives, not left to DDP/FSDP/async-TP, because the ablation must
 control when each collective launches and when compute waits for it:
 
-- CLOCK: seconds blocked on communication per step, by kind: "comm" (TP and DP collectives, PP
-  sends) and "bubble" (PP receives: idle until the neighbouring stage delivers). train.py logs
-  compute = step - comm - bubble.
+- CLOCK: where each step's time went (WaitClock): the compute stream blocked on communication,
+  by kind, "comm" (TP and DP collectives, PP sends) and "bubble" (PP receives: idle until the
+  neighbouring stage delivers), and the compute stream's own work.
 - TP (parallel.overlap.tp, with tp_chunks pieces), on the sequence-parallel block of parallel.py:
   - chunked (MegaScale): this rank's sequence slice is cut into pieces. Each piece's all-gather
     is in flight while the previous piece's GEMMs run, and each piece's reduce-scatter while the
@@ -31,37 +31,89 @@ import torch.distributed as dist
 
 
 class WaitClock:
-    """Seconds this rank spent blocked on communication since the last read(). On CPU the wall
-    clock around the wait; on CUDA a pair of events on the compute stream (a wait there only makes
-    the stream wait, so the host clock would read zero), resolved at read()."""
+    """Where a rank's step goes, measured the same way on CPU and GPU.
 
-    def __init__(self):
-        self.seconds, self.events = {"comm": 0.0, "bubble": 0.0}, []
+    - step_s: host wall time from start_step() to the step's one host sync (the read of its loss),
+      after which everything the step put on the compute stream has run. Throughput uses it.
+    - comm_s / bubble_s: time the compute stream stood still waiting for communication (comm:
+      TP and DP collectives, PP sends; bubble: PP receives and the slowest rank).
+    - compute_s: the compute stream's own span of the step minus those stalls.
+    On CPU everything blocks, so each is a host clock reading around the wait. On CUDA a wait only
+    makes the compute stream wait, so each is a pair of events recorded on that stream (from a
+    pool: a 175B step has ~6k TP waits), resolved once at the end of the step, after the sync.
+    `events` is the event class (torch.cuda.Event); tests pass a stand-in to run the GPU path on
+    CPU."""
+
+    def __init__(self, events=None):
+        self.events_class = events
+        self._pool, self._used, self.seconds = [], 0, {}
+        self._pairs, self._span, self._t0 = [], None, 0.0
+
+    def _event(self):
+        if self._used == len(self._pool):
+            cls = self.events_class or torch.cuda.Event
+            self._pool.append(cls(enable_timing=True))
+        self._used += 1
+        return self._pool[self._used - 1]
+
+    def _on_stream(self, device) -> bool:
+        return torch.device(device).type == "cuda" or self.events_class is not None
+
+    def start_step(self, device) -> None:
+        """Zero the clock; the step's compute-stream span starts here."""
+        self.seconds, self._pairs, self._used = {"comm": 0.0, "bubble": 0.0}, [], 0
+        self._t0 = time.perf_counter()
+        self._span = None
+        if self._on_stream(device):
+            start = self._event()
+            start.record()
+            self._span = start
 
     @contextlib.contextmanager
     def waiting(self, kind: str, device):
-        if torch.device(device).type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self._on_stream(device):
+            start, end = self._event(), self._event()
             start.record()
             yield
             end.record()
-            self.events.append((kind, start, end))
+            self._pairs.append((kind, start, end))
             return
         t0 = time.perf_counter()
         yield
-        self.seconds[kind] += time.perf_counter() - t0
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
 
-    def read(self) -> dict:
-        if self.events:
-            torch.cuda.synchronize()
-            for kind, start, end in self.events:
-                self.seconds[kind] += start.elapsed_time(end) / 1e3
-        out = self.seconds
-        self.seconds, self.events = {"comm": 0.0, "bubble": 0.0}, []
-        return out
+    def end_step(self, device, host_sync) -> tuple:
+        """Ends the step: records its end on the compute stream, runs `host_sync` (the step's one
+        read of device values, which waits for the stream) and returns (its result, the figures)."""
+        end = None
+        if self._span is not None:
+            end = self._event()
+            end.record()
+        value = host_sync()
+        step_s = time.perf_counter() - self._t0
+        span = step_s
+        if end is not None:
+            end.synchronize()  # already passed: host_sync waited for the stream
+            span = self._span.elapsed_time(end) / 1e3
+            for kind, a, b in self._pairs:
+                self.seconds[kind] = self.seconds.get(kind, 0.0) + a.elapsed_time(b) / 1e3
+        comm, bubble = self.seconds.get("comm", 0.0), self.seconds.get("bubble", 0.0)
+        figures = {"step_s": step_s, "comm_s": comm, "bubble_s": bubble, "compute_s": max(0.0, span - comm - bubble)}
+        self.start_step("cpu")  # waits outside a step (evaluation, checkpoints) start from zero
+        return value, figures
 
 
 CLOCK = WaitClock()
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the next GEMM will read x in: autocast's where it is on (an all-gather then sends
+    half the bytes), else x's own. (Autocast has no meta device: a rehearsal's parameters already
+    hold the compute dtype.)"""
+    kind = x.device.type
+    if kind != "meta" and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
 
 
 def timed_wait(work, device) -> None:
@@ -90,22 +142,22 @@ def _launch_gather(x: torch.Tensor, group) -> _InFlight:
     """[B, t, ...] sequence slices -> [B, world*t, ...], rank order along the sequence."""
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.all_gather_single(out, xs, group=group, async_op=True), out, xs)
+    return _InFlight(dist.all_gather_into_tensor(out, xs, group=group, async_op=True), out, xs)
 
 
 def _launch_reduce_scatter(x: torch.Tensor, group) -> _InFlight:
     """[B, world*t, ...] partial sums -> this rank's [B, t, ...] slice of their sum."""
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.reduce_scatter_single(out, xs, group=group, async_op=True), out, xs)
+    return _InFlight(dist.reduce_scatter_tensor(out, xs, group=group, async_op=True), out, xs)
 
 
 class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pending):
         ctx.pending = pending
-        if pending.gather and torch.is_autocast_enabled(x.device.type):  # the next GEMM casts anyway: half the bytes
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        if pending.gather:  # the next GEMM casts anyway: half the bytes
+            x = x.to(compute_dtype(x))
         pending.forward = (_launch_gather if pending.gather else _launch_reduce_scatter)(x, pending.group)
         return pending.forward.out
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import overlap
 from overlap import CLOCK
-from pipeline import Pipeline, split_for_pipeline
-from zero import ZeroDataParallel
+from pipeline import Pipeline, autocast, split_for_pipeline
+from zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
 
 
 @dataclass
@@ -39,7 +39,10 @@ class ParallelConfig:
     # Mesh dims, outermost first. TP innermost makes a TP group consecutive ranks, i.e. one host
     # (NVLink); PP next (within a zone); DP outermost (across zones): topology-aware placement.
     order: List[str] = field(default_factory=lambda: ["dp", "pp", "tp"])
+    # Gradients reduce in fp32, as Megatron-LM's default for bf16 (accumulate_allreduce_grads_in_fp32;
+    # --grad-reduce-in-bf16 is its bf16 switch, parallel.reduce_dtype=bf16 here).
     reduce_dtype: str = "fp32"
+    bucket_size: int = DEFAULT_BUCKET_SIZE   # elements per DP bucket (Megatron-LM's --ddp-bucket-size)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
 
@@ -111,7 +114,10 @@ def pick_device(requested: str = "auto") -> torch.device:
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0))))
+        # Modulo the devices this process sees: SLURM's --gpus-per-task (or a CUDA_VISIBLE_DEVICES
+        # per task) shows each task only its own GPU, as device 0, whatever its local id.
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+        return torch.device("cuda", local % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -153,12 +159,29 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Opt
 
 def _slurm_first_host() -> str:
     nodes = os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
+    import subprocess
     try:
-        import subprocess
         return subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
                               check=True).stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
-        return nodes.split(",")[0]
+        return first_host(nodes)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM hostlist, as `scontrol show hostnames` would give it, for nodes
+    without scontrol: "gpu[001-032]" -> gpu001, "gpu[003,007],cpu1" -> gpu003, "r[1-2]-n[08-09]" -> r1-n08."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first comma outside brackets ends the first entry
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            end = i
+            break
+    entry = nodelist[:end]
+    while "[" in entry:
+        head, rest = entry.split("[", 1)
+        ranges, tail = rest.split("]", 1)
+        entry = head + ranges.split(",")[0].split("-")[0] + tail
+    return entry
 
 
 # --- Layout: where this rank sits in the (dp, pp, tp) mesh ---
@@ -175,6 +198,7 @@ class Layout:
     tp_rank: int = 0
     mesh: Optional[object] = None          # torch DeviceMesh, or None for a single process
     setup_seconds: float = 0.0             # time to build every process group
+    pp_channels: dict = field(default_factory=dict)  # pipeline messages: (kind, direction) -> group
 
     def group(self, dim: str):
         """The process group of one mesh dimension (None when single-process)."""
@@ -206,11 +230,26 @@ def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.devic
     names = tuple(cfg.order)
     t0 = time.perf_counter()
     layout.mesh = init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    if cfg.pp > 1:
+        layout.pp_channels = _pipeline_channels(layout.mesh, names)
     layout.setup_seconds = time.perf_counter() - t0
     coords = layout.mesh.get_coordinate()
     for name, coord in zip(names, coords):
         setattr(layout, f"{name}_rank", coord)
     return layout
+
+
+def _pipeline_channels(mesh, names: tuple) -> dict:
+    """One process group per kind of pipeline message and direction, over the same ranks as the
+    mesh's pp groups (pipeline.py says why NCCL needs them apart). The mesh's own pp group carries
+    activations to the next rank; three copies carry the rest. Every rank creates every copy, in
+    the same order, as DeviceMesh does for its own groups."""
+    pp_dim = names.index("pp")
+    grid = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.mesh.shape[pp_dim]).tolist()
+    channels = {("A", "up"): mesh.get_group("pp")}
+    for key in (("A", "down"), ("G", "up"), ("G", "down")):
+        channels[key], _ = dist.new_subgroups_by_enumeration(grid)
+    return channels
 
 
 # --- Collectives as autograd functions (Megatron's "mappings") ---
@@ -222,7 +261,7 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] * world, *xs.shape[1:]))
     with CLOCK.waiting("comm", x.device):
-        dist.all_gather_single(out, xs, group=group)
+        dist.all_gather_into_tensor(out, xs, group=group)
     return out.transpose(0, 1)
 
 
@@ -231,7 +270,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] // world, *xs.shape[1:]))
     with CLOCK.waiting("comm", x.device):
-        dist.reduce_scatter_single(out, xs, group=group)
+        dist.reduce_scatter_tensor(out, xs, group=group)
     return out.transpose(0, 1)
 
 
@@ -241,8 +280,7 @@ class GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        if torch.is_autocast_enabled(x.device.type):  # the next GEMM casts to bf16 anyway: send half the bytes
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        x = x.to(overlap.compute_dtype(x))  # the next GEMM casts to bf16 anyway: send half the bytes
         return _gather_seq(x, group)
 
     @staticmethod
@@ -389,9 +427,13 @@ def _add_bias(x, bias):
 
 
 def _keep_slice(module, name: str, dim: int, rank: int, parts: int) -> None:
+    """Keep this rank's slice of a parameter (on the meta device: its shape only), and mark where
+    it sits in the logical one, for model.init_weights."""
     param = getattr(module, name)
     if param is not None:
-        setattr(module, name, torch.nn.Parameter(param.detach().chunk(parts, dim)[rank].clone()))
+        piece = torch.nn.Parameter(param.detach().chunk(parts, dim)[rank].clone())
+        piece._logical_offset = (dim, rank * piece.shape[dim])
+        setattr(module, name, piece)
 
 
 def apply_tp(model: torch.nn.Module, layout: Layout, overlap_mode: str = "off", chunks: int = 1) -> None:
@@ -442,8 +484,16 @@ class ParallelModel:
     forward_backward, finish_gradients, the optimizer, then after_step, whatever the layout."""
 
     def __init__(self, model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none",
-                 fused: bool = False):
+                 fused: bool = False, dtype: torch.dtype = torch.float32, device=None, seed: int = 0):
+        """model: built on the meta device (or real, for tests). Nothing is materialized before it
+        is cut to this rank's chunks and TP slices; then only those are, on `device`, initialized
+        from `seed` (model.init_weights: the same values as one process would hold), unless
+        `device` is meta too (a rehearsal). dtype: the parameters' dtype (bf16 under
+        precision=bf16: Megatron's mixed precision, with fp32 master weights in zero.py, so no
+        microbatch casts the weights again)."""
         self.layout, self.cfg, self.fused = layout, cfg, fused
+        on_meta = next(model.parameters()).is_meta
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Split first: the TP and recompute forwards bind to the modules each chunk really holds.
         self.chunks = split_for_pipeline(model, layout, cfg.vpp)
         for chunk in self.chunks:
@@ -451,36 +501,47 @@ class ParallelModel:
                 apply_tp(chunk, layout, cfg.overlap.tp, cfg.overlap.tp_chunks)
             if recompute != "none":
                 apply_recompute(chunk, recompute)
+            if on_meta:
+                _materialize(chunk, self.device, seed)
+            chunk.to(dtype)
         self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp) if layout.pp > 1 else None
         named = self.named_model_parameters()
         self.names = [n for n, _ in named]
         params = [p for _, p in named]
         reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else torch.bfloat16
-        buckets = self._module_buckets(params) if cfg.overlap.dp else [(list(range(len(params))), None)]
-        self.zero = ZeroDataParallel(params, layout, cfg.zero_stage, reduce_dtype, [b for b, _ in buckets],
+        modules = self._forward_modules(params)
+        buckets = plan_buckets([m for m, _ in modules], params, cfg.bucket_size, per_module=cfg.overlap.dp)
+        self.zero = ZeroDataParallel(params, layout, cfg.zero_stage, reduce_dtype, buckets,
                                      cfg.microbatches, overlap=cfg.overlap.dp)
         if cfg.overlap.dp:
-            for b, (_, hook) in enumerate(buckets):
-                hook(lambda *_, b=b: self.zero.before_forward(b))
+            for indices, register in modules:
+                wanted = sorted({self.zero.where[i][0] for i in indices})
+                register(lambda *_, wanted=wanted: self.zero.before_forward(wanted))
         self.norm_group = _norm_group(layout)
 
-    def _module_buckets(self, params: list) -> list:
-        """DP-overlap buckets in the order forward first uses them, each with the registration of
-        the hook that must run before that use: the embedding and each block wait in their own
+    def _forward_modules(self, params: list) -> list:
+        """The modules in the order forward first uses their parameters, each with the registration
+        of the hook that must run before that use: the embedding and each block wait in their own
         pre-hook; the final norm (run as a function, so it has no hook of its own) and the head
         wait in the post-hook of the last block, before the norm reads its weights."""
         index = {id(p): i for i, p in enumerate(params)}
-        buckets = []
+        modules = []
         for chunk in self.chunks:
             blocks = list(chunk.blocks.values())
             if chunk.embed is not None:
-                buckets.append(([index[id(chunk.embed.weight)]], chunk.embed.register_forward_pre_hook))
+                modules.append(([index[id(chunk.embed.weight)]], chunk.embed.register_forward_pre_hook))
             for block in blocks:
-                buckets.append(([index[id(p)] for p in block.parameters()], block.register_forward_pre_hook))
+                modules.append(([index[id(p)] for p in block.parameters()], block.register_forward_pre_hook))
             tail = [index[id(p)] for m in (chunk.norm, chunk.head) if m is not None for p in m.parameters()]
             if tail:
-                buckets.append((tail, blocks[-1].register_forward_hook))
-        return buckets
+                modules.append((tail, blocks[-1].register_forward_hook))
+        return modules
+
+    def compile(self, **options) -> None:
+        """torch.compile every chunk in place (nn.Module.compile), so the pipeline, the DP hooks
+        and the checkpoint's parameter names keep the very modules they were given."""
+        for chunk in self.chunks:
+            chunk.compile(**options)
 
     def named_model_parameters(self) -> list:
         seen, named = set(), []
@@ -502,42 +563,38 @@ class ParallelModel:
         import kernels
         return kernels.cross_entropy(logits, targets, fused=self.fused)
 
-    def forward_backward(self, inputs, targets, autocast_dtype, backward: bool = True) -> float:
+    def forward_backward(self, inputs, targets, autocast_dtype, backward: bool = True) -> torch.Tensor:
         """Loss of this rank's batch (mean over microbatches), gradients accumulated. Returns the
-        loss on the last pipeline stage and 0.0 elsewhere."""
+        loss on the last pipeline stage and 0 elsewhere, as a 0-d tensor on the device: the host
+        reads it once per step, with everything else it reads (train.py)."""
         for chunk in self.chunks:
             chunk.train(backward)
         xs, ys = inputs.chunk(self.cfg.microbatches), targets.chunk(self.cfg.microbatches)
         if self.pipeline is not None:
             return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
-        total = 0.0
+        total = torch.zeros((), device=inputs.device)
         model = self.chunks[0]
         for x, y in zip(xs, ys):
-            with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32), \
-                    torch.set_grad_enabled(backward):
+            with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward):
                 loss = self.loss_fn(model(x), y) / len(xs)
             if backward:
                 loss.backward()
-            total += loss.item()
+            total += loss.detach()
         return total
 
-    def finish_gradients(self, max_norm: float) -> float:
+    def finish_gradients(self, max_norm: float) -> torch.Tensor:
         """TP then DP reductions, then clipping by the global norm over every shard of every
-        parameter, each element counted once. Returns the norm before clipping."""
+        parameter, each element counted once, on the device with no host read. Returns the norm
+        before clipping (a 0-d tensor)."""
+        import optim
         self.zero.reduce_gradients()
         shards = [s for s in self.zero.shards if s.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64)
-        for s in shards:
-            if s._norm_owner:
-                sq += s.grad.double().pow(2).sum()
+        squares = optim.grad_squares(shards, self.device)
         if self.layout.world > 1:
-            with CLOCK.waiting("comm", sq.device):
-                dist.all_reduce(sq)
-        norm = sq.sqrt().item()
-        if norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for s in shards:
-                s.grad.mul_(scale)
+            with CLOCK.waiting("comm", self.device):
+                dist.all_reduce(squares)
+        norm = squares.sqrt()
+        optim.scale_grads_(shards, norm, max_norm)
         return norm
 
     def after_step(self) -> None:
@@ -545,12 +602,21 @@ class ParallelModel:
             p.grad = None
         self.zero.after_step()
 
-    @torch.no_grad()
     def parameters_loaded(self) -> None:
-        """After a checkpoint load wrote into the parameters: re-derive the ZeRO shards from them."""
-        for shard, p in zip(self.zero.shards, self.zero.params):
-            if shard is not p:
-                shard.copy_(self.zero._pad(p.detach(), shard.numel())[self.layout.dp_rank])
+        """After a checkpoint load: the parameters and the optimizer's pieces agree again."""
+        self.zero.parameters_loaded()
+
+
+def _materialize(chunk: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """A meta-built chunk's parameters on `device`, initialized (not on meta: a rehearsal keeps
+    shapes only). to_empty makes new Parameter objects, so the marks parallel.py put on them
+    (`_tp_replicated`, `_logical_offset`) are carried over."""
+    marks = {name: {k: v for k, v in vars(p).items() if k.startswith("_")} for name, p in chunk.named_parameters()}
+    chunk.to_empty(device=device)
+    for name, p in chunk.named_parameters():
+        p.__dict__.update(marks[name])
+    if device.type != "meta":
+        chunk.init_weights(seed)
 
 
 def _norm_group(layout: Layout):
@@ -564,5 +630,5 @@ def _norm_group(layout: Layout):
 
 
 def build(model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none",
-          fused: bool = False) -> ParallelModel:
-    return ParallelModel(model, layout, cfg, recompute, fused)
+          fused: bool = False, dtype: torch.dtype = torch.float32, device=None, seed: int = 0) -> ParallelModel:
+    return ParallelModel(model, layout, cfg, recompute, fused, dtype, device, seed)

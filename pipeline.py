@@ -1,25 +1,50 @@
 """Pipeline parallelism: this rank's model chunks, the 1F1B and interleaved-1F1B schedules, and
-the executor that runs them with point-to-point sends between stages.
+the executor that runs them with point-to-point messages between stages.
 
-parallel.overlap.pp decides when a receive is posted (MegaScale §3.3). Sends always go out
-asynchronously and are waited for at the end of the step; a transfer cannot complete before
-its receive is posted (gloo and NCCL alike).
+NCCL's rules decide how messages travel (nccl_rules.py checks them): tags are ignored, sends and
+receives match first-in first-out per pair of ranks and communicator, and an unbatched send or
+receive blocks its stream, shared by both directions of a pair, until the peer posts its side. A
+single channel carrying activations one way and gradients the other therefore deadlocks 1F1B at
+pp=2 (each rank's next receive queues behind a send the other has not received yet), and, at
+pp=2 with interleaving, activations and gradients travelling the same way arrive in an order the
+receiver does not consume them in. So each kind of message (activations, gradients) in each
+direction (to a higher or a lower pp rank: interleaving wraps the last rank round to the first)
+has a process group of its own (Layout.pp_channels). Each stream then carries one sender's
+messages of one kind to one receiver, produced and consumed in the same order (the schedule
+walks (microbatch, chunk) in one order on every rank), so no order of posting can block: the
+receiver only ever waits for the message it needs next. (Megatron-LM instead pairs each send with
+the next receive in one batched exchange both ends agree on; that shares one stream per rank,
+where a receive posted ahead blocks the sends behind it, which is why its overlap mode switches
+batching off.) The same holds on gloo, where tags are not used either, so the CPU tests run
+NCCL's matching rule.
+
+parallel.overlap.pp decides when a receive is posted (MegaScale §3.3). Sends go out as soon as
+their tensor is computed, asynchronously; each is released once complete.
 - off: a receive is posted when the compute that needs it is next, and blocks it: every
   transfer is exposed at the receiver.
 - on: the receive for the next compute is posted before the current compute starts, so the
   transfer runs under it, in warm-up, steady phase and cool-down alike.
-(Megatron's non-overlapped schedule couples each send with the next receive in one batched
-exchange and waits for both; done with one receive per exchange, that hung interleaved 1F1B on
-gloo here, so off keeps the sends asynchronous and differs from on only in when receives go out.)
 Time blocked on a receive is the bubble (idle until the neighbouring stage delivers, and the
 transfer itself when it is not hidden); time blocked on sends is exposed communication.
+Messages travel in the dtype of the residual stream (the parameters' dtype: bf16 under
+precision=bf16), the dtype the next stage computes in.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 from overlap import CLOCK
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Autocast to `dtype` on the device's type, or nothing for fp32 and on the meta device (a
+    rehearsal: autocast has no meta dispatch, and the parameters hold the compute dtype already)."""
+    if dtype == torch.float32 or device.type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def split_for_pipeline(model: torch.nn.Module, layout: Layout, vpp: int) -> list:
@@ -66,93 +91,153 @@ def pipeline_order(pp: int, rank: int, vpp: int, microbatches: int) -> list:
     return [(kind, microbatch(k), chunk(k, kind == "F")) for kind, k in order]
 
 
+class Message:
+    """One activation ("A", into stage `stage`) or gradient ("G", into stage `stage`) of a microbatch."""
+
+    def __init__(self, kind: str, mb: int, stage: int, src: int, dst: int):
+        self.kind, self.mb, self.stage, self.src, self.dst = kind, mb, stage, src, dst
+
+    def channel(self) -> tuple:
+        return self.kind, "up" if self.src < self.dst else "down"
+
+
+def messages(action: tuple, pp_rank: int, pp: int, vpp: int) -> tuple:
+    """(what `action` receives before it computes, what it sends after), each a Message or None.
+    Virtual stage s lives on pp rank s % pp."""
+    kind, mb, c = action
+    stages, s = pp * vpp, c * pp + pp_rank
+    if kind == "F":
+        need = Message("A", mb, s, (s - 1) % pp, pp_rank) if s > 0 else None
+        give = Message("A", mb, s + 1, pp_rank, (s + 1) % pp) if s < stages - 1 else None
+    else:
+        need = Message("G", mb, s, (s + 1) % pp, pp_rank) if s < stages - 1 else None
+        give = Message("G", mb, s - 1, pp_rank, (s - 1) % pp) if s > 0 else None
+    return need, give
+
+
+def schedule(pp: int, pp_rank: int, vpp: int, microbatches: int, backward: bool) -> list:
+    """This rank's actions: 1F1B or interleaved 1F1B when training, every forward in order when
+    evaluating (microbatch by microbatch, each through this rank's chunks in turn)."""
+    if backward:
+        return pipeline_order(pp, pp_rank, vpp, microbatches)
+    return [("F", mb, c) for mb in range(microbatches) for c in range(vpp)]
+
+
+def plan(pp: int, pp_rank: int, vpp: int, microbatches: int, overlap: bool, backward: bool = True) -> list:
+    """The order in which this rank posts its receives, waits, computes and sends:
+    [("recv", i, Message) | ("wait", i) | ("compute", i, action) | ("send", i, Message)], i the
+    action's index. Pipeline.run follows it step by step; nccl_rules checks it for every rank."""
+    order = schedule(pp, pp_rank, vpp, microbatches, backward)
+    io = [messages(a, pp_rank, pp, vpp) for a in order]
+    steps, posted = [], set()
+    for i, action in enumerate(order):
+        ahead = [i, i + 1] if overlap and i + 1 < len(order) else [i]
+        for j in ahead:
+            if io[j][0] is not None and j not in posted:
+                steps.append(("recv", j, io[j][0]))
+                posted.add(j)
+        if io[i][0] is not None:
+            steps.append(("wait", i))
+        steps.append(("compute", i, action))
+        if io[i][1] is not None:
+            steps.append(("send", i, io[i][1]))
+    return steps
+
+
 class Pipeline:
-    """Runs this rank's chunks over a list of microbatches. Every message carries a tag naming
-    (microbatch, stage, direction), so the two directions of a link (interleaving wraps the last
-    rank back to the first) never mix."""
+    """Runs this rank's chunks over a list of microbatches, following plan()."""
 
     def __init__(self, chunks: list, layout, overlap: bool = False):
         self.chunks, self.layout, self.overlap = chunks, layout, overlap
         self.stages = layout.pp * len(chunks)
+        self.channels = layout.pp_channels  # {(kind, direction): process group}
         self.group = layout.group("pp")
         self.device = next(chunks[0].parameters()).device
-        self.sends: list = []
+        self.sends: list = []  # (work, tensor) in flight: gloo reads the tensor until complete
 
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, stage % self.layout.pp)
+    def _peer(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.group, pp_rank)
 
-    def _tag(self, mb: int, stage: int, backward: bool) -> int:
-        return (mb * self.stages + stage) * 2 + int(backward)
-
-    def _send_op(self, tensor, stage_to: int, mb: int, backward: bool) -> tuple:
-        return dist.isend, tensor.contiguous(), self._peer(stage_to), self._tag(mb, stage_to, backward)
-
-    def _post(self, action, shape) -> tuple:
-        """Posts the receive `action` needs before it can compute: ([work], buffer), or ([], None)."""
-        kind, mb, c = action
-        stage = self.chunks[c].stage
-        if kind == "F" and stage > 0:
-            peer_stage, backward = stage - 1, False
-        elif kind == "B" and stage < self.stages - 1:
-            peer_stage, backward = stage + 1, True
-        else:
-            return [], None
-        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
-        return self._start([(dist.irecv, buf, self._peer(peer_stage), self._tag(mb, stage, backward))]), buf
-
-    def _start(self, ops: list) -> list:
-        """Posts (isend|irecv, tensor, peer, tag) operations; their works, in order."""
-        return [fn(tensor, peer, group=self.group, tag=tag) for fn, tensor, peer, tag in ops]
-
-    def run(self, inputs: list, targets: list, loss_fn, autocast_dtype, backward: bool = True) -> float:
-        """Forward (and backward) over all microbatches; returns the summed mean loss on the last
-        stage, 0 elsewhere. Losses are divided by the microbatch count so gradients accumulate
-        to the mean over the whole batch."""
-        m = len(inputs)
-        order = (pipeline_order(self.layout.pp, self.layout.pp_rank, len(self.chunks), m) if backward
-                 else [("F", mb, c) for mb in range(m) for c in range(len(self.chunks))])
+    def run(self, inputs: list, targets: list, loss_fn, autocast_dtype, backward: bool = True) -> torch.Tensor:
+        """Forward (and backward) over all microbatches; returns the summed mean loss (a 0-d tensor
+        on the device, read by the caller once per step) on the last stage, 0 elsewhere. Losses are
+        divided by the microbatch count so gradients accumulate to the mean over the whole batch."""
+        m, vpp = len(inputs), len(self.chunks)
         b, t = inputs[0].shape[0], inputs[0].shape[1] // self.layout.tp
-        shape = (b, t, self.chunks[0].cfg.d_model)
-        saved, total = {}, 0.0
-        incoming = self._post(order[0], shape)
-        for i, action in enumerate(order):
-            works, received = incoming if incoming is not None else self._post(action, shape)
-            with CLOCK.waiting("bubble", self.device):
-                for work in works:
+        shape, dtype = (b, t, self.chunks[0].cfg.d_model), next(self.chunks[0].parameters()).dtype
+        order = schedule(self.layout.pp, self.layout.pp_rank, vpp, m, backward)
+        saved, received, total = {}, {}, torch.zeros((), device=self.device)
+        for step in plan(self.layout.pp, self.layout.pp_rank, vpp, m, self.overlap, backward):
+            if step[0] == "recv":
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                received[step[1]] = (self._post(dist.irecv, buf, step[2], step[2].src), buf)
+            elif step[0] == "wait":
+                work, _ = received[step[1]]
+                with CLOCK.waiting("bubble", self.device):
                     work.wait()
-            # on: the next receive goes out before this compute; off: when the next compute starts
-            nxt = order[i + 1] if i + 1 < len(order) else None
-            incoming = self._post(nxt, shape) if self.overlap and nxt is not None else None
-            result = self._compute(action, received, inputs, targets, loss_fn, autocast_dtype, backward, saved)
-            if isinstance(result, float):
-                total += result
-            elif result is not None:  # keep the tensor with its work: nothing else holds it until gloo reads it
-                self.sends += [(work, result[1]) for work in self._start([result])]
+            elif step[0] == "compute":
+                buf = received.pop(step[1], (None, None))[1]
+                out = self._compute(step[2], buf, inputs, targets, loss_fn, autocast_dtype, backward, saved)
+                if out is not None and out.dim() == 0:
+                    total += out
+                self._release_completed()
+            else:
+                tensor = out.detach().to(dtype).contiguous()
+                self.sends.append((self._post(dist.isend, tensor, step[2], step[2].dst), tensor))
         with CLOCK.waiting("comm", self.device):
             for work, _ in self.sends:
                 work.wait()
         self.sends.clear()
         return total
 
+    def _post(self, fn, tensor, message: Message, peer_pp_rank: int):
+        return fn(tensor, self._peer(peer_pp_rank), group=self.channels[message.channel()])
+
+    def _release_completed(self) -> None:
+        """Drops the sends that have completed, so a step holds only the messages still in flight."""
+        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+
     def _compute(self, action, received, inputs, targets, loss_fn, autocast_dtype, backward, saved):
-        """Runs one action. Returns the operation that sends its result on, the loss (a float) on the
-        last stage's forward, or None."""
+        """Runs one action. Returns what it sends on (a forward's output, a backward's input
+        gradient), the loss (0-d) on the last stage's forward, or None."""
         kind, mb, c = action
         chunk = self.chunks[c]
         stage = chunk.stage
         if kind == "F":
             x = inputs[mb] if stage == 0 else received.requires_grad_(backward)
-            with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32), \
-                    torch.set_grad_enabled(backward):
+            with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward):
                 y = chunk(x)
-            if backward:
-                saved[(mb, c)] = x, y
             if stage == self.stages - 1:
                 loss = loss_fn(y, targets[mb]) / len(inputs)
                 if backward:
                     saved[(mb, c)] = x, loss
-                return loss.item()
-            return self._send_op(y.detach().float(), stage + 1, mb, False)
+                return loss.detach()
+            if backward:
+                saved[(mb, c)] = x, y
+            return y
         x, y = saved.pop((mb, c))
         torch.autograd.backward(y, None if stage == self.stages - 1 else received)
-        return None if stage == 0 else self._send_op(x.grad, stage - 1, mb, True)
+        return None if stage == 0 else x.grad
+
+
+def nccl_programs(pp: int, vpp: int, microbatches: int, overlap: bool, backward: bool = True,
+                  channel=Message.channel) -> dict:
+    """Every pp rank's plan as NCCL sees it ({pp rank: events} for nccl_rules.check): each receive
+    and send an unbatched op on its channel's group, each wait a compute-stream wait. `channel`
+    picks a message's group (tests put the single shared channel of earlier versions back)."""
+    from nccl_rules import Op
+    programs = {}
+    for rank in range(pp):
+        events, works = [], {}
+        for step in plan(pp, rank, vpp, microbatches, overlap, backward):
+            if step[0] in ("recv", "send"):
+                msg = step[2]
+                work = len(events)
+                works[step[1]] = work
+                peer = msg.src if step[0] == "recv" else msg.dst
+                events.append(("post", work, [Op(step[0], tuple(range(pp)), peer, sig=(msg.kind, msg.mb, msg.stage),
+                                                  comm=channel(msg))], False))
+            elif step[0] == "wait":
+                events.append(("wait", works[step[1]]))
+        programs[rank] = events
+    return programs

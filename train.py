@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import numpy as np
@@ -50,6 +51,17 @@ def main(dict_cfg) -> float:
     except config.ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
         print(err, file=sys.stderr)
         sys.exit(2)
+    if cfg.rehearse.rank >= 0:  # one rank of a rehearsal (rehearsal.py), in its own process
+        import rehearsal
+        rehearsal.rehearse_rank(cfg, cfg.rehearse.rank, cfg.rehearse.world, Path(cfg.rehearse.out))
+        return 0.0
+    if cfg.rehearse.ranks:
+        import rehearsal
+        hydra_cfg = HydraConfig.get()
+        code = rehearsal.main(cfg, list(hydra_cfg.overrides.task), Path(hydra_cfg.runtime.output_dir))
+        if code:
+            sys.exit(code)
+        return 0.0
     if cfg.dry_run:
         return dry_run(cfg)
     if cfg.study.pending:
@@ -68,18 +80,17 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     # rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
     # heads and sequence slices each TP rank holds, and for each pipeline stage's layers (Megatron's
     # RNG tracker offsets by rank for the same reason). Weights never come from it: init_weights
-    # has its own generator, so every rank still builds the same full model.
+    # draws each slice of each parameter from a generator keyed by its name, so every rank draws
+    # its share of the one model a single process would build.
     torch.manual_seed(cfg.train.seed + rank)
     random.seed(cfg.train.seed + rank)
     np.random.seed(cfg.train.seed + rank)
     precision = machine.resolve_precision(cfg.precision, device)
     autocast_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    # --- Data: every rank prepares (the cache is built once under a file lock) ---
-    try:  # some data problems (an empty file, an offline hub name) only show when the data is read
-        corpus = data.prepare(cfg.data, cfg.train.seq_len)
-    except config.ConfigError as err:
-        _fail(str(err))
+    # --- Data: rank 0 reads and hashes the corpus (building the cache under a file lock if need
+    # be); the others open the entry it names, from their own cache where that holds it ---
+    corpus = prepare_data(cfg, rank, world)
     if cfg.model.vocab_size < corpus.vocab_size:
         _fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
               f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
@@ -88,14 +99,15 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler, layout.group("tp") if layout.tp > 1 else None,
                                layout.tp_rank, device)
 
-    # --- Model and optimizer: the same full init on every rank, then parallelism from outside ---
-    model = GPT(cfg.model, cfg.kernels)
-    model.init_weights(cfg.train.seed)
-    model.to(device)
+    # --- Model and optimizer: built on the meta device, cut to this rank's share (PP chunks, TP
+    # slices), and only that materialized and initialized; ZeRO's buffers from outside ---
+    with torch.device("meta"):
+        model = GPT(cfg.model, cfg.kernels)
     n_params = count_params(model)
-    engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused)
+    engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
+                            dtype=autocast_dtype, device=device, seed=cfg.train.seed)
     if cfg.train.compile:
-        engine.chunks = [torch.compile(chunk) for chunk in engine.chunks]
+        engine.compile()
     optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                       norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -132,17 +144,17 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                                  layout.dp_rank, layout.dp) if cfg.train.eval_interval > 0 else []
     try:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
-            CLOCK.read()  # start the step's wait clock from zero
-            t0 = time.perf_counter()
+            CLOCK.start_step(device)
             beat.progress(step, "data")
             inputs, targets = next(loader)
             beat.progress(step, "compute")
             loss, grad_norm = train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
             scheduler.step()
-            loss, stop_now = _agree(loss, stop.requested, layout)  # one collective: mean loss and stop flag
+            agreed = _agree(loss, stop.requested, layout, grad_norm)
+            # The step's one host read: loss, stop flag and grad norm together, once the step has run.
+            (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: _read_agreed(agreed, layout))
             row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   **meter(time.perf_counter() - t0), **breakdown(time.perf_counter() - t0, CLOCK.read()),
-                   "memory_gib": metrics.memory_gib(device)}
+                   **meter(timing["step_s"]), **breakdown(timing), "memory_gib": metrics.memory_gib(device)}
             if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
                 beat.progress(step, "eval")
                 row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
@@ -177,10 +189,32 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     final = summarize(history, step)
     final["checkpoint_stall_s"] = saver.stall_s  # how long each save held training up
     final["checkpoint_failed_steps"] = saver.failed
+    if cfg.train.compile:  # what torch.compile made of the chunks (0: nothing ran compiled)
+        final["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     run_log.finish(status, final)
     if rank == 0:
         print(final_line(final, cfg), flush=True)
     return final  # the process group stays up for the next job of a multirun (parallel.init_distributed)
+
+
+def prepare_data(cfg: config.Config, rank: int, world: int):
+    """The corpus, read and hashed by rank 0 only (data.prepare's `known`); a data problem that
+    shows only when it is read (an empty file, an offline hub name) stops every rank with rank
+    0's one line."""
+    found = [None]
+    if rank == 0:
+        try:
+            corpus = data.prepare(cfg.data, cfg.train.seq_len)
+            found = [corpus.path.name]
+        except config.ConfigError as err:
+            found = [("error", str(err))]
+    if world > 1:
+        dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], tuple):
+        if rank == 0:
+            _fail(found[0][1])
+        sys.exit(2)
+    return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
 
 
 def health(step: int, row: dict, cfg: config.Config, layout, collector) -> dict:
@@ -200,18 +234,18 @@ def health(step: int, row: dict, cfg: config.Config, layout, collector) -> dict:
     return out
 
 
-def breakdown(step_time: float, waits: dict) -> dict:
-    """Where this rank's step went: blocked on collectives and sends (exposed communication),
-    blocked on pipeline receives or on the slowest rank (bubble or idle), and the rest (compute,
-    including the optimizer and the data loader's share)."""
-    return {"exposed_comm_s": waits["comm"], "bubble_s": waits["bubble"],
-            "compute_s": max(0.0, step_time - waits["comm"] - waits["bubble"])}
+def breakdown(timing: dict) -> dict:
+    """Where this rank's step went (overlap.WaitClock): the compute stream blocked on collectives
+    and sends (exposed communication), blocked on pipeline receives or on the slowest rank (bubble
+    or idle), and its own work (compute, including the optimizer and the data loader's share)."""
+    return {"exposed_comm_s": timing["comm_s"], "bubble_s": timing["bubble_s"], "compute_s": timing["compute_s"]}
 
 
-def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_dtype) -> tuple[float, float]:
+def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_dtype) -> tuple:
     """One optimizer step: forward and backward over parallel.microbatches microbatches (a
     pipeline schedule when pp > 1, gradient accumulation otherwise), then the TP/DP gradient
-    reductions and clipping, the update, and ZeRO's parameter all-gather."""
+    reductions and clipping, the update, and ZeRO's parameter all-gather. Returns the loss and
+    the gradient norm as 0-d tensors on the device: nothing here waits for the device."""
     loss = engine.forward_backward(inputs, targets, autocast_dtype)
     grad_norm = engine.finish_gradients(cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
     optimizer.step()
@@ -222,19 +256,28 @@ def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_
 
 @torch.no_grad()
 def evaluate(engine, batches, device, autocast_dtype, layout) -> float:
-    losses = [engine.forward_backward(x.to(device), y.to(device), autocast_dtype, backward=False) for x, y in batches]
-    return _agree(sum(losses) / len(losses), False, layout)[0]
+    total = sum(engine.forward_backward(x.to(device), y.to(device), autocast_dtype, backward=False) for x, y in batches)
+    return _read_agreed(_agree(total / len(batches), False, layout), layout)[0]
 
 
-def _agree(loss: float, stop: bool, layout) -> tuple[float, bool]:
-    """Average the loss over data-parallel ranks and OR the stop flag over all ranks, in one
-    all-reduce: every rank must stop at the same step or the others hang in a collective."""
-    if layout.world == 1:
-        return loss, stop
-    t = torch.tensor([loss, float(stop)], dtype=torch.float64)
-    with CLOCK.waiting("bubble", "cpu"):  # mostly waiting for the slowest rank (a pipeline's last stage)
-        dist.all_reduce(t)  # the loss lives on the last pipeline stage, on each of its tp ranks
-    return t[0].item() / (layout.dp * layout.tp), t[1].item() > 0
+def _agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum the loss over ranks (it lives on the last pipeline stage, on each of its tp ranks: the
+    reader divides by dp*tp) and the stop flag over all ranks, in one all-reduce on the device:
+    every rank must stop at the same step or the others hang in a collective. The grad norm (the
+    same on every rank already) rides along, so the host reads all three at once."""
+    t = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
+    if layout.world > 1:
+        with CLOCK.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
+            dist.all_reduce(t)
+    return t if grad_norm is None else torch.cat([t, grad_norm.float().reshape(1)])
+
+
+def _read_agreed(agreed: torch.Tensor, layout) -> tuple:
+    """The host read of _agree's result: (mean loss, stop flag[, grad norm])."""
+    values = agreed.tolist()
+    values[0] /= layout.dp * layout.tp
+    values[1] = values[1] > 0
+    return tuple(values)
 
 
 # --- Checkpoints ---

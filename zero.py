@@ -1,9 +1,28 @@
-"""Data parallelism with ZeRO stages 0, 1 and 2, and MegaScale's DP overlap (parallel.overlap.dp).
+"""Data parallelism with ZeRO stages 0, 1 and 2, mixed precision's fp32 master weights, and
+MegaScale's DP overlap (parallel.overlap.dp).
 
 Written over plain collectives rather than DDP/FSDP2 because the DP-overlap ablation must control
-when each bucket's reduce-scatter and all-gather launches. Each parameter is sharded on its own
-(its flattened, zero-padded values split into dp equal pieces, FSDP2-style), never a flat buffer
-mixing tensors, so that LAMB's per-tensor norms stay exact under ZeRO.
+when each bucket's reduce-scatter and all-gather launches, and LAMB must see pieces of whole
+parameters. Megatron-LM's distributed optimizer is the model:
+
+- Buckets are flat buffers. Each holds whole parameters (in the order forward uses them), padded
+  at its end only, to a multiple of dp; the model's parameters are views into its parameter
+  buffer, so an all-gather writes them in place. A bucket closes at `bucket_size` elements; with
+  DP overlap every module (the embedding, each block, the final norm with the head) starts a new
+  one, so each module's forward can wait for its own parameters.
+- Gradients accumulate, microbatch after microbatch, into the bucket's gradient buffer in the
+  reduction dtype (a hook adds each parameter's grad and frees it). ZeRO-0 all-reduces the buffer;
+  ZeRO-1 and 2 reduce-scatter it, each rank receiving the sum of its own range; ZeRO-2 allocates
+  the buffer when the bucket's first gradient arrives and frees it once reduced.
+- Rank r owns the range [r*S/dp, (r+1)*S/dp) of a bucket of S elements. Its piece of a parameter
+  is the part of the parameter inside that range: a contiguous flat slice, possibly empty, never a
+  mix of parameters, so LAMB's per-tensor norms stay exact (optim.py). The optimizer updates these
+  pieces (`shards`): at ZeRO-0, whole parameters.
+- Mixed precision (precision=bf16): the model's parameters are bf16 and the optimizer's pieces are
+  fp32 master copies; after the step each rank casts its pieces into its range of the bf16
+  buffer, and the all-gather moves bf16. With fp32 parameters the pieces are views into the
+  parameter buffer itself: no copy at all.
+Nothing here holds a full-size copy of the gradients or parameters besides the buffers.
 """
 from __future__ import annotations
 
@@ -12,99 +31,163 @@ import torch.distributed as dist
 
 from overlap import CLOCK, timed_wait
 
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's --ddp-bucket-size
+
+
+class Bucket:
+    """A flat run of parameters: their offsets, this rank's range, the buffers."""
+
+    def __init__(self, indices: list, params: list, dp: int, dp_rank: int):
+        self.indices = indices
+        self.offsets, total = [], 0
+        for i in indices:
+            self.offsets.append(total)
+            total += params[i].numel()
+        self.numel = -(-total // dp) * dp
+        self.shard = self.numel // dp
+        self.lo, self.hi = dp_rank * self.shard, (dp_rank + 1) * self.shard
+        self.params: torch.Tensor = None    # flat, the parameters' dtype: the model's weights view into it
+        self.grads: torch.Tensor = None     # flat, the reduction dtype (ZeRO-2: only while reducing)
+        self.master: torch.Tensor = None    # fp32, this rank's range (ZeRO 1/2) or everything (ZeRO-0)
+        self.arrived = 0                    # gradients accumulated this step (DP overlap)
+
+    def piece(self, k: int, n: int) -> tuple:
+        """(lo, hi): which of the k-th parameter's n flat elements fall in this rank's range (lo == hi
+        when none do)."""
+        start = self.offsets[k]
+        lo = min(max(self.lo - start, 0), n)
+        return lo, max(lo, min(self.hi - start, n))
+
 
 class ZeroDataParallel:
-    """Gradients are averaged and (ZeRO-1/2) parameters re-gathered per bucket. Without DP overlap
-    one bucket holds every parameter and both happen between backward and forward. With
-    parallel.overlap.dp a bucket is one module's parameters (the embedding, each block, the final
-    norm with the head): its reduction launches from a hook as soon as backward has produced its
-    last gradient, and its all-gather from the forward pre-hook of the bucket before it (the
-    first at the end of the previous step), so launches follow the order compute needs the data.
-    ParallelModel registers the forward hooks, at the module each bucket's wait must precede
-    (a wait at the wrong module is Megatron-LM #950: a layer computing with last step's weights)."""
+    """DP reductions and ZeRO sharding over buckets (see the module docstring). ParallelModel
+    registers the forward hooks that wait for a bucket's parameters before the module that reads
+    them (a wait at the wrong module is Megatron-LM #950: a layer computing with last step's
+    weights)."""
 
-    def __init__(self, params: list, layout: Layout, stage: int, reduce_dtype: torch.dtype,
-                 buckets: list, microbatches: int = 1, overlap: bool = False):
+    def __init__(self, params: list, layout, stage: int, reduce_dtype: torch.dtype, buckets: list,
+                 microbatches: int = 1, overlap: bool = False):
         self.params, self.layout, self.stage, self.reduce_dtype = params, layout, stage, reduce_dtype
-        self.group, self.buckets, self.overlap = layout.group("dp"), buckets, overlap
+        self.group, self.overlap, self.microbatches = layout.group("dp"), overlap, microbatches
+        self.dtype = params[0].dtype
+        self.mixed = self.dtype != torch.float32
         dp, r = layout.dp, layout.dp_rank
-        self.shard_sizes = [-(-p.numel() // dp) for p in params]
-        self.shards = []
-        for p, size in zip(params, self.shard_sizes):
-            if stage == 0:
-                shard = p  # the optimizer updates the (replicated) parameter itself
-            else:
-                flat = torch.zeros(size * dp, dtype=p.dtype, device=p.device)
-                flat[:p.numel()] = p.detach().flatten()
-                shard = torch.nn.Parameter(flat[r * size:(r + 1) * size].clone())
-                shard._logical_ndim = p.ndim  # a flat shard of a matrix is still a matrix's (weight decay)
-            # LAMB and gradient clipping sum squared norms over ranks: count each element once.
-            tp_owner = not getattr(p, "_tp_replicated", False) or layout.tp_rank == 0
-            shard._norm_owner = tp_owner and (stage > 0 or layout.dp_rank == 0)
-            self.shards.append(shard)
+        self.buckets = [Bucket(_replicated_last(b, params), params, dp, r) for b in buckets]
+        self.where = {}  # parameter index -> (bucket, position in it)
+        for b, bucket in enumerate(self.buckets):
+            for k, i in enumerate(bucket.indices):
+                self.where[i] = (b, k)
+            self._flatten(bucket)
+        self.pieces = [None if stage == 0 else self._bucket_of(i).piece(self.where[i][1], p.numel())
+                       for i, p in enumerate(params)]
+        self.shards = [self._optimizer_piece(i) for i in range(len(params))]
         self.reducing, self.gathering = {}, {}  # bucket -> collective in flight
-        self.current = set(range(len(buckets)))  # buckets whose full parameters are this step's
-        self.grads_due = [0] * len(buckets)
-        if overlap:
-            self.expected = [len(b) * microbatches for b in buckets]
-            for b, bucket in enumerate(buckets):
-                for i in bucket:
-                    params[i].register_post_accumulate_grad_hook(lambda _, b=b: self._grad_ready(b))
+        self.current = set(range(len(self.buckets)))  # buckets whose parameters are this step's
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda param, i=i: self._accumulate(i, param))
+
+    # Layout
+
+    def _bucket_of(self, i: int) -> Bucket:
+        return self.buckets[self.where[i][0]]
+
+    @torch.no_grad()
+    def _flatten(self, bucket: Bucket) -> None:
+        """Moves the bucket's parameters into one flat buffer (each becomes a view of it) and, where
+        the optimizer needs its own fp32 copy, makes it."""
+        device = self.params[bucket.indices[0]].device
+        bucket.params = torch.zeros(bucket.numel, dtype=self.dtype, device=device)
+        for k, i in enumerate(bucket.indices):
+            p = self.params[i]
+            view = bucket.params[bucket.offsets[k]:bucket.offsets[k] + p.numel()]
+            view.copy_(p.detach().flatten())
+            p.data = view.view_as(p)
+        if self.mixed:
+            span = bucket.params if self.stage == 0 else bucket.params[bucket.lo:bucket.hi]
+            bucket.master = span.float()
+        elif self.stage > 0:
+            bucket.master = bucket.params[bucket.lo:bucket.hi]  # the optimizer updates the parameters in place
+
+    def _optimizer_piece(self, i: int) -> torch.Tensor:
+        """What the optimizer updates for parameter i: the parameter (fp32, ZeRO-0), its fp32 master
+        (bf16, ZeRO-0), or this rank's flat piece of it (ZeRO 1/2), as a view into the bucket."""
+        p, (b, k) = self.params[i], self.where[i]
+        bucket = self.buckets[b]
+        if self.stage == 0:
+            if not self.mixed:
+                piece = p
+            else:
+                piece = torch.nn.Parameter(bucket.master[bucket.offsets[k]:bucket.offsets[k] + p.numel()].view_as(p))
+        else:
+            lo, hi = self.pieces[i]
+            start = bucket.offsets[k] + lo - bucket.lo
+            piece = torch.nn.Parameter(bucket.master[start:start + hi - lo])
+            piece._logical_ndim = p.ndim  # a flat piece of a matrix is still a matrix's (weight decay)
+        # LAMB and gradient clipping sum squared norms over ranks: count each element once.
+        tp_owner = not getattr(p, "_tp_replicated", False) or self.layout.tp_rank == 0
+        piece._norm_owner = tp_owner and (self.stage > 0 or self.layout.dp_rank == 0)
+        return piece
 
     # Gradients
 
-    def _grad_ready(self, b: int) -> None:
-        self.grads_due[b] += 1
-        if self.grads_due[b] == self.expected[b]:
+    def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.grads is None:  # ZeRO-2, the bucket's first gradient of the step
+            bucket.grads = torch.zeros(bucket.numel, dtype=self.reduce_dtype, device=bucket.params.device)
+        return bucket.grads
+
+    @torch.no_grad()
+    def _accumulate(self, i: int, param: torch.Tensor) -> None:
+        """Adds a parameter's fresh gradient into its bucket's buffer and frees it; with DP overlap,
+        launches the bucket's reduction once every gradient of every microbatch is in."""
+        b, k = self.where[i]
+        bucket = self.buckets[b]
+        start = bucket.offsets[k]
+        self._grad_buffer(bucket)[start:start + param.numel()].add_(param.grad.flatten())
+        param.grad = None
+        bucket.arrived += 1
+        if self.overlap and bucket.arrived == len(bucket.indices) * self.microbatches:
             self._launch_reduction(b)
 
     def _launch_reduction(self, b: int) -> None:
         """TP-sum the bucket's replicated gradients (LayerNorms, row-parallel biases: each TP rank
-        saw a slice of the sequence), then launch its DP all-reduce (stages 0, 1) or its
-        reduce-scatter straight into each rank's gradient shards (stage 2, which frees the full
-        gradients at once)."""
-        idx = self.buckets[b]
-        grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
-                 for i in idx]
-        replicated = [g for i, g in zip(idx, grads) if getattr(self.params[i], "_tp_replicated", False)]
+        saw a slice of the sequence; they sit at the bucket's end), then launch its DP all-reduce
+        (ZeRO-0) or reduce-scatter into this rank's range (ZeRO 1/2)."""
+        bucket = self.buckets[b]
+        grads = self._grad_buffer(bucket)
+        replicated = [i for i in bucket.indices if getattr(self.params[i], "_tp_replicated", False)]
         if self.layout.tp > 1 and replicated:
-            flat = torch.cat([g.flatten() for g in replicated])
-            with CLOCK.waiting("comm", flat.device):
-                dist.all_reduce(flat, group=self.layout.group("tp"))
-            for g, piece in zip(replicated, flat.split([g.numel() for g in replicated])):
-                g.copy_(piece.view_as(g))
-        dp, work = self.layout.dp, None
-        if self.stage < 2:
-            buf = torch.cat([g.flatten().to(self.reduce_dtype) for g in grads])
-            if dp > 1:
-                work = dist.all_reduce(buf, group=self.group, async_op=True)
-        else:  # rows = ranks; rank r receives the concatenation of the bucket's shards r
-            table = torch.cat([self._pad(g.to(self.reduce_dtype), self.shard_sizes[i]) for i, g in zip(idx, grads)], dim=1)
-            buf = table.new_empty(table.shape[1])
-            if dp > 1:
-                work = dist.reduce_scatter_single(buf, table.flatten(), group=self.group, async_op=True)
+            start = bucket.offsets[bucket.indices.index(replicated[0])]
+            with CLOCK.waiting("comm", grads.device):
+                dist.all_reduce(grads[start:], group=self.layout.group("tp"))
+        work, out = None, grads
+        if self.stage > 0:
+            out = torch.empty(bucket.shard, dtype=grads.dtype, device=grads.device)
+            if self.layout.dp > 1:
+                work = dist.reduce_scatter_tensor(out, grads, group=self.group, async_op=True)
             else:
-                buf.copy_(table[0])
-            for i in idx:
-                self.params[i].grad = None
-        self.reducing[b] = (work, buf, grads)
+                out.copy_(grads)
+        elif self.layout.dp > 1:
+            work = dist.all_reduce(grads, group=self.group, async_op=True)
+        self.reducing[b] = (work, out)
 
     def _finish_reduction(self, b: int) -> None:
-        work, buf, grads = self.reducing.pop(b)
+        work, out = self.reducing.pop(b)
         if work is not None:
-            timed_wait(work, buf.device)
-        buf.div_(self.layout.dp)
-        idx = self.buckets[b]
+            timed_wait(work, out.device)
+        out.div_(self.layout.dp)
+        bucket = self.buckets[b]
         if self.stage == 2:
-            for i, piece in zip(idx, buf.split([self.shard_sizes[i] for i in idx])):
-                self.shards[i].grad = piece.to(self.shards[i].dtype)
-            return
-        for i, g, piece in zip(idx, grads, buf.split([g.numel() for g in grads])):
-            g.copy_(piece.view_as(g))
-            if self.stage == 1:
-                self.shards[i].grad = self._pad(g, self.shard_sizes[i])[self.layout.dp_rank]
+            bucket.grads = None  # the full buffer goes; this rank's range stays
+        grads = out if out.dtype == torch.float32 else out.float()
+        for k, i in enumerate(bucket.indices):
+            piece, p = self.shards[i], self.params[i]
+            if self.stage == 0:
+                start = bucket.offsets[k]
+                piece.grad = grads[start:start + p.numel()].view_as(p)
             else:
-                self.params[i].grad = g
+                lo, hi = self.pieces[i]
+                start = bucket.offsets[k] + lo - bucket.lo
+                piece.grad = grads[start:start + hi - lo]
 
     def reduce_gradients(self) -> None:
         """After backward: launch what the hooks have not, then wait for every bucket."""
@@ -113,51 +196,55 @@ class ZeroDataParallel:
                 self._launch_reduction(b)
         for b in range(len(self.buckets)):
             self._finish_reduction(b)
-        self.grads_due = [0] * len(self.buckets)
-
-    def _pad(self, t: torch.Tensor, size: int) -> torch.Tensor:
-        """[dp, size] view of t's values, zero-padded at the end."""
-        flat = torch.zeros(size * self.layout.dp, dtype=t.dtype, device=t.device)
-        flat[:t.numel()] = t.flatten()
-        return flat.view(self.layout.dp, size)
+        for bucket in self.buckets:
+            bucket.arrived = 0
 
     # Parameters
 
     @torch.no_grad()
     def launch_gather(self, b: int) -> None:
-        """Launch bucket b's all-gather of the updated shards (stages 1, 2), unless under way."""
+        """Launch bucket b's all-gather of the updated pieces, straight into the parameters
+        (ZeRO 1/2), unless under way or current."""
         if self.stage == 0 or b >= len(self.buckets) or b in self.gathering or b in self.current:
             return  # (the later microbatches' forwards, or a pipeline's, find it current)
-        mine = torch.cat([self.shards[i].detach() for i in self.buckets[b]])
-        table = mine.new_empty(self.layout.dp * mine.numel())
+        bucket = self.buckets[b]
+        mine = bucket.master.to(self.dtype, copy=True)  # in the parameters' dtype: bf16 on the wire
         work = None
         if self.layout.dp > 1:
-            work = dist.all_gather_single(table, mine, group=self.group, async_op=True)
+            work = dist.all_gather_into_tensor(bucket.params, mine, group=self.group, async_op=True)
         else:
-            table.copy_(mine)
-        self.gathering[b] = (work, table)
+            bucket.params.copy_(mine)
+        self.gathering[b] = (work, mine)
 
     @torch.no_grad()
     def wait_gather(self, b: int) -> None:
         """Bucket b's parameters are this step's once this returns."""
         if b not in self.gathering:
             return
-        work, table = self.gathering.pop(b)
+        work, _ = self.gathering.pop(b)
         self.current.add(b)
         if work is not None:
-            timed_wait(work, table.device)
-        idx = self.buckets[b]
-        for i, piece in zip(idx, table.view(self.layout.dp, -1).split([self.shard_sizes[i] for i in idx], dim=1)):
-            self.params[i].copy_(piece.flatten()[:self.params[i].numel()].view_as(self.params[i]))
+            timed_wait(work, self.buckets[b].params.device)
 
-    def before_forward(self, b: int) -> None:
-        """The forward pre-hook of bucket b: wait for its parameters, prefetch the next bucket's."""
-        self.wait_gather(b)
-        self.launch_gather(b + 1)
+    def before_forward(self, buckets: list) -> None:
+        """The forward pre-hook of a module whose parameters are in `buckets`: wait for them,
+        prefetch the bucket after."""
+        for b in buckets:
+            self.wait_gather(b)
+        self.launch_gather(buckets[-1] + 1)
 
+    @torch.no_grad()
     def after_step(self) -> None:
-        """After the optimizer: with overlap, prefetch the first bucket (the hooks chain the rest);
-        without, gather everything now."""
+        """After the optimizer: zero the gradient buffers; ZeRO-0 in mixed precision casts the
+        master weights back; ZeRO 1/2 prefetch the first bucket with overlap (the hooks chain the
+        rest), or gather everything now without."""
+        for bucket in self.buckets:
+            if bucket.grads is not None:
+                bucket.grads.zero_()
+            if self.stage == 0 and self.mixed:
+                bucket.params.copy_(bucket.master)
+        if self.stage == 0:
+            return
         self.current.clear()
         if self.overlap:
             self.launch_gather(0)
@@ -169,3 +256,44 @@ class ZeroDataParallel:
             self.launch_gather(b)
         for b in range(len(self.buckets)):
             self.wait_gather(b)
+
+    @torch.no_grad()
+    def parameters_loaded(self) -> None:
+        """After a checkpoint load. In mixed precision it wrote the fp32 masters (checkpoint.py
+        saves them as the model's weights): cast them into the bf16 parameters. In fp32 it wrote
+        the parameters, which the pieces are views of: nothing to do."""
+        if not self.mixed:
+            return
+        for bucket in self.buckets:
+            span = bucket.params if self.stage == 0 else bucket.params[bucket.lo:bucket.hi]
+            span.copy_(bucket.master)
+        if self.stage > 0:
+            self.current.clear()
+            self.gather_all()
+
+
+def _replicated_last(indices: list, params: list) -> list:
+    """The bucket's order: TP-replicated parameters last, so their TP all-reduce is one call on
+    the buffer's tail."""
+    return ([i for i in indices if not getattr(params[i], "_tp_replicated", False)]
+            + [i for i in indices if getattr(params[i], "_tp_replicated", False)])
+
+
+def plan_buckets(modules: list, params: list, bucket_size: int, per_module: bool) -> list:
+    """Buckets of parameter indices: runs of whole parameters in the order of `modules` (each a
+    list of parameter indices, in forward order), closed once they reach bucket_size elements
+    and, with per_module (DP overlap), at every module's end."""
+    buckets, current, size = [], [], 0
+    for module in modules:
+        for i in module:
+            if current and size + params[i].numel() > bucket_size:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += params[i].numel()
+        if per_module and current:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

@@ -1,11 +1,13 @@
 """Run under torchrun with 2 ranks: ZeRO-2 with DP overlap for 3 steps on random tokens, checking
 at every module's forward that its parameters are this step's, i.e. equal to an independent
-all-gather of the shards the optimizer just updated (Megatron-LM #950: a bucket waited for at
+all-gather of the pieces the optimizer just updated (Megatron-LM #950: a bucket waited for at
 the wrong module lets a layer compute with last step's weights).
 
     torchrun --nproc_per_node 2 tests/dp_overlap_probe.py [correct|misordered]
 
-Prints one JSON line on rank 0: the largest stale difference seen, how many parameters were
+Prints one JSON line on rank 0: the largest stale difference seen (infinite where a module ran
+before its bucket's gather was waited for: the gather writes the parameters in place, so what it
+reads then is a race), how many parameters were
 checked, how far the weights moved over the run (so a zero difference is not vacuous), and the
 error that stopped the run, if any.
 "misordered" shifts every bucket's wait one module later, the #950 bug, to show the check sees it.
@@ -25,17 +27,17 @@ from optim import OptimConfig  # noqa: E402
 
 
 def misordered(build):
-    """Each bucket's wait registered at the next bucket's module (the last keeps its own)."""
+    """Each module's wait registered at the next module (the last keeps its own)."""
     def shifted(self, params):
-        buckets = build(self, params)
-        hooks = [hook for _, hook in buckets[1:]] + [buckets[-1][1]]
-        return [(b, hook) for (b, _), hook in zip(buckets, hooks)]
+        modules = build(self, params)
+        hooks = [hook for _, hook in modules[1:]] + [modules[-1][1]]
+        return [(m, hook) for (m, _), hook in zip(modules, hooks)]
     return shifted
 
 
 def main(mode: str) -> None:
     if mode == "misordered":
-        parallel.ParallelModel._module_buckets = misordered(parallel.ParallelModel._module_buckets)
+        parallel.ParallelModel._forward_modules = misordered(parallel.ParallelModel._forward_modules)
     rank, world = parallel.init_distributed(torch.device("cpu"), "gloo")
     cfg = parallel.ParallelConfig(zero_stage=2)
     cfg.overlap.dp = True
@@ -45,15 +47,19 @@ def main(mode: str) -> None:
     engine = parallel.build(model, layout, cfg)
     optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), OptimConfig(), 1e-2, norm_group=engine.norm_group)
     zero = engine.zero
-    worst, checked = [0.0], [0]
+    worst, checked, unwaited = [0.0], [0], [0]
 
     def check(module, *_):
         for p in module.parameters(recurse=True):
             i = next(i for i, q in enumerate(zero.params) if q is p)
-            mine = zero.shards[i].detach()
-            table = torch.empty(world * mine.numel())
-            dist.all_gather_single(table, mine.contiguous())
-            want = table[:p.numel()].view_as(p)
+            b, k = zero.where[i]
+            bucket = zero.buckets[b]
+            if b not in zero.current:  # computing before its gather was waited for: stale by
+                unwaited[0] += 1        # definition, whether or not the bytes happen to be there
+                continue
+            table = torch.empty(world * bucket.shard)
+            dist.all_gather_into_tensor(table, bucket.master.detach().clone())
+            want = table[bucket.offsets[k]:bucket.offsets[k] + p.numel()].view_as(p)
             worst[0] = max(worst[0], (p.detach() - want).abs().max().item())
             checked[0] += 1
 
@@ -83,7 +89,8 @@ def main(mode: str) -> None:
         error = str(err).splitlines()[0]
     moved = max((p.detach() - start[n]).abs().max().item() for n, p in engine.named_model_parameters())
     if rank == 0:
-        print(json.dumps({"mode": mode, "stale": worst[0], "checked": checked[0], "moved": moved, "error": error}),
+        stale = float("inf") if unwaited[0] else worst[0]
+        print(json.dumps({"mode": mode, "stale": stale, "checked": checked[0], "moved": moved, "error": error}),
               flush=True)
 
 

@@ -116,6 +116,22 @@ def test_second_prepare_reuses_the_cache(tmp_path):
     np.testing.assert_array_equal(second.train, first.train)
 
 
+def test_other_ranks_open_the_readers_entry_without_reading_the_source(tmp_path, monkeypatch):
+    """train.prepare_data: rank 0 hashes the corpus; the others get its cache entry's name and,
+    where their cache holds it, never read the source (256 reads of shared storage at 256 ranks)."""
+    cfg = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"))
+    reader = data.prepare(cfg, seq_len=8)
+    monkeypatch.setattr(data, "open_source", lambda *a: pytest.fail("a non-reader read the source"))
+    other = data.prepare(cfg, seq_len=8, known=reader.path.name)
+    assert other.path == reader.path and other.meta["reused"]
+    np.testing.assert_array_equal(other.train, reader.train)
+    # A machine whose cache lacks the entry (a node-local cache) builds it itself.
+    monkeypatch.undo()
+    elsewhere = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"), cache_dir=str(tmp_path / "node2"))
+    built = data.prepare(elsewhere, seq_len=8, known=reader.path.name)
+    assert built.path.name == reader.path.name and not built.meta["reused"]
+
+
 def test_changed_input_invalidates_the_cache(tmp_path):
     source = write_jsonl(tmp_path / "d.jsonl")
     base = data.prepare(config(tmp_path, source), seq_len=8)

@@ -140,6 +140,35 @@ def test_flash_on_cpu_says_what_to_use_instead():
         kernels.attention(q, k, v, 4, impl="flash")
 
 
+def test_flash_attn_without_a_window_is_refused_in_one_line_and_auto_falls_back(monkeypatch):
+    """flash-attn before 2.3 has no window_size: a TypeError inside the first step. With such a
+    version installed, kernels.attention=flash is a config error naming the range and `make gpu`,
+    and auto picks another backend."""
+    import types
+    import config
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.1.2"))
+    kernels.flash_attn_problem.cache_clear()
+    try:
+        assert not kernels.flash_attn_importable()
+        cfg = config.compose(["kernels.attention=flash"])
+        with pytest.raises(config.ConfigError) as err:
+            config.validate(cfg, world=1)
+        line = str(err.value)
+        assert "\n" not in line and line.startswith("config error: kernels.attention")
+        assert "2.1.2" in line and kernels.FLASH_ATTN_RANGE in line and "make gpu" in line
+        monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.6.3"))
+        kernels.flash_attn_problem.cache_clear()
+        assert kernels.flash_attn_problem() is None
+    finally:
+        kernels.flash_attn_problem.cache_clear()
+
+
+def test_the_gpu_extra_pins_the_range_the_code_checks():
+    import tomllib
+    extra = tomllib.load(open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb"))
+    assert extra["project"]["optional-dependencies"]["gpu"] == [f"flash-attn{kernels.FLASH_ATTN_RANGE}"]
+
+
 def test_unknown_impl_is_an_error():
     q, k, v = qkv(8, torch.float32)
     with pytest.raises(ValueError, match="unknown attention impl"):

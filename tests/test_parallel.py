@@ -173,6 +173,51 @@ def test_invalid_layout_is_one_line_before_any_work(overrides, world, key, tmp_p
     assert len(lines) == 1 and lines[0].startswith(f"config error: {key}"), proc.stderr
 
 
+def spawn(fn, world: int, *args) -> None:
+    """fn(rank, world, port, *args) on `world` spawned processes, joined."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(fn, args=(world, port, *args), nprocs=world)
+
+
+def _compiled_pipeline(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    import parallel
+    from model import GPT, ModelConfig
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = parallel.ParallelConfig(pp=2, microbatches=2)
+    layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for compiled in (False, True):
+        model = GPT(ModelConfig(n_layers=2, n_heads=4, d_model=64, vocab_size=128))
+        model.init_weights(0)
+        engine = parallel.build(model, layout, cfg)
+        if compiled:  # the eager backend: dynamo traces the chunks, without inductor's compile time
+            torch._dynamo.reset()
+            engine.compile(backend="eager")
+        loss = engine.forward_backward(tokens[:, :-1], tokens[:, 1:], torch.float32)
+        found[compiled] = (loss.item(), torch.cat([b.grads for b in engine.zero.buckets]))
+    (Path(out_dir) / f"compiled_{rank}.json").write_text(json.dumps({
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "loss": [found[False][0], found[True][0]], "grad_diff": (found[False][1] - found[True][1]).abs().max().item()}))
+    dist.destroy_process_group()
+
+
+def test_compiled_chunks_run_in_the_pipeline(tmp_path):
+    """train.compile=true at pp2: the pipeline runs the compiled chunks (it used to keep its own
+    list of the uncompiled ones), and they compute what the eager chunks do."""
+    spawn(_compiled_pipeline, 2, str(tmp_path))
+    for rank in range(2):
+        got = json.loads((tmp_path / f"compiled_{rank}.json").read_text())
+        assert got["graphs"] >= 1, rank
+        assert got["loss"][0] == pytest.approx(got["loss"][1], rel=1e-6) and got["grad_diff"] < 1e-6
+
+
 def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir: str) -> None:
     import collections
     import torch.distributed as dist
@@ -186,7 +231,7 @@ def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir:
     model.init_weights(0)
     engine = parallel.build(model, layout, cfg)
     counts = collections.Counter()
-    for name in ("all_gather_single", "reduce_scatter_single"):
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
         original = getattr(dist, name)
         setattr(dist, name, lambda *a, _f=original, _n=name, **k: (counts.update([(phase, _n)]), _f(*a, **k))[1])
     tokens = torch.randint(0, 128, (2, 16))
@@ -204,17 +249,12 @@ def test_ptb_halves_the_tp_collectives_per_layer(block, per_layer, tmp_path):
     (before/after attention and MLP); PTB does each once, since both branches read one LN output and
     their outputs are summed before the reduce-scatter. The embedding adds one reduce-scatter and
     the output projection one all-gather; backward mirrors forward."""
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_count_tp_collectives, args=(2, port, block, str(tmp_path)), nprocs=2)
+    spawn(_count_tp_collectives, 2, block, str(tmp_path))
     counts = json.loads((tmp_path / f"{block}_0.json").read_text())
     layers = 3
     assert counts == {
-        "forward all_gather_single": per_layer * layers + 1, "forward reduce_scatter_single": per_layer * layers + 1,
-        "backward all_gather_single": per_layer * layers + 1, "backward reduce_scatter_single": per_layer * layers + 1}
+        "forward all_gather_into_tensor": per_layer * layers + 1, "forward reduce_scatter_tensor": per_layer * layers + 1,
+        "backward all_gather_into_tensor": per_layer * layers + 1, "backward reduce_scatter_tensor": per_layer * layers + 1}
 
 
 def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir):

@@ -1,0 +1,621 @@
+"""Rehearse a job of any size on this machine: chosen ranks of the real world, one process each,
+through the real code (build_layout and the mesh, parallel.build, the pipeline schedule, ZeRO's
+buckets, every overlap switch, recompute, the optimizer step, a checkpoint's layout) for a few
+steps, on the meta device and torch's "fake" process-group backend: every shape, collective,
+FLOP and byte the rank would have, none of its arithmetic.
+
+    python train.py experiment=megascale_ablation scale=cluster ablation.step=8 rehearse.ranks=[0,255]
+
+Each rank writes rehearsal.json (rehearse.out, default the run dir):
+- every collective and send/receive in program order (op, mesh dimension, peer, bytes, dtype,
+  device, call site), with the waits: what nccl_rules.py replays;
+- FLOPs by op class (GEMM, attention, elementwise), per step and per microbatch;
+- peak memory split into weights, gradients, optimizer state, activations and communication
+  buffers, and the moment of the peak;
+- the pipeline's order of chunk forwards and backwards; the checkpoint's bytes.
+With rehearse.nccl_rules (on by default) it also enforces NCCL's rules: every collective's tensor
+on the compute device (meta stands in for CUDA: a CPU tensor there is named with its call site),
+no host read of a device tensor beyond the step's one, and, across the rehearsed ranks and the
+pipeline plan of the whole layout, FIFO matching and no deadlock (nccl_rules.check).
+
+torch's pieces are used where they fit: the fake backend (FakeStore, a process group whose
+collectives do nothing), the meta device, FlopCounterMode's FLOP formulas. What they lack is
+written here: point-to-point on meta (the fake backend has no meta device), the recording itself,
+and a memory ledger by category (torch's MemTracker refuses modules called more than once per
+step, which is every pipeline chunk).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HERE = str(Path(__file__).resolve().parent)
+
+
+@dataclass
+class RehearseConfig:
+    ranks: List[int] = field(default_factory=list)  # ranks of the job to rehearse; empty: a normal run
+    rank: int = -1                # set by the parent in each rank's own process
+    world: int = -1               # the job's world size; -1: tp*pp*dp of the layout (dp must be set)
+    steps: int = 2
+    nccl_rules: bool = True       # enforce NCCL's rules on what the ranks post (nccl_rules.py)
+    capacity_gib: float = 80.0    # the accelerator memory every rank must fit in
+    out: Optional[str] = None     # where rank<r>/rehearsal.json go; None: the run dir
+    parallel_ranks: int = 2       # rehearsals run at once (each is one process)
+
+
+# --- Recording every collective and send/receive ---
+
+COLLECTIVES = {  # torch.distributed function -> (op name, its tensor arguments: output first)
+    "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+    "broadcast": "broadcast", "all_to_all_single": "all_to_all", "barrier": "barrier",
+}
+POINT_TO_POINT = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
+OBJECTS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+
+
+class Violation(Exception):
+    pass
+
+
+class _Done:
+    """A completed work, for the fake mode (what the fake backend returns, plus the record)."""
+
+    def __init__(self, recorder, index):
+        self.recorder, self.index = recorder, index
+
+    def wait(self, timeout=None):
+        self.recorder.waited(self.index)
+        return True
+
+    def is_completed(self):
+        return True
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class _Tracked:
+    """A real work, recording its wait."""
+
+    def __init__(self, recorder, index, work):
+        self.recorder, self.index, self.work = recorder, index, work
+
+    def wait(self, timeout=None):
+        self.recorder.waited(self.index)
+        return self.work.wait()
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+class Recorder:
+    """Patches torch.distributed's collectives and point-to-point while active. fake=True does
+    nothing but record and hand back completed works (the rehearsal); fake=False records and
+    calls through (a real run, to compare with its rehearsal). With nccl_rules, a tensor that is
+    not on `device` is a violation naming the call site, and so is every host read of a
+    device tensor except the step's one (named_read)."""
+
+    def __init__(self, layout, device: torch.device, fake: bool, nccl_rules: bool = True):
+        self.layout, self.device, self.fake, self.nccl_rules = layout, torch.device(device), fake, nccl_rules
+        self.events, self.violations, self.step = [], [], 0
+        self.comm_storages = weakref.WeakValueDictionary()  # key -> storage of a tensor in flight or sent
+        self._dims = _dim_names(layout)
+        self._saved, self._reading = {}, False
+
+    # patching
+
+    def __enter__(self):
+        for name in list(COLLECTIVES) + list(POINT_TO_POINT) + ["batch_isend_irecv"] + list(OBJECTS):
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, functools.partial(self._call, name))
+        if self.nccl_rules:
+            for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
+                self._saved[f"Tensor.{name}"] = getattr(torch.Tensor, name)
+                setattr(torch.Tensor, name, _host_read(self, name, self._saved[f"Tensor.{name}"]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            if name.startswith("Tensor."):
+                setattr(torch.Tensor, name[7:], fn)
+            else:
+                setattr(dist, name, fn)
+        self._saved.clear()
+
+    @contextlib.contextmanager
+    def named_read(self):
+        """The step's one host read (train.py reads loss, stop flag and grad norm at once)."""
+        self._reading = True
+        self.events.append({"i": len(self.events), "step": self.step, "op": "host_read", "site": _site()})
+        try:
+            yield
+        finally:
+            self._reading = False
+
+    # what a call records
+
+    def _call(self, name, *args, **kwargs):
+        original = self._saved[name]
+        if name in OBJECTS:
+            self._record(name, [], kwargs.get("group"), None, async_op=False)
+            if self.fake:
+                return _fake_object_collective(name, *args, **kwargs)
+            return original(*args, **kwargs)
+        if name == "batch_isend_irecv":
+            ops = args[0]
+            index = self._record("batch", [(POINT_TO_POINT[o.op.__name__], o.tensor, o.group, o.peer) for o in ops],
+                                 None, None, async_op=True, batched=True)
+            if self.fake:
+                return [_Done(self, index) for _ in ops]
+            return [_Tracked(self, index, w) for w in original(*args, **kwargs)]
+        async_op = kwargs.get("async_op", False) or name in ("isend", "irecv")
+        if name in POINT_TO_POINT:
+            tensor = args[0]
+            peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+            index = self._record(POINT_TO_POINT[name], [tensor], kwargs.get("group"), peer, async_op)
+        else:
+            tensors = [a for a in args if torch.is_tensor(a)]
+            index = self._record(COLLECTIVES[name], tensors, kwargs.get("group"), None, async_op)
+        if self.fake:
+            work = _Done(self, index)
+        else:
+            real = original(*args, **kwargs)
+            work = _Tracked(self, index, real) if real is not None else None
+        if not async_op:
+            self.waited(index)
+            return None
+        return work
+
+    def _record(self, op, tensors, group, peer, async_op, batched=False) -> int:
+        site = _site()
+        index = len(self.events)
+        if batched:  # [(send|recv, tensor, group, peer)]
+            parts = [self._describe(kind, [t], g, p, site) for kind, t, g, p in tensors]
+            event = {"i": index, "step": self.step, "op": "batch", "ops": parts, "site": site, "async": True}
+        else:
+            event = {"i": index, "step": self.step, **self._describe(op, tensors, group, peer, site), "async": async_op}
+        self.events.append(event)
+        return index
+
+    def _describe(self, op, tensors, group, peer, site) -> dict:
+        group = group if group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        first = tensors[0] if tensors else None
+        out = {"op": op, "group": self._dims.get(group.group_name, "world" if len(ranks) == dist.get_world_size() else "other"),
+               "comm": group.group_name, "ranks": ranks, "site": site}
+        if peer is not None:
+            out["peer"] = int(peer)
+        if first is not None:
+            # the bytes a rank puts on the wire: a gather's input, a scatter's output, else the tensor
+            moved = tensors[-1] if op == "all_gather" else first
+            out.update(shape=list(first.shape), dtype=str(first.dtype).removeprefix("torch."),
+                       bytes=moved.numel() * moved.element_size(), device=first.device.type)
+            for t in tensors:
+                self.comm_storages[id(t.untyped_storage())] = t.untyped_storage()
+                if self.nccl_rules and t.device.type != self.device.type:
+                    self.violations.append(f"{op} on {out['group']} at {site}: a {t.device.type} tensor, but NCCL "
+                                           f"takes only tensors on the compute device ({self.device.type})")
+        return out
+
+    def waited(self, index: int) -> None:
+        self.events.append({"i": len(self.events), "step": self.step, "op": "wait", "of": index})
+
+
+def _op(Op, ev: dict):
+    sig = (tuple(ev.get("shape", ())), ev.get("dtype")) if ev["op"] in ("send", "recv") else (ev.get("bytes"), ev.get("dtype"))
+    return Op(ev["op"], tuple(ev["ranks"]), ev.get("peer"), sig=sig, site=ev["site"], comm=ev.get("comm"))
+
+
+def _dim_names(layout) -> dict:
+    """{process group name: mesh dimension} for this rank's mesh groups and pipeline channels."""
+    names = {}
+    if layout.mesh is not None:
+        for dim in layout.mesh.mesh_dim_names:
+            names[layout.mesh.get_group(dim).group_name] = dim
+    for group in layout.pp_channels.values():
+        names[group.group_name] = "pp"
+    return names
+
+
+def _site() -> str:
+    """The first frame outside torch and this file: the project's line that made the call."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if frame.filename.startswith(HERE) and not frame.filename.endswith("rehearsal.py"):
+            return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+    return "?"
+
+
+def _host_read(recorder, name, original):
+    def read(self, *args, **kwargs):
+        if self.device.type == recorder.device.type and recorder.device.type != "cpu" and not recorder._reading:
+            recorder.violations.append(f"host read ({name}) of a {self.device.type} tensor at {_site()}: "
+                                       f"a device sync beyond the step's one")
+        if self.is_meta:  # nothing to read: stand in with zeros of the right kind
+            stand_in = torch.zeros(self.shape, dtype=self.dtype)
+            return getattr(stand_in, name)(*args, **kwargs) if name != "cpu" else stand_in
+        return original(self, *args, **kwargs)
+    return read
+
+
+def _fake_object_collective(name, *args, **kwargs):
+    """What the fake backend does with objects: every slot gets this rank's."""
+    if name == "all_gather_object":
+        out, obj = args[0], args[1]
+        for k in range(len(out)):
+            out[k] = obj
+    elif name == "gather_object":
+        out = args[1] if len(args) > 1 else kwargs.get("object_gather_list")
+        if out is not None:
+            for k in range(len(out)):
+                out[k] = args[0]
+    elif name == "scatter_object_list":
+        out, inputs = args[0], args[1] if len(args) > 1 else kwargs.get("scatter_object_input_list")
+        if inputs:
+            out[0] = inputs[0]
+
+
+# --- FLOPs by op class ---
+
+class FlopLedger(TorchDispatchMode):
+    """FLOPs of every op the rank runs: GEMMs and attention by torch's FlopCounterMode formulas
+    (ops inside Attention.core count as attention, whatever kernel computes them), and one FLOP
+    per output element for pointwise ops (elementwise)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+        self.registry = flop_registry
+        self.flops = {"gemm": 0, "attention": 0, "elementwise": 0}
+        self.in_attention = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in self.registry:
+            n = self.registry[packet](*args, **kwargs, out_val=out)
+            self.flops["attention" if self.in_attention or "attention" in str(packet) else "gemm"] += int(n)
+        elif torch.Tag.pointwise in func.tags:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            if torch.is_tensor(first):
+                self.flops["attention" if self.in_attention else "elementwise"] += first.numel()
+        return out
+
+
+# --- Memory by category ---
+
+class MemoryLedger(TorchDispatchMode):
+    """Bytes alive on the device, storage by storage (a view adds nothing), with the peak and
+    what it was made of. `classify` names each live storage's category at a new peak: weights,
+    gradients, optimizer state, communication buffers, else activations."""
+
+    def __init__(self, device: torch.device, classify):
+        super().__init__()
+        self.device, self.classify = device, classify
+        self.live, self.bytes, self.peak = {}, 0, 0
+        self.peak_split, self.peak_at, self.where = {}, "", "start"
+        self._snapshot_at = 0
+
+    def track(self, t: torch.Tensor) -> None:
+        if not torch.is_tensor(t) or t.device.type != self.device.type:
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.live:
+            return
+        self.live[key] = (weakref.ref(st), st.nbytes())
+        self.bytes += st.nbytes()
+        weakref.finalize(st, self._release, key, st.nbytes())
+        if self.bytes > self.peak:
+            self.peak = self.bytes
+            if self.bytes > self._snapshot_at * 1.001:  # re-split only when the peak moved
+                self._snapshot_at = self.bytes
+                self.peak_split, self.peak_at = self.classify(self.live), self.where
+
+    def _release(self, key, nbytes) -> None:
+        if self.live.pop(key, None) is not None:
+            self.bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            self.track(t)
+        return out
+
+
+def _categories(engine, optimizer, recorder):
+    """classify(live) for MemoryLedger: the storages the engine and optimizer hold by name."""
+    def keys(tensors):
+        return {id(t.untyped_storage()) for t in tensors if torch.is_tensor(t)}
+
+    def classify(live: dict) -> dict:
+        zero = engine.zero
+        weights = keys(b.params for b in zero.buckets)
+        grads = keys([b.grads for b in zero.buckets] + [p.grad for p in zero.params] + [s.grad for s in zero.shards])
+        state = [v for s in optimizer.state.values() for v in s.values()] + list(getattr(optimizer, "_updates", {}).values())
+        opt = keys(state + [b.master for b in zero.buckets if b.master is not None]) - weights
+        comm = set(recorder.comm_storages.keys()) - weights - grads - opt
+        split = {"weights": 0, "gradients": 0, "optimizer": 0, "communication": 0, "activations": 0}
+        for key, (_, nbytes) in live.items():
+            kind = ("weights" if key in weights else "gradients" if key in grads else "optimizer" if key in opt
+                    else "communication" if key in comm else "activations")
+            split[kind] += nbytes
+        return split
+    return classify
+
+
+# --- One rank's rehearsal ---
+
+class _NoData:
+    """The loader's place in a checkpoint (the rehearsal reads no data)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
+    """Runs rank `rank` of a `world`-rank job for cfg.rehearse.steps steps on the meta device and
+    the fake backend; writes and returns its record."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import checkpoint
+    import model as gpt
+    import optim
+    import parallel
+    import pipeline
+    import train
+    started = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    device = torch.device("meta")
+    layout = parallel.build_layout(cfg.parallel, rank, world, torch.device("cpu"))
+    dtype = torch.bfloat16 if cfg.precision in ("bf16", "auto") else torch.float32
+    recorder = Recorder(layout, device, fake=True, nccl_rules=cfg.rehearse.nccl_rules)
+    flops = FlopLedger()
+    with recorder:
+        with torch.device("meta"):
+            model = gpt.GPT(cfg.model, cfg.kernels)
+        engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
+                                dtype=dtype, device=device, seed=cfg.train.seed)
+        del model
+        optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
+                                          norm_group=engine.norm_group)
+        scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+        ledger = MemoryLedger(device, _categories(engine, optimizer, recorder))
+        for t in list(engine.zero.params) + [b.params for b in engine.zero.buckets] + \
+                [b.master for b in engine.zero.buckets if b.master is not None]:
+            ledger.track(t)
+        rows = cfg.train.batch_size // layout.dp
+        tokens = torch.zeros((rows, cfg.train.seq_len), dtype=torch.long, device=device)
+        schedule = _label_pipeline(engine, ledger, pipeline)
+        original_core = gpt.Attention.core
+        gpt.Attention.core = _attention_context(original_core, flops)
+        try:
+            for step in range(1, cfg.rehearse.steps + 1):
+                recorder.step = step
+                ledger.where = f"step {step}"
+                with ledger, flops:
+                    loss, norm = train.train_step(engine, optimizer, tokens, tokens, cfg, dtype)
+                    scheduler.step()
+                    train._agree(loss, False, layout, norm)
+                with recorder.named_read():
+                    pass
+                ledger.where = f"step {step} checkpoint"
+            with ledger:
+                saved = checkpoint_bytes(checkpoint.training_state(step, engine, optimizer, scheduler, _NoData(), {}), rank)
+        finally:
+            gpt.Attention.core = original_core
+    record = {
+        "rank": rank, "world": world, "coordinates": layout.coordinates(),
+        "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": cfg.parallel.vpp,
+                   "microbatches": cfg.parallel.microbatches, "zero_stage": cfg.parallel.zero_stage},
+        "model": cfg.model.name, "steps": cfg.rehearse.steps, "dtype": str(dtype).removeprefix("torch."),
+        "flops": {"per_step": {k: v // cfg.rehearse.steps for k, v in flops.flops.items()},
+                  "per_microbatch": {k: v // (cfg.rehearse.steps * cfg.parallel.microbatches) for k, v in flops.flops.items()}},
+        "memory": {"peak_bytes": ledger.peak, "at": ledger.peak_at, **{f"{k}_bytes": v for k, v in ledger.peak_split.items()},
+                   "capacity_bytes": int(cfg.rehearse.capacity_gib * 2**30)},
+        "checkpoint_bytes": saved, "schedule": schedule[:len(schedule) // max(1, cfg.rehearse.steps)],
+        "comm": recorder.events, "violations": recorder.violations,
+        "seconds": time.perf_counter() - started,
+        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    record["memory"]["fits"] = ledger.peak <= record["memory"]["capacity_bytes"]
+    record["memory"]["dominant"] = max(ledger.peak_split, key=ledger.peak_split.get) if ledger.peak_split else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+    return record
+
+
+def _attention_context(core, flops):
+    def counted(self, q, k, v):
+        flops.in_attention += 1
+        try:
+            return core(self, q, k, v)
+        finally:
+            flops.in_attention -= 1
+    return counted
+
+
+def _label_pipeline(engine, ledger, pipeline) -> list:
+    """Names the memory ledger's moments after the pipeline's actions, and returns the list
+    the actions are appended to (the schedule this rank ran)."""
+    done = []
+    if engine.pipeline is None:
+        return done
+    compute = engine.pipeline._compute
+
+    def labelled(action, *args, **kwargs):
+        kind, mb, c = action
+        done.append(f"{kind}{mb}.{c}")
+        ledger.where = f"{ledger.where.split(':')[0]}: {'forward' if kind == 'F' else 'backward'} of microbatch {mb}, chunk {c}"
+        return compute(action, *args, **kwargs)
+    engine.pipeline._compute = labelled
+    return done
+
+
+def checkpoint_bytes(state: dict, rank: int) -> int:
+    """What this rank's share of a checkpoint save writes: DCP's local plan, no data written."""
+    import checkpoint
+    planner = checkpoint._SavePlanner()
+    planner.set_up_planner(state, is_coordinator=rank == 0)
+    plan = planner.create_local_plan()
+    total = 0
+    for item in plan.items:
+        if item.tensor_data is not None:
+            sizes = item.tensor_data.chunk.sizes
+            total += sizes.numel() * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+        else:
+            blob = state[item.index.fqn]
+            total += len(blob.getvalue()) if hasattr(blob, "getvalue") else 0
+    return total
+
+
+# --- The parent: one process per rank, then the checks across ranks and the table ---
+
+def world_of(cfg) -> int:
+    """The rehearsed job's world size: rehearse.world, else the layout's tp*pp*dp (None if dp=-1)."""
+    if cfg.rehearse.world > 0:
+        return cfg.rehearse.world
+    p = cfg.parallel
+    return p.tp * p.pp * p.dp if p.dp > 0 else None
+
+
+def main(cfg, overrides: list, run_dir: Path) -> int:
+    """Rehearses cfg.rehearse.ranks (each `python train.py <overrides> rehearse.rank=R` in its own
+    process, rehearse.parallel_ranks at a time), checks NCCL's rules across them, prints the
+    table. Returns 0 when every rank ran clean and fits, else 1."""
+    import subprocess
+    out = Path(cfg.rehearse.out or run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    world = world_of(cfg)
+    started = time.perf_counter()
+    pending, running, failed = list(cfg.rehearse.ranks), [], {}
+    while pending or running:
+        while pending and len(running) < max(1, cfg.rehearse.parallel_ranks):
+            rank = pending.pop(0)
+            cmd = [sys.executable, str(Path(HERE) / "train.py"), *overrides, f"rehearse.rank={rank}",
+                   f"rehearse.world={world}", f"rehearse.out={out}", f"hydra.run.dir={out}/rank{rank}",
+                   "logging.wandb.mode=disabled"]
+            running.append((rank, subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                   text=True)))
+        rank, proc = running.pop(0)
+        log = proc.communicate()[0]
+        if proc.returncode != 0:
+            lines = [l for l in log.strip().splitlines() if not l.startswith("Set the environment variable HYDRA_FULL_ERROR")]
+            failed[rank] = lines[-1] if lines else f"exit {proc.returncode}"
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in cfg.rehearse.ranks if r not in failed]
+    problems = [f"rank {r}: {why}" for r, why in failed.items()]
+    if cfg.rehearse.nccl_rules and records:
+        problems += cross_check(records, cfg)
+    for rec in records:
+        problems += [f"rank {rec['rank']}: {v}" for v in rec["violations"]]
+    summary = {"world": world, "ranks": cfg.rehearse.ranks, "seconds": time.perf_counter() - started,
+               "problems": problems, "table": [table_row(r) for r in records]}
+    (out / "rehearsal.json").write_text(json.dumps(summary, indent=1))
+    print(render(summary, cfg))
+    fits = all(rec["memory"]["fits"] for rec in records)
+    return 0 if not problems and fits and len(records) == len(cfg.rehearse.ranks) else 1
+
+
+def cross_check(records: list, cfg) -> list:
+    """NCCL's rules across what was rehearsed: the recorded programs together (collectives whose
+    other members were not rehearsed are taken to mirror this rank's, as ranks of one stage do),
+    and the pipeline plan of the whole layout, which every rehearsed rank's sends and receives
+    must follow op by op."""
+    import nccl_rules
+    import pipeline
+    problems = nccl_rules.check({rec["rank"]: program_of(rec) for rec in records}, partial=True)
+    p = cfg.parallel
+    if p.pp > 1:
+        for backward in (True, False):
+            problems += [f"pipeline plan ({'training' if backward else 'evaluation'}): {x}" for x in
+                         nccl_rules.check(pipeline.nccl_programs(p.pp, p.vpp, p.microbatches, p.overlap.pp, backward))]
+        for rec in records:
+            problems += follows_plan(rec, p)
+    return problems
+
+
+def program_of(record: dict) -> list:
+    from nccl_rules import Op
+    program = []
+    for ev in record["comm"]:
+        if ev["op"] == "wait":
+            program.append(("wait", ev["of"]))
+        elif ev["op"] == "batch":
+            program.append(("post", ev["i"], [_op(Op, part) for part in ev["ops"]], True))
+        elif ev["op"] not in ("host_read",) + OBJECTS:
+            program.append(("post", ev["i"], [_op(Op, ev)], False))
+    return program
+
+
+def follows_plan(record: dict, p) -> list:
+    """The rank's recorded sends and receives of one training step, against its plan."""
+    import pipeline
+    pp_rank = record["coordinates"]["pp"]
+    planned = [(s[0], s[2].src if s[0] == "recv" else s[2].dst)
+               for s in pipeline.plan(p.pp, pp_rank, p.vpp, p.microbatches, p.overlap.pp) if s[0] in ("send", "recv")]
+    peers = {}  # pp rank -> global rank: the recorded peers are global
+    done = [(ev["op"], ev["peer"]) for ev in record["comm"] if ev["step"] == 1 and ev["op"] in ("send", "recv")]
+    for (kind, pp_peer), (got_kind, got_peer) in zip(planned, done):
+        peers.setdefault(pp_peer, got_peer)
+        if kind != got_kind or peers[pp_peer] != got_peer:
+            return [f"rank {record['rank']}: its sends and receives depart from the pipeline plan "
+                    f"({kind} with pp rank {pp_peer} planned, {got_kind} with rank {got_peer} posted)"]
+    if len(planned) != len(done):
+        return [f"rank {record['rank']}: {len(done)} sends and receives in step 1, the plan has {len(planned)}"]
+    return []
+
+
+def table_row(rec: dict) -> dict:
+    gib = lambda b: b / 2**30
+    m = rec["memory"]
+    per_dim = {}
+    for ev in rec["comm"]:
+        if ev["step"] == rec["steps"] and "bytes" in ev:
+            per_dim[ev["group"]] = per_dim.get(ev["group"], 0) + ev["bytes"]
+        for part in ev.get("ops", []):
+            if ev["step"] == rec["steps"]:
+                per_dim[part["group"]] = per_dim.get(part["group"], 0) + part["bytes"]
+    return {"rank": rec["rank"], **rec["coordinates"], "peak_gib": gib(m["peak_bytes"]), "at": m["at"],
+            **{k: gib(m.get(f"{k}_bytes", 0)) for k in ("weights", "gradients", "optimizer", "activations", "communication")},
+            "fits": m["fits"], "dominant": m["dominant"],
+            "comm_gib": {k: gib(v) for k, v in sorted(per_dim.items())},
+            "tflops_per_step": sum(rec["flops"]["per_step"].values()) / 1e12,
+            "checkpoint_gib": gib(rec["checkpoint_bytes"]), "seconds": rec["seconds"], "rss_gib": gib(rec["rss_bytes"])}
+
+
+def render(summary: dict, cfg) -> str:
+    lines = [f"rehearsal of {cfg.model.name} at tp{cfg.parallel.tp} pp{cfg.parallel.pp} vpp{cfg.parallel.vpp} "
+             f"dp{summary['world'] // (cfg.parallel.tp * cfg.parallel.pp)} zero{cfg.parallel.zero_stage}, "
+             f"{cfg.parallel.microbatches} microbatches, world {summary['world']} (GiB; comm per step)",
+             "| rank | dp,pp,tp | peak | weights | grads | optimizer | activations | comm buffers | fits 80 GB | "
+             "TP | PP | DP | TFLOP/step | checkpoint | time |", "|" + "---|" * 15]
+    for r in summary["table"]:
+        comm = r["comm_gib"]
+        lines.append(f"| {r['rank']} | {r['dp']},{r['pp']},{r['tp']} | {r['peak_gib']:.1f} | {r['weights']:.1f} | "
+                     f"{r['gradients']:.1f} | {r['optimizer']:.1f} | {r['activations']:.1f} | {r['communication']:.2f} | "
+                     f"{'yes' if r['fits'] else 'NO: ' + r['dominant']} | {comm.get('tp', 0):.1f} | {comm.get('pp', 0):.2f} | "
+                     f"{comm.get('dp', 0):.2f} | {r['tflops_per_step']:.0f} | {r['checkpoint_gib']:.1f} | {r['seconds']:.0f} s |")
+    lines.append("NCCL rules: " + ("kept" if not summary["problems"] else f"{len(summary['problems'])} problems"))
+    lines += [f"  {p}" for p in summary["problems"][:20]]
+    return "\n".join(lines)
