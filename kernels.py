@@ -89,11 +89,33 @@ def attention_reference(q, k, v, window: Optional[int] = None, dropout: float = 
 def attention_unfused(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
     """softmax(QKᵀ/√d)V with every score of the [T, T] square materialized, as Megatron-LM's core
     attention (a batched GEMM, its fused scale-mask-softmax kernel, a batched GEMM): the GEMMs run
-    in q's dtype, the softmax in fp32, the probabilities go back to q's dtype for the second GEMM. Dropout on the
-    probabilities is one more pass over the square each way, plus its mask (Megatron's is too)."""
-    scores = (q @ k.transpose(-1, -2)).float() / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(~window_mask(q.shape[-2], window, q.device), float("-inf"))
-    return F.dropout(scores.softmax(-1).to(v.dtype), dropout) @ v
+    in q's dtype, the softmax in fp32, the probabilities go back to q's dtype for the second GEMM.
+    Dropout on the probabilities is one more pass over the square each way, plus its mask. What
+    backward keeps per score is Megatron's too: the probabilities in q's dtype, a byte of mask and
+    the dropped probabilities (5 bytes in bf16; autograd's fp32 softmax and dtype-sized mask kept 8)."""
+    scores = q @ k.transpose(-1, -2)
+    probs = _ScaledMaskedSoftmax.apply(scores, window_mask(q.shape[-2], window, q.device), q.shape[-1] ** -0.5)
+    if dropout:
+        probs = torch.native_dropout(probs, dropout, True)[0]  # keeps a bool mask, as CUDA's F.dropout does
+    return probs @ v
+
+
+class _ScaledMaskedSoftmax(torch.autograd.Function):
+    """softmax(scale·x, masked) computed in fp32, returned in x's dtype; backward from that output
+    alone (Megatron's fused scale-mask-softmax: y·(g - Σ g·y), times the scale)."""
+
+    @staticmethod
+    def forward(ctx, scores, allowed, scale):
+        probs = (scores.float() * scale).masked_fill(~allowed, float("-inf")).softmax(-1).to(scores.dtype)
+        ctx.save_for_backward(probs)
+        ctx.scale = scale
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        y, g = probs.float(), grad.float()
+        return ((g - (g * y).sum(-1, keepdim=True)) * y * ctx.scale).to(probs.dtype), None, None
 
 
 def attention_sdpa(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
@@ -103,6 +125,13 @@ def attention_sdpa(q, k, v, window: Optional[int] = None, dropout: float = 0.0) 
     if window is None or window >= T:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(T, window, q.device), dropout_p=dropout)
+
+
+def mean_keys(T: int, window: Optional[int]) -> float:
+    """Keys a query attends to, averaged over positions: (T+1)/2 causal, about W with a window.
+    A kernel that skips masked tiles (flash-attn) scores this many per query."""
+    W = min(window or T, T)
+    return (W * T - W * (W - 1) / 2) / T
 
 
 def attention_flash(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
@@ -265,6 +294,8 @@ class _Compiled:
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():  # inside a compiled model: let the outer graph fuse it
+            return self.fn(*args)
+        if any(torch.is_tensor(a) and a.is_meta for a in args):  # a rehearsal: shapes only, nothing to compile
             return self.fn(*args)
         if self.compiled is None:
             self.compiled = torch.compile(self.fn, dynamic=False)

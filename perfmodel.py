@@ -57,6 +57,7 @@ from typing import Dict, Optional, Tuple
 import config
 import machine
 import model as gpt
+from kernels import mean_keys
 from config import ConfigError, HardwareConfig
 
 ROOT = Path(__file__).resolve().parent
@@ -338,12 +339,6 @@ def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, fl
         keys = T if W and impl != "flash" else mean_keys(T, W)
     fwd = _kernel(r, 4 * n * T * keys * hd / (r.flops * r.flash_eff))
     return fwd, 2.5 * fwd  # backward recomputes the scores: 5 GEMMs against the forward's 2
-
-
-def mean_keys(T: int, window: Optional[int]) -> float:
-    """Keys a query attends to, averaged over positions: (T+1)/2 causal, about W with a window."""
-    W = min(window or T, T)
-    return (W * T - W * (W - 1) / 2) / T
 
 
 def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
