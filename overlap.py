@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -126,15 +127,68 @@ def timed_wait(work, device) -> None:
 # waits and returns the result. Backward reverses them: Wait's backward launches the gradient's
 # collective (all-gather <-> reduce-scatter), Start's backward waits for it.
 
+# --- Gathered activations are not kept for backward: Megatron-LM's sequence parallelism ---
+# A column-parallel GEMM reads the all-gathered sequence, and autograd would keep that full-length
+# copy for the weight gradient: tp times the sharded LayerNorm output, 11 GB per GPU on the
+# 175B layout's first stage. As Megatron-LM does, backward gathers it again from the shard instead.
+# Done with saved-tensor hooks around the TP block (parallel.py), so every GEMM that reads a
+# gathered tensor, in every overlap mode, keeps the shard alone.
+
+_GATHERED: dict = {}  # id(storage of a gather's output) -> (weakref to that storage, shard, group)
+
+
+def remember_gathered(out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    """out (sequence-major [world*t, ...]) was all-gathered from shard ([t, ...]) over group."""
+    storage = out.untyped_storage()
+    key = id(storage)
+    _GATHERED[key] = (weakref.ref(storage, lambda _, key=key: _GATHERED.pop(key, None)), shard.detach(), group)
+
+
+class _Regather:
+    """A saved view of a gathered tensor, kept as the shard it came from."""
+
+    def __init__(self, t: torch.Tensor, shard: torch.Tensor, group):
+        self.shard, self.group = shard, group
+        self.view = (t.shape, t.stride(), t.storage_offset())
+
+    def tensor(self) -> torch.Tensor:
+        world = dist.get_world_size(self.group)
+        out = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
+        with CLOCK.waiting("comm", out.device):
+            dist.all_gather_into_tensor(out, self.shard, group=self.group)
+        return out.as_strided(*self.view)
+
+
+def _pack(t: torch.Tensor):
+    entry = _GATHERED.get(id(t.untyped_storage()))
+    if entry is None or entry[0]() is None:
+        return t
+    return _Regather(t, entry[1], entry[2])
+
+
+def _unpack(saved):
+    return saved.tensor() if isinstance(saved, _Regather) else saved
+
+
+def regather_saved():
+    """The context in which a TP block's forward runs: what it saves of a gathered tensor is the
+    shard, gathered again when backward needs it."""
+    if torch.compiler.is_compiling():  # dynamo does not trace saved-tensor hooks: keep the full copy
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
 class _InFlight:
     """A launched collective: its work handle, the buffer it fills (sequence-major) and its input,
     kept alive until the wait."""
 
-    def __init__(self, work, out, src):
-        self.work, self.out, self.src = work, out, src
+    def __init__(self, work, out, src, gather: bool = False, group=None):
+        self.work, self.out, self.src, self.gather, self.group = work, out, src, gather, group
 
     def wait(self) -> torch.Tensor:
         timed_wait(self.work, self.out.device)
+        if self.gather:
+            remember_gathered(self.out, self.src, self.group)
         return self.out.transpose(0, 1)
 
 
@@ -142,7 +196,7 @@ def _launch_gather(x: torch.Tensor, group) -> _InFlight:
     """[B, t, ...] sequence slices -> [B, world*t, ...], rank order along the sequence."""
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.all_gather_into_tensor(out, xs, group=group, async_op=True), out, xs)
+    return _InFlight(dist.all_gather_into_tensor(out, xs, group=group, async_op=True), out, xs, True, group)
 
 
 def _launch_reduce_scatter(x: torch.Tensor, group) -> _InFlight:

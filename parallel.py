@@ -262,6 +262,7 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     out = xs.new_empty((xs.shape[0] * world, *xs.shape[1:]))
     with CLOCK.waiting("comm", x.device):
         dist.all_gather_into_tensor(out, xs, group=group)
+    overlap.remember_gathered(out, xs, group)
     return out.transpose(0, 1)
 
 
@@ -350,7 +351,8 @@ class ColumnParallelHead(torch.nn.Linear):
     """The output projection split along the vocabulary: full-sequence input, local logits."""
 
     def forward(self, x):
-        return torch.nn.functional.linear(GatherSeq.apply(x, self.tp_group), self.weight)
+        with overlap.regather_saved():
+            return torch.nn.functional.linear(GatherSeq.apply(x, self.tp_group), self.weight)
 
 
 class VocabParallelEmbedding(torch.nn.Embedding):
@@ -367,7 +369,16 @@ class VocabParallelEmbedding(torch.nn.Embedding):
 def _tp_block_forward(block, x):
     """A transformer block on a sequence-sharded residual stream, its TP collectives run as
     parallel.overlap.tp says: one after another (off), MegaScale's sequence pieces (chunked), or
-    Domino's row pieces that go through the block independently (domino)."""
+    Domino's row pieces that go through the block independently (domino). Gathered activations
+    are kept as shards for backward (overlap.regather_saved), except under full recompute, which
+    keeps none."""
+    if block.regather:
+        with overlap.regather_saved():
+            return _tp_block_steps(block, x)
+    return _tp_block_steps(block, x)
+
+
+def _tp_block_steps(block, x):
     if block.tp_overlap == "chunked":
         return _chunked_block(block, x)
     if block.tp_overlap == "domino":
@@ -448,6 +459,7 @@ def apply_tp(model: torch.nn.Module, layout: Layout, overlap_mode: str = "off", 
             _keep_slice(linear, "weight", 1, rank, tp)
             linear.__class__ = RowParallelLinear
         block.tp_group, block.tp_overlap, block.tp_chunks = group, overlap_mode, chunks
+        block.regather = True
         block.forward = _tp_block_forward.__get__(block)
     if model.embed is not None:
         _keep_slice(model.embed, "weight", 0, rank, tp)
@@ -470,6 +482,7 @@ def apply_recompute(model: torch.nn.Module, mode: str) -> None:
     from torch.utils.checkpoint import checkpoint
     for block in model.blocks.values():
         if mode == "full":
+            block.regather = False  # checkpoint keeps nothing of the block; its hooks must stay innermost
             inner = block.forward
             block.forward = lambda x, inner=inner: checkpoint(inner, x, use_reentrant=False)
         elif mode == "selective":
