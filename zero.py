@@ -227,9 +227,11 @@ class ZeroDataParallel:
             timed_wait(work, self.buckets[b].params.device)
 
     def before_forward(self, buckets: list) -> None:
-        """The forward pre-hook of a module whose parameters are in `buckets`: wait for them,
-        prefetch the bucket after."""
+        """The forward pre-hook of a module whose parameters are in `buckets`: wait for them (those
+        no earlier hook prefetched are gathered now: a module larger than bucket_size spans
+        several), and prefetch the bucket after."""
         for b in buckets:
+            self.launch_gather(b)
             self.wait_gather(b)
         self.launch_gather(buckets[-1] + 1)
 

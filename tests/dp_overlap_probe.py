@@ -3,13 +3,14 @@ at every module's forward that its parameters are this step's, i.e. equal to an 
 all-gather of the pieces the optimizer just updated (Megatron-LM #950: a bucket waited for at
 the wrong module lets a layer compute with last step's weights).
 
-    torchrun --nproc_per_node 2 tests/dp_overlap_probe.py [correct|misordered]
+    torchrun --nproc_per_node 2 tests/dp_overlap_probe.py [correct|split|misordered]
 
 Prints one JSON line on rank 0: the largest stale difference seen (infinite where a module ran
 before its bucket's gather was waited for: the gather writes the parameters in place, so what it
 reads then is a race), how many parameters were
 checked, how far the weights moved over the run (so a zero difference is not vacuous), and the
 error that stopped the run, if any.
+"split" makes buckets smaller than a block, so each block waits for several.
 "misordered" shifts every bucket's wait one module later, the #950 bug, to show the check sees it.
 """
 import json
@@ -41,6 +42,8 @@ def main(mode: str) -> None:
     rank, world = parallel.init_distributed(torch.device("cpu"), "gloo")
     cfg = parallel.ParallelConfig(zero_stage=2)
     cfg.overlap.dp = True
+    if mode == "split":  # buckets smaller than a block: each block's forward waits for several
+        cfg.bucket_size = 5000
     layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
     model = GPT(ModelConfig(n_layers=3, d_model=64, n_heads=4, vocab_size=128))
     model.init_weights(0)

@@ -296,7 +296,7 @@ def test_tp_overlap_keeps_ptb_exact(mode, ptb_tp2, tmp_path, cache_dir):
     assert relative_error(flat(got), flat(want)) < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["correct", "misordered"])
+@pytest.mark.parametrize("mode", ["correct", "split", "misordered"])
 def test_dp_overlap_layers_compute_with_this_steps_weights(mode):
     """Megatron-LM #950: with DP overlap every module's forward must see the weights the optimizer
     just produced. The probe compares each module's parameters, at its forward, with an
@@ -308,7 +308,7 @@ def test_dp_overlap_layers_compute_with_this_steps_weights(mode):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(lines[-1])
-    if mode == "correct":
+    if mode in ("correct", "split"):
         assert result["error"] is None and result["checked"] > 0 and result["moved"] > 1e-3
         assert result["stale"] == 0.0
     else:
