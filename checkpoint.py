@@ -320,8 +320,16 @@ class Saver:
     def _write(self, step: int, state: dict, error: Optional[OSError] = None) -> None:
         folder = step_dir(self.ckpt_dir, step)
         write_dcp(folder, state, self.group, error=error, delay=self.write_delay)
+        # Every rank hashes the files it wrote, at once: at 175B that is ~2 TB, which one rank
+        # alone would take longer to read than the hang and collective timeouts allow.
+        mine = file_digests(folder, own_files(folder, self.rank))
+        everyone = [None] * (dist.get_world_size(self.group) if self.distributed else 1)
+        if self.distributed:
+            dist.all_gather_object(everyone, mine, group=self.group)
+        else:
+            everyone = [mine]
         if self.rank == 0:
-            mark_complete(folder)
+            mark_complete(folder, {k: v for d in everyone for k, v in d.items()})
             prune(self.ckpt_dir, self.keep)
             log.info("saved %s", folder)
 
@@ -390,11 +398,23 @@ def write_dcp(folder: Path, state: dict, group=None, error: Optional[OSError] = 
     _dcp(dcp.save, state, storage_writer=_Writer(folder, error, delay), planner=_SavePlanner(), process_group=group)
 
 
-def mark_complete(folder: Path) -> Path:
-    """Write the manifest (every file's size and sha256) last, atomically: a step folder without
-    it is an interrupted save and is never loaded."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(MANIFEST)}
+def own_files(folder: Path, rank: int) -> list:
+    """The files rank `rank` wrote in a DCP folder (__<rank>_<n>.distcp; rank 0 also .metadata)."""
+    return [p.name for p in sorted(folder.iterdir()) if p.is_file() and
+            (p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata"))]
+
+
+def file_digests(folder: Path, names: list) -> dict:
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
+
+
+def mark_complete(folder: Path, files: Optional[dict] = None) -> Path:
+    """Write the manifest (every file's size and sha256; `files` when the ranks hashed their own)
+    last, atomically: a step folder without it is an interrupted save and is never loaded."""
+    on_disk = [p.name for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(MANIFEST)]
+    files = dict(files or {})
+    files.update(file_digests(folder, [n for n in on_disk if n not in files]))
+    files = dict(sorted(files.items()))
     tmp = folder / f"{MANIFEST}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(json.dumps({"step": int(STEP_DIR.search(folder.name).group(1)), "files": files}, indent=1))
@@ -427,27 +447,37 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(p for p in Path(ckpt_dir).iterdir() if STEP_DIR.search(p.name) and (p / MANIFEST).exists())
 
 
-def problem(folder: Path, checksums: bool = True) -> Optional[str]:
+def problem(folder: Path, checksums: bool = True, group=None) -> Optional[str]:
     """Why a step folder must not be loaded, or None: no manifest, or a file missing, of another
-    size (truncated), or with another sha256 than the manifest lists."""
+    size (truncated), or with another sha256 than the manifest lists. With a process group, every
+    rank of it calls this and reads every world-th file (in parallel), and all get the answer."""
     if not (folder / MANIFEST).exists():
         return f"{folder} has no {MANIFEST}: an interrupted save"
     files = json.loads((folder / MANIFEST).read_text())["files"]
     if ".metadata" not in files:
         return f"{folder}'s manifest lists no DCP .metadata"
-    for name, meta in files.items():
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    why = None
+    for k, (name, meta) in enumerate(files.items()):
         path = folder / name
         if not path.exists() or path.stat().st_size != meta["bytes"]:
-            return f"{path} is missing or not the size its manifest lists (truncated?)"
-        if checksums and _sha256(path) != meta["sha256"]:
-            return f"{path} does not match its manifest's sha256"
-    return None
+            why = f"{path} is missing or not the size its manifest lists (truncated?)"
+            break
+        if checksums and k % world == rank and _sha256(path) != meta["sha256"]:
+            why = f"{path} does not match its manifest's sha256"
+            break
+    if group is None:
+        return why
+    found = [None] * world
+    dist.all_gather_object(found, why, group=group)
+    return next((w for w in found if w is not None), None)
 
 
-def latest(ckpt_dir: Path) -> Optional[Path]:
-    """The newest checkpoint that verifies; broken ones are logged and skipped."""
+def latest(ckpt_dir: Path, group=None) -> Optional[Path]:
+    """The newest checkpoint that verifies; broken ones are logged and skipped. With a group, its
+    ranks verify together (problem()); they must see the same folders (a shared filesystem)."""
     for folder in reversed(complete_checkpoints(ckpt_dir)):
-        why = problem(folder)
+        why = problem(folder, group=group)
         if why is None:
             return folder
         log.warning("skipping checkpoint: %s", why)
