@@ -50,6 +50,7 @@ HERE = str(Path(__file__).resolve().parent)
 class RehearseConfig:
     ranks: List[int] = field(default_factory=list)  # ranks of the job to rehearse; empty: a normal run
     rank: int = -1                # set by the parent in each rank's own process
+    record: bool = False          # a real run records its first `steps` steps the same way (<run dir>/comm/)
     world: int = -1               # the job's world size; -1: tp*pp*dp of the layout (dp must be set)
     steps: int = 2
     nccl_rules: bool = True       # enforce NCCL's rules on what the ranks post (nccl_rules.py)
@@ -119,7 +120,7 @@ class Recorder:
     def __init__(self, layout, device: torch.device, fake: bool, nccl_rules: bool = True):
         self.layout, self.device, self.fake, self.nccl_rules = layout, torch.device(device), fake, nccl_rules
         self.events, self.violations, self.step = [], [], 0
-        self.comm_storages = weakref.WeakValueDictionary()  # key -> storage of a tensor in flight or sent
+        self.in_flight = {}  # op index -> weak references to the storages of its tensors, until waited
         self._dims = _dim_names(layout)
         self._saved, self._reading = {}, False
 
@@ -190,13 +191,19 @@ class Recorder:
     def _record(self, op, tensors, group, peer, async_op, batched=False) -> int:
         site = _site()
         index = len(self.events)
+        self._posting = []
         if batched:  # [(send|recv, tensor, group, peer)]
             parts = [self._describe(kind, [t], g, p, site) for kind, t, g, p in tensors]
             event = {"i": index, "step": self.step, "op": "batch", "ops": parts, "site": site, "async": True}
         else:
             event = {"i": index, "step": self.step, **self._describe(op, tensors, group, peer, site), "async": async_op}
         self.events.append(event)
+        self.in_flight[index] = self._posting
         return index
+
+    def comm_storages(self) -> set:
+        """Keys of the live storages of operations posted and not yet waited for."""
+        return {id(ref()) for refs in self.in_flight.values() for ref in refs if ref() is not None}
 
     def _describe(self, op, tensors, group, peer, site) -> dict:
         group = group if group is not None else dist.group.WORLD
@@ -212,13 +219,19 @@ class Recorder:
             out.update(shape=list(first.shape), dtype=str(first.dtype).removeprefix("torch."),
                        bytes=moved.numel() * moved.element_size(), device=first.device.type)
             for t in tensors:
-                self.comm_storages[id(t.untyped_storage())] = t.untyped_storage()
+                self._posting.append(weakref.ref(t.untyped_storage()))
                 if self.nccl_rules and t.device.type != self.device.type:
                     self.violations.append(f"{op} on {out['group']} at {site}: a {t.device.type} tensor, but NCCL "
                                            f"takes only tensors on the compute device ({self.device.type})")
         return out
 
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"rank": self.layout.rank, "coordinates": self.layout.coordinates(),
+                                    "comm": self.events, "violations": self.violations}))
+
     def waited(self, index: int) -> None:
+        self.in_flight.pop(index, None)
         self.events.append({"i": len(self.events), "step": self.step, "op": "wait", "of": index})
 
 
@@ -303,6 +316,53 @@ class FlopLedger(TorchDispatchMode):
         return out
 
 
+# --- CUDA's fused attention, stood in for on meta ---
+# On meta, SDPA has only its math path, which materializes every score, and flash-attn does not
+# run; on the GPUs a rehearsal stands for, both are fused kernels that keep q, k, v, the output
+# and a log-sum-exp per row, and compute (flash, causal) the unmasked tiles only. So a rehearsal
+# runs this in their place: the same outputs and saved tensors, the same FLOPs as
+# perfmodel.attention_time prices (4·T·keys·d forward, 2.5x that backward).
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keys, flops):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.work, ctx.flops = 4 * q.shape[:-2].numel() * q.shape[-2] * keys * q.shape[-1], flops
+        flops.flops["attention"] += int(ctx.work)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        ctx.flops.flops["attention"] += int(2.5 * ctx.work)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
+
+
+@contextlib.contextmanager
+def cuda_attention(flops):
+    """kernels' attention as it runs on CUDA, on meta tensors: auto picks flash-attn (a cluster has
+    the `gpu` extra), flash skips masked tiles (kernels.mean_keys), SDPA scores every key when given
+    a mask and skips the causal half without one."""
+    import kernels
+    import torch.nn.functional as F
+    saved = (kernels.attention_flash, kernels.pick_attention_impl, F.scaled_dot_product_attention)
+
+    def flash(q, k, v, window=None, dropout=0.0):
+        return _FusedAttention.apply(q, k, v, kernels.mean_keys(q.shape[-2], window), flops)
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **_):
+        keys = kernels.mean_keys(q.shape[-2], None) if is_causal else k.shape[-2]
+        return _FusedAttention.apply(q, k, v, keys, flops)
+    kernels.attention_flash, kernels.pick_attention_impl = flash, lambda q, window, block=None: "flash"
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        kernels.attention_flash, kernels.pick_attention_impl, F.scaled_dot_product_attention = saved
+
+
 # --- Memory by category ---
 
 class MemoryLedger(TorchDispatchMode):
@@ -355,7 +415,7 @@ def _categories(engine, optimizer, recorder):
         grads = keys([b.grads for b in zero.buckets] + [p.grad for p in zero.params] + [s.grad for s in zero.shards])
         state = [v for s in optimizer.state.values() for v in s.values()] + list(getattr(optimizer, "_updates", {}).values())
         opt = keys(state + [b.master for b in zero.buckets if b.master is not None]) - weights
-        comm = set(recorder.comm_storages.keys()) - weights - grads - opt
+        comm = recorder.comm_storages() - weights - grads - opt
         split = {"weights": 0, "gradients": 0, "optimizer": 0, "communication": 0, "activations": 0}
         for key, (_, nbytes) in live.items():
             kind = ("weights" if key in weights else "gradients" if key in grads else "optimizer" if key in opt
@@ -409,6 +469,8 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
         schedule = _label_pipeline(engine, ledger, pipeline)
         original_core = gpt.Attention.core
         gpt.Attention.core = _attention_context(original_core, flops)
+        attention = cuda_attention(flops)
+        attention.__enter__()
         try:
             for step in range(1, cfg.rehearse.steps + 1):
                 recorder.step = step
@@ -419,11 +481,19 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
                     train._agree(loss, False, layout, norm)
                 with recorder.named_read():
                     pass
-                ledger.where = f"step {step} checkpoint"
+                if step == 1:
+                    first_step = list(schedule)
+            recorder.step, ledger.where = "eval", "evaluation"
+            with ledger, torch.no_grad():  # one held-out batch, as train.evaluate runs it
+                train._agree(engine.forward_backward(tokens, tokens, dtype, backward=False), False, layout)
+            with recorder.named_read():
+                pass
+            ledger.where = "checkpoint"
             with ledger:
                 saved = checkpoint_bytes(checkpoint.training_state(step, engine, optimizer, scheduler, _NoData(), {}), rank)
         finally:
             gpt.Attention.core = original_core
+            attention.__exit__(None, None, None)
     record = {
         "rank": rank, "world": world, "coordinates": layout.coordinates(),
         "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": cfg.parallel.vpp,
@@ -433,7 +503,7 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
                   "per_microbatch": {k: v // (cfg.rehearse.steps * cfg.parallel.microbatches) for k, v in flops.flops.items()}},
         "memory": {"peak_bytes": ledger.peak, "at": ledger.peak_at, **{f"{k}_bytes": v for k, v in ledger.peak_split.items()},
                    "capacity_bytes": int(cfg.rehearse.capacity_gib * 2**30)},
-        "checkpoint_bytes": saved, "schedule": schedule[:len(schedule) // max(1, cfg.rehearse.steps)],
+        "checkpoint_bytes": saved, "schedule": first_step,
         "comm": recorder.events, "violations": recorder.violations,
         "seconds": time.perf_counter() - started,
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -10,6 +10,7 @@ and logs to W&B (offline by default). Bad input is one line on stderr and exit c
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -139,6 +140,12 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     beat, faults = ft.Heartbeat(run_dir, rank, world, cfg.ft), ft.Faults(rank, run_dir)
     collector = ft.CollectGarbage(cfg.train.gc_interval)
     step, history, status = start_step, [], "finished"
+    # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
+    # rehearsal records it (rehearsal.py), so that the two can be compared op by op.
+    recorder = None
+    if cfg.rehearse.record:
+        import rehearsal
+        recorder = rehearsal.Recorder(layout, device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
     bar = _progress(cfg, rank, start_step)
     eval_set = sampling.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
                                  layout.dp_rank, layout.dp) if cfg.train.eval_interval > 0 else []
@@ -148,11 +155,18 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             beat.progress(step, "data")
             inputs, targets = next(loader)
             beat.progress(step, "compute")
-            loss, grad_norm = train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
-            scheduler.step()
-            agreed = _agree(loss, stop.requested, layout, grad_norm)
-            # The step's one host read: loss, stop flag and grad norm together, once the step has run.
-            (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: _read_agreed(agreed, layout))
+            recording = recorder is not None and step <= start_step + cfg.rehearse.steps
+            with recorder if recording else contextlib.nullcontext():
+                if recording:
+                    recorder.step = step - start_step
+                loss, grad_norm = train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
+                scheduler.step()
+                agreed = _agree(loss, stop.requested, layout, grad_norm)
+                # The step's one host read: loss, stop flag and grad norm together, once the step has run.
+                with recorder.named_read() if recording else contextlib.nullcontext():
+                    (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: _read_agreed(agreed, layout))
+            if recording and step == start_step + cfg.rehearse.steps:
+                recorder.write(run_dir / "comm" / f"rank{rank}.json")
             row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                    **meter(timing["step_s"]), **breakdown(timing), "memory_gib": metrics.memory_gib(device)}
             if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
@@ -211,9 +225,7 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
     if world > 1:
         dist.broadcast_object_list(found, src=0)
     if isinstance(found[0], tuple):
-        if rank == 0:
-            _fail(found[0][1])
-        sys.exit(2)
+        _fail(found[0][1])
     return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
 
 
@@ -291,24 +303,19 @@ def save(saver, step, engine, optimizer, scheduler, loader, cfg) -> None:
 
 def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group) -> int:
     """Load a checkpoint if asked (resume=auto|PATH, saved at any layout) and return its step.
-    Rank 0 picks the folder (checksums read once) and every rank loads that one."""
+    The ranks verify the checksums together, each reading its share of the files, and every rank
+    loads the folder that passes."""
     if how == "none":
         return 0
-    folder, why = None, None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        if how == "auto":
-            folder = checkpoint.latest(ckpt_dir)  # the newest that verifies
-        else:
-            folder = Path(how)
-            why = checkpoint.problem(folder)
-    if dist.is_initialized():
-        box = [folder, why]
-        dist.broadcast_object_list(box, src=0, group=group)
-        folder, why = box
-    if folder is None:
-        return 0
-    if why is not None:
-        _fail(f"config error: resume: {why}. Fix: give a step folder with a complete manifest.json, or resume=auto|none")
+    if how == "auto":
+        folder = checkpoint.latest(ckpt_dir, group=group)  # the newest that verifies
+        if folder is None:
+            return 0
+    else:
+        folder = Path(how)
+        why = checkpoint.problem(folder, group=group)
+        if why is not None:
+            _fail(f"config error: resume: {why}. Fix: give a step folder with a complete manifest.json, or resume=auto|none")
     step = checkpoint.load(folder, engine, optimizer, scheduler, loader, group)
     log.info("resumed from %s (step %d)", folder, step)
     return step
@@ -418,7 +425,9 @@ def dry_run(cfg: config.Config) -> float:
 
 
 def _fail(line: str) -> None:
-    print(line, file=sys.stderr)
+    """One line on stderr (from rank 0 alone: every rank meets the same bad input) and exit 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr)
     sys.exit(2)
 
 

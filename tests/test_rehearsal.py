@@ -1,0 +1,106 @@
+"""The rehearsal (rehearsal.py): chosen ranks of a job of any size run through the real code on the
+meta device and the fake backend, and their records are the truth about communication, FLOPs and
+memory. Checked here: it records what a real run posts, op by op and rank by rank; it holds a
+175B rank in ~2 GiB; NCCL's rules are enforced on what it records, and each defect the review of
+e17bd15 found is caught when put back; bad layouts stop in one line."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import config
+import rehearsal
+from conftest import ROOT, SMALL, run_train, train_env
+
+TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled"]
+
+
+def rehearse_here(overrides: list, ranks: list, out: Path) -> list:
+    """rehearse_rank for each rank in this process (the fake backend is set up and torn down per
+    rank), as train.py's rehearse.rank does in a process of its own."""
+    cfg = config.compose(TINY + overrides + ["rehearse.ranks=[0]"])
+    world = rehearsal.world_of(cfg)
+    return [rehearsal.rehearse_rank(cfg, r, world, out) for r in ranks]
+
+
+def comm_keys(events: list, steps=(1, 2)) -> list:
+    """What must be equal between two records: every post (op, group, peer, shape, dtype) and
+    every wait (which post, by ordinal), in program order; but for the waits on pipeline sends,
+    which come when a send has not completed by the step's end (on gloo, a matter of timing)."""
+    posts, sends, out = {}, set(), []
+    for ev in events:
+        if ev["step"] not in steps:
+            continue
+        if ev["op"] == "wait":
+            if ev["of"] not in sends:
+                out.append(("wait", posts.get(ev["of"])))
+        elif ev["op"] != "host_read":
+            posts[ev["i"]] = len(posts)
+            if ev["op"] == "send":
+                sends.add(ev["i"])
+            parts = ev.get("ops", [ev])
+            out.append(tuple((p["op"], p["group"], p.get("peer"), tuple(p.get("shape", ())), p.get("dtype")) for p in parts))
+    return out
+
+
+def test_a_real_8_rank_run_and_its_rehearsal_post_the_same_collectives(tmp_path, cache_dir):
+    overrides = ["precision=fp32", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1",
+                 "parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"]
+    run_train(tmp_path / "real", SMALL + overrides + ["train.max_steps=2", "rehearse.record=true"], cache_dir, nproc=8)
+    records = rehearse_here(["model.vocab_size=512"] + overrides + ["parallel.dp=2"], list(range(8)), tmp_path / "rehearsal")
+    for rec in records:
+        real = json.loads((tmp_path / "real" / "comm" / f"rank{rec['rank']}.json").read_text())
+        assert real["coordinates"] == rec["coordinates"]
+        got, want = comm_keys(rec["comm"]), comm_keys(real["comm"])
+        assert len(got) > 50 and got == want, rec["rank"]
+        assert {p[0][1] for p in got if p[0] != "wait"} == {"tp", "pp", "dp", "world"}
+    assert rehearsal.cross_check(records, config.compose(TINY + overrides + ["parallel.dp=2"])) == []
+
+
+def test_a_64_rank_layout_rehearses_its_first_and_last_rank(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "model.n_layers=8", "parallel.tp=4", "parallel.pp=4",
+                           "parallel.vpp=2", "parallel.dp=4", "parallel.microbatches=4", "parallel.zero_stage=1",
+                           "train.batch_size=16", "rehearse.ranks=[0,63]", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "NCCL rules: kept" in proc.stdout
+    first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 63))
+    assert first["coordinates"] == {"rank": 0, "dp": 0, "pp": 0, "tp": 0}
+    assert last["coordinates"] == {"rank": 63, "dp": 3, "pp": 3, "tp": 3}
+    import pipeline
+    for rec in (first, last):
+        order = pipeline.pipeline_order(4, rec["coordinates"]["pp"], 2, 4)
+        assert rec["schedule"] == [f"{k}{mb}.{c}" for k, mb, c in order]
+        assert rec["memory"]["fits"] and rec["memory"]["peak_bytes"] > 0 and rec["flops"]["per_step"]["gemm"] > 0
+        assert not rec["violations"]
+    summary = json.loads((tmp_path / "rehearsal.json").read_text())
+    assert summary["world"] == 64 and summary["problems"] == []
+
+
+def test_one_175B_rank_rehearses_within_about_2_GiB(tmp_path):
+    """Table 2's last row (175B at tp8 pp8 vpp6 over 12,288 GPUs, 32 microbatches), rank 0, one
+    step: the rank's 2.7e9 parameters are shapes only."""
+    proc = subprocess.run([sys.executable, "train.py", "experiment=strong_scaling", "scale=cluster", "scaling.row=7",
+                           "rehearse.world=12288", "rehearse.steps=1", "rehearse.ranks=[0]", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, env=train_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rec = json.loads((tmp_path / "rank0.json").read_text())
+    assert rec["rss_bytes"] < 2.5 * 2**30, rec["rss_bytes"] / 2**30
+    assert rec["memory"]["fits"] and rec["memory"]["weights_bytes"] > 5 * 2**30  # 2.7e9 bf16 weights, on meta
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.tp=7"], "config error: parallel.tp"),
+    (["rehearse.ranks=[256]"], "config error: rehearse.ranks"),
+    (["parallel.dp=-1"], "config error: rehearse.world"),
+])
+def test_an_impossible_paper_layout_is_one_line(overrides, key, tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "experiment=megascale_ablation", "scale=cluster", "rehearse.ranks=[0]",
+                           *overrides, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=train_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(key), proc.stderr
