@@ -197,8 +197,9 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         # m̂ / (sqrt(v̂) + eps) = m / d with d = (sqrt(v) + eps·sqrt(bc2)) · bc1 / sqrt(bc2): the bias
         # corrections are per-tensor scalars, and u is built in place in ONE buffer per tensor.
-        # The buffer is kept between steps (not in state_dict): the step's peak memory is the same
-        # as with a temporary, and on CPU a fresh temporary is pages to fault in on every step.
+        # On CPU the buffer is kept between steps (not in state_dict): a fresh temporary there is
+        # pages to fault in on every step. Elsewhere it is a temporary, so that it does not add to
+        # the backward's peak (a rank's memory peaks with its activations, not in the optimizer).
         sqrt_bc2 = [math.sqrt(1 - beta2 ** t) for t in steps]
         updates = self._update_buffers(params)
         torch._foreach_copy_(updates, exp_avg_sqs)
@@ -212,6 +213,8 @@ class Lamb(torch.optim.Optimizer):
         return params, updates, slots
 
     def _update_buffers(self, params: list) -> list:
+        if params[0].device.type != "cpu":  # the caching allocator makes a temporary free, and a kept
+            return [torch.empty_like(p) for p in params]  # buffer would sit through the activations' peak
         buffers = self.__dict__.setdefault("_updates", {})
         for p in params:
             if p not in buffers or buffers[p].shape != p.shape:

@@ -155,7 +155,7 @@ class _Regather:
         world = dist.get_world_size(self.group)
         out = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
         with CLOCK.waiting("comm", out.device):
-            dist.all_gather_into_tensor(out, self.shard, group=self.group)
+            dist.all_gather_single(out, self.shard, group=self.group)
         return out.as_strided(*self.view)
 
 
@@ -196,14 +196,14 @@ def _launch_gather(x: torch.Tensor, group) -> _InFlight:
     """[B, t, ...] sequence slices -> [B, world*t, ...], rank order along the sequence."""
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.all_gather_into_tensor(out, xs, group=group, async_op=True), out, xs, True, group)
+    return _InFlight(dist.all_gather_single(out, xs, group=group, async_op=True), out, xs, True, group)
 
 
 def _launch_reduce_scatter(x: torch.Tensor, group) -> _InFlight:
     """[B, world*t, ...] partial sums -> this rank's [B, t, ...] slice of their sum."""
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.reduce_scatter_tensor(out, xs, group=group, async_op=True), out, xs)
+    return _InFlight(dist.reduce_scatter_single(out, xs, group=group, async_op=True), out, xs)
 
 
 class _Start(torch.autograd.Function):

@@ -261,7 +261,7 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] * world, *xs.shape[1:]))
     with CLOCK.waiting("comm", x.device):
-        dist.all_gather_into_tensor(out, xs, group=group)
+        dist.all_gather_single(out, xs, group=group)
     overlap.remember_gathered(out, xs, group)
     return out.transpose(0, 1)
 
@@ -271,7 +271,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] // world, *xs.shape[1:]))
     with CLOCK.waiting("comm", x.device):
-        dist.reduce_scatter_tensor(out, xs, group=group)
+        dist.reduce_scatter_single(out, xs, group=group)
     return out.transpose(0, 1)
 
 

@@ -656,20 +656,36 @@ def follows_plan(record: dict, p) -> list:
     return []
 
 
+def wire_bytes(ev: dict) -> float:
+    """Bytes one rank puts on the wire for a recorded operation, as ring algorithms move them:
+    all-reduce 2(n-1)/n of the tensor, all-gather (n-1) inputs, reduce-scatter (n-1) outputs,
+    broadcast the tensor, a send its tensor, a receive nothing."""
+    n, size = len(ev.get("ranks", [1])), ev.get("bytes", 0)
+    return {"all_reduce": 2 * (n - 1) / n * size, "all_gather": (n - 1) * size, "reduce_scatter": (n - 1) * size,
+            "send": size, "broadcast": size, "all_to_all": (n - 1) / n * size}.get(ev["op"], 0.0)
+
+
+def comm_per_step(rec: dict, step=None) -> dict:
+    """{mesh dimension: wire bytes} of one training step (the last rehearsed: the steady state,
+    whose DP gathers under overlap are the previous step's)."""
+    step = rec["steps"] if step is None else step
+    per_dim = {}
+    for ev in rec["comm"]:
+        if ev["step"] != step:
+            continue
+        for part in ev.get("ops", [ev]):
+            if "bytes" in part:
+                per_dim[part["group"]] = per_dim.get(part["group"], 0) + wire_bytes(part)
+    return per_dim
+
+
 def table_row(rec: dict) -> dict:
     gib = lambda b: b / 2**30
     m = rec["memory"]
-    per_dim = {}
-    for ev in rec["comm"]:
-        if ev["step"] == rec["steps"] and "bytes" in ev:
-            per_dim[ev["group"]] = per_dim.get(ev["group"], 0) + ev["bytes"]
-        for part in ev.get("ops", []):
-            if ev["step"] == rec["steps"]:
-                per_dim[part["group"]] = per_dim.get(part["group"], 0) + part["bytes"]
     return {"rank": rec["rank"], **rec["coordinates"], "peak_gib": gib(m["peak_bytes"]), "at": m["at"],
             **{k: gib(m.get(f"{k}_bytes", 0)) for k in ("weights", "gradients", "optimizer", "activations", "communication")},
             "fits": m["fits"], "dominant": m["dominant"],
-            "comm_gib": {k: gib(v) for k, v in sorted(per_dim.items())},
+            "comm_gib": {k: gib(v) for k, v in sorted(comm_per_step(rec).items())},
             "tflops_per_step": sum(rec["flops"]["per_step"].values()) / 1e12,
             "checkpoint_gib": gib(rec["checkpoint_bytes"]), "seconds": rec["seconds"], "rss_gib": gib(rec["rss_bytes"])}
 
@@ -677,7 +693,8 @@ def table_row(rec: dict) -> dict:
 def render(summary: dict, cfg) -> str:
     lines = [f"rehearsal of {cfg.model.name} at tp{cfg.parallel.tp} pp{cfg.parallel.pp} vpp{cfg.parallel.vpp} "
              f"dp{summary['world'] // (cfg.parallel.tp * cfg.parallel.pp)} zero{cfg.parallel.zero_stage}, "
-             f"{cfg.parallel.microbatches} microbatches, world {summary['world']} (GiB; comm per step)",
+             f"{cfg.parallel.microbatches} microbatches, world {summary['world']} (GiB; TP/PP/DP: bytes this rank "
+             f"puts on the wire per step)",
              "| rank | dp,pp,tp | peak | weights | grads | optimizer | activations | comm buffers | fits 80 GB | "
              "TP | PP | DP | TFLOP/step | checkpoint | time |", "|" + "---|" * 15]
     for r in summary["table"]:

@@ -160,12 +160,10 @@ class ZeroDataParallel:
             with CLOCK.waiting("comm", grads.device):
                 dist.all_reduce(grads[start:], group=self.layout.group("tp"))
         work, out = None, grads
-        if self.stage > 0:
-            out = torch.empty(bucket.shard, dtype=grads.dtype, device=grads.device)
+        if self.stage > 0:  # in place: this rank's range of the buffer receives its sum
+            out = grads[bucket.lo:bucket.hi]
             if self.layout.dp > 1:
-                work = dist.reduce_scatter_tensor(out, grads, group=self.group, async_op=True)
-            else:
-                out.copy_(grads)
+                work = dist.reduce_scatter_single(out, grads, group=self.group, async_op=True)
         elif self.layout.dp > 1:
             work = dist.all_reduce(grads, group=self.group, async_op=True)
         self.reducing[b] = (work, out)
@@ -176,8 +174,8 @@ class ZeroDataParallel:
             timed_wait(work, out.device)
         out.div_(self.layout.dp)
         bucket = self.buckets[b]
-        if self.stage == 2:
-            bucket.grads = None  # the full buffer goes; this rank's range stays
+        if self.stage == 2:  # the full buffer goes; this rank's range stays
+            out, bucket.grads = out.clone(), None
         grads = out if out.dtype == torch.float32 else out.float()
         for k, i in enumerate(bucket.indices):
             piece, p = self.shards[i], self.params[i]
@@ -208,12 +206,12 @@ class ZeroDataParallel:
         if self.stage == 0 or b >= len(self.buckets) or b in self.gathering or b in self.current:
             return  # (the later microbatches' forwards, or a pipeline's, find it current)
         bucket = self.buckets[b]
-        mine = bucket.master.to(self.dtype, copy=True)  # in the parameters' dtype: bf16 on the wire
+        mine = bucket.params[bucket.lo:bucket.hi]  # in place, in the parameters' dtype: bf16 on the wire
+        if self.mixed:
+            mine.copy_(bucket.master)
         work = None
         if self.layout.dp > 1:
-            work = dist.all_gather_into_tensor(bucket.params, mine, group=self.group, async_op=True)
-        else:
-            bucket.params.copy_(mine)
+            work = dist.all_gather_single(bucket.params, mine, group=self.group, async_op=True)
         self.gathering[b] = (work, mine)
 
     @torch.no_grad()

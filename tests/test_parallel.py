@@ -231,7 +231,7 @@ def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir:
     model.init_weights(0)
     engine = parallel.build(model, layout, cfg)
     counts = collections.Counter()
-    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+    for name in ("all_gather_single", "reduce_scatter_single"):
         original = getattr(dist, name)
         setattr(dist, name, lambda *a, _f=original, _n=name, **k: (counts.update([(phase, _n)]), _f(*a, **k))[1])
     tokens = torch.randint(0, 128, (2, 16))
@@ -253,8 +253,8 @@ def test_ptb_halves_the_tp_collectives_per_layer(block, per_layer, tmp_path):
     counts = json.loads((tmp_path / f"{block}_0.json").read_text())
     layers = 3
     assert counts == {
-        "forward all_gather_into_tensor": per_layer * layers + 1, "forward reduce_scatter_tensor": per_layer * layers + 1,
-        "backward all_gather_into_tensor": per_layer * layers + 1, "backward reduce_scatter_tensor": per_layer * layers + 1}
+        "forward all_gather_single": per_layer * layers + 1, "forward reduce_scatter_single": per_layer * layers + 1,
+        "backward all_gather_single": per_layer * layers + 1, "backward reduce_scatter_single": per_layer * layers + 1}
 
 
 def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir):

@@ -1,0 +1,102 @@
+"""The paper's jobs, rehearsed (rehearsal.py): Table 3's 9 steps (175B on 256 GPUs, TP8 PP8 vpp6
+DP4), Table 2's 8 rows (175B on 256-12,288 GPUs) and the 530B model on 2,240, 4,480 and 11,200
+GPUs (MegaScale's settings, batch = GPUs, as `perfmodel.py 530b`). Each job rehearses its first
+and last rank (the first and last pipeline stage: the most in flight, and the logits), 2 steps,
+NCCL's rules on; the table gives each job's peak memory per GPU, split, and its communication per
+step, per mesh dimension, and is appended to experiments/results/rehearsal_paper.md.
+
+    python experiments/rehearse_paper.py [--jobs table3,table2,530b] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TABLE2 = [256, 512, 768, 1024, 3072, 6144, 8192, 12288]
+GPUS_530B = [2240, 4480, 11200]
+LABELS = ["baseline", "+PTB", "+SWA", "+TP overlap", "+PP overlap", "+DP overlap", "+efficient operators",
+          "+misc (data pipeline)", "+LAMB (batch x3)"]
+
+
+def jobs(which: set) -> list:
+    """(table, label, world, overrides) of every job."""
+    out = []
+    if "table3" in which:
+        out += [("Table 3", f"step {k}: {LABELS[k]}", 256, ["experiment=megascale_ablation", "scale=cluster",
+                                                           f"ablation.step={k}"]) for k in range(9)]
+    if "table2" in which:
+        out += [("Table 2", f"{g} GPUs", g, ["experiment=strong_scaling", "scale=cluster", f"scaling.row={row}"])
+                for row, g in enumerate(TABLE2)]
+    if "530b" in which:  # perfmodel_cli.megascale_config("530B") at batch = GPUs, one sequence per microbatch
+        for g in GPUS_530B:
+            dp = g // (8 * 35)
+            out.append(("530B", f"{g} GPUs", g, ["experiment=megascale_ablation", "scale=cluster", "ablation.step=7",
+                                                  "model=530B", "parallel=megascale_530B", "parallel.dp=-1",
+                                                  f"train.batch_size={g}", f"parallel.microbatches={g // dp}"]))
+    return out
+
+
+def run(table: str, label: str, world: int, overrides: list, out: Path) -> dict:
+    folder = out / f"{table.replace(' ', '')}-{label.split(':')[0].replace(' ', '_')}"
+    cmd = [sys.executable, "train.py", *overrides, f"rehearse.ranks=[0,{world - 1}]", f"rehearse.world={world}",
+           f"hydra.run.dir={folder}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    summary = json.loads((folder / "rehearsal.json").read_text()) if (folder / "rehearsal.json").exists() else {}
+    return {"table": table, "label": label, "world": world, "exit": proc.returncode, "seconds": time.perf_counter() - t0,
+            "command": "python train.py " + " ".join(overrides) + f" 'rehearse.ranks=[0,{world - 1}]' rehearse.world={world}",
+            "rows": summary.get("table", []), "problems": summary.get("problems", [proc.stdout[-500:] + proc.stderr[-500:]])}
+
+
+def render(results: list) -> str:
+    lines = ["| job | GPUs | rank (dp,pp,tp) | peak GiB | weights | grads | optimizer | activations | fits 80 GB | "
+             "TP GiB/step | PP GiB/step | DP GiB/step | time per rank | NCCL rules |", "|" + "---|" * 14]
+    for r in results:
+        rule = "kept" if not r["problems"] else f"{len(r['problems'])} problems"
+        for row in r["rows"]:
+            comm = row["comm_gib"]
+            lines.append(f"| {r['table']} {r['label']} | {r['world']:,} | {row['rank']} ({row['dp']},{row['pp']},{row['tp']}) | "
+                         f"{row['peak_gib']:.1f} | {row['weights']:.1f} | {row['gradients']:.1f} | {row['optimizer']:.1f} | "
+                         f"{row['activations']:.1f} | {'yes' if row['fits'] else 'NO (' + row['dominant'] + ')'} | "
+                         f"{comm.get('tp', 0):.1f} | {comm.get('pp', 0):.2f} | {comm.get('dp', 0):.2f} | "
+                         f"{row['seconds']:.0f} s | {rule} |")
+        if not r["rows"]:
+            lines.append(f"| {r['table']} {r['label']} | {r['world']:,} | failed (exit {r['exit']}) | | | | | | | | | | | {rule} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", default="table3,table2,530b")
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "rehearse_paper"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    results = []
+    for table, label, world, overrides in jobs(set(args.jobs.split(","))):
+        results.append(run(table, label, world, overrides, out))
+        r = results[-1]
+        print(f"{table} {label}: exit {r['exit']}, {r['seconds']:.0f} s, problems {len(r['problems'])}", flush=True)
+    text = render(results)
+    print(text)
+    results_dir = ROOT / "experiments" / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    with open(results_dir / "rehearsal_paper.md", "a") as f:  # appended, never overwritten
+        f.write(f"\n## {datetime.datetime.now():%Y-%m-%d %H:%M} (`python experiments/rehearse_paper.py --jobs {args.jobs}`)\n\n")
+        f.write(text + "\n")
+        for r in results:
+            for p in r["problems"][:5]:
+                f.write(f"- {r['table']} {r['label']}: {p}\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    return 0 if all(r["exit"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
