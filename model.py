@@ -157,7 +157,9 @@ class Block(nn.Module):
         """Dropout on a residual branch before it joins the stream (Megatron's bias-dropout-add).
         PTB drops the sum of its two branches: under TP they are summed before the one
         reduce-scatter they share, and the mask is drawn after it (parallel.py)."""
-        return F.dropout(branch, self.dropout, self.training) if self.dropout else branch
+        if not (self.dropout and self.training):
+            return branch
+        return torch.native_dropout(branch, self.dropout, True)[0]  # a bool mask kept, as CUDA's F.dropout
 
 
 class GPT(nn.Module):

@@ -134,40 +134,49 @@ def timed_wait(work, device) -> None:
 # Done with saved-tensor hooks around the TP block (parallel.py), so every GEMM that reads a
 # gathered tensor, in every overlap mode, keeps the shard alone.
 
-_GATHERED: dict = {}  # id(storage of a gather's output) -> (weakref to that storage, shard, group)
+_GATHERED: dict = {}  # id(storage of a gather's output) -> (weakref to that storage, its _Regather)
 
 
 def remember_gathered(out: torch.Tensor, shard: torch.Tensor, group) -> None:
     """out (sequence-major [world*t, ...]) was all-gathered from shard ([t, ...]) over group."""
     storage = out.untyped_storage()
     key = id(storage)
-    _GATHERED[key] = (weakref.ref(storage, lambda _, key=key: _GATHERED.pop(key, None)), shard.detach(), group)
+    _GATHERED[key] = (weakref.ref(storage, lambda _, key=key: _GATHERED.pop(key, None)), _Regather(shard, group))
 
 
 class _Regather:
-    """A saved view of a gathered tensor, kept as the shard it came from."""
+    """A gathered tensor's shard, gathered again when backward first needs it and shared by every
+    saved view of it (PTB's attention and MLP read one gathered input: one re-gather), until the
+    last of them has been unpacked."""
 
-    def __init__(self, t: torch.Tensor, shard: torch.Tensor, group):
-        self.shard, self.group = shard, group
-        self.view = (t.shape, t.stride(), t.storage_offset())
+    def __init__(self, shard: torch.Tensor, group):
+        self.shard, self.group, self.pending, self.full = shard.detach(), group, 0, None
 
     def tensor(self) -> torch.Tensor:
-        world = dist.get_world_size(self.group)
-        out = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
-        with CLOCK.waiting("comm", out.device):
-            dist.all_gather_single(out, self.shard, group=self.group)
-        return out.as_strided(*self.view)
+        if self.full is None:
+            world = dist.get_world_size(self.group)
+            self.full = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
+            with CLOCK.waiting("comm", self.full.device):
+                dist.all_gather_single(self.full, self.shard, group=self.group)
+        full = self.full
+        self.pending -= 1
+        if self.pending == 0:
+            self.full = None
+        return full
 
 
 def _pack(t: torch.Tensor):
     entry = _GATHERED.get(id(t.untyped_storage()))
     if entry is None or entry[0]() is None:
         return t
-    return _Regather(t, entry[1], entry[2])
+    entry[1].pending += 1
+    return entry[1], (t.shape, t.stride(), t.storage_offset())
 
 
 def _unpack(saved):
-    return saved.tensor() if isinstance(saved, _Regather) else saved
+    if isinstance(saved, tuple) and len(saved) == 2 and isinstance(saved[0], _Regather):
+        return saved[0].tensor().as_strided(*saved[1])
+    return saved
 
 
 def regather_saved():

@@ -309,16 +309,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start):
         ctx.logits_dtype = logits.dtype
-        logits = logits.float()
-        v_local = logits.shape[-1]
-        row_max = logits.max(dim=-1).values
-        with CLOCK.waiting("comm", logits.device):
+        exp = logits.float()  # one fp32 copy, shifted and exponentiated in place (Megatron's does the same)
+        v_local = exp.shape[-1]
+        row_max = exp.max(dim=-1).values
+        with CLOCK.waiting("comm", exp.device):
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(-1)
-        exp = shifted.exp()
+        exp.sub_(row_max.unsqueeze(-1))
         local_t = targets - vocab_start
         mine = (local_t >= 0) & (local_t < v_local)
-        picked = shifted.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
+        picked = exp.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
+        exp.exp_()
         sums = torch.stack([exp.sum(-1), picked])
         with CLOCK.waiting("comm", logits.device):
             dist.all_reduce(sums, group=group)

@@ -298,20 +298,30 @@ def attention_impl(cfg: config.Config, device: str) -> str:
     return "banded" if W is not None and T >= 2 * (W + cfg.kernels.attention_block) else "sdpa"
 
 
-def banded_keys(cfg: config.Config, T: int) -> Optional[int]:
-    """Keys per query the banded kernel scores (kernels.attention_banded): each query block of
-    `block` rows attends to a window of block + W - 1 keys rounded up to 16, the extra ones masked.
-    None where it falls back to SDPA (no window, or one that covers the sequence)."""
+def banded_keys(cfg: config.Config, T: int) -> Optional[float]:
+    """Keys per query the banded kernel scores (kernels.attention_banded), averaged over queries:
+    the middle query blocks of `block` rows each score a window of block + W - 1 keys rounded up
+    to 16, the extra ones masked; the first blocks (whose window would start before key 0) run
+    causal, and a last partial block its window's tail. None where it falls back to SDPA (no
+    window, one that covers the sequence, or no middle block)."""
     W, block = cfg.model.attention.window, cfg.kernels.attention_block
     if W is None or W >= T:
         return None
-    return min(T, -(-(block + W - 1) // 16) * 16)
+    window_len = -(-(block + W - 1) // 16) * 16
+    lead = window_len - block
+    head = min(T, -(-lead // block) * block)
+    n_mid = (T - head) // block
+    if n_mid == 0:
+        return None
+    tail = T - head - n_mid * block
+    scored = head * mean_keys(head, None) + n_mid * block * window_len + tail * (lead + tail)
+    return scored / T
 
 
 MATERIALIZED = ("unfused", "reference")  # attention backends that keep the [T, T] probabilities
 
 
-def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, float]:
+def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, float, float]:
     """softmax(QK^T)V for one microbatch on one rank: (forward, backward) seconds.
     unfused (Megatron's core attention) and reference materialize every score of the causal square,
     the window only masks them. The others run a fused kernel (flash-attn, or SDPA's flash/memory-efficient
@@ -330,7 +340,9 @@ def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, fl
         fwd = gemm_time(r, T, T, hd, n, e) + stream_time(r, 2 * n * T * T * e) + drop + gemm_time(r, T, hd, T, n, e)
         bwd = (gemm_time(r, T, T, hd, n, e) + gemm_time(r, T, hd, T, n, e) + stream_time(r, 3 * n * T * T * e)
                + drop + gemm_time(r, T, hd, T, n, e) + gemm_time(r, T, hd, T, n, e))
-        return fwd, bwd
+        # Selective recomputation re-runs the core forward up to what the backward keeps: the
+        # probabilities (and their dropout), not the PV product (checkpoint stops early there).
+        return fwd, bwd, fwd - gemm_time(r, T, hd, T, n, e)
     # Fused kernels draw the dropout mask inside the kernel from a seed (flash-attn regenerates it
     # in the backward), priced as free: random bits beside the exp, no pass over memory.
     if impl == "banded" and banded_keys(cfg, T):
@@ -338,7 +350,7 @@ def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, fl
     else:
         keys = T if W and impl != "flash" else mean_keys(T, W)
     fwd = _kernel(r, 4 * n * T * keys * hd / (r.flops * r.flash_eff))
-    return fwd, 2.5 * fwd  # backward recomputes the scores: 5 GEMMs against the forward's 2
+    return fwd, 2.5 * fwd, fwd  # backward recomputes the scores: 5 GEMMs against the forward's 2
 
 
 def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
@@ -356,7 +368,7 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
     g_fwd = {n: k * gemm_time(r, M / k, N, K, 1, e) for n, (N, K) in shapes.items()}
     g_dgrad = {n: kd[n] * gemm_time(r, M / kd[n], K, N, 1, e) for n, (N, K) in shapes.items()}
     g_wgrad = {n: kw * gemm_time(r, N, K, M / kw, 1, e) for n, (N, K) in shapes.items()}
-    attn_f, attn_b = attention_time(cfg, lay, r)
+    attn_f, attn_b, attn_recompute = attention_time(cfg, lay, r)
     fwd = {"gemm": sum(g_fwd.values()), "attention": attn_f}
     bwd = {"gemm": sum(g_dgrad.values()) + sum(g_wgrad.values()), "attention": attn_b}
 
@@ -378,21 +390,38 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
         ag = lambda n: n * net.collective("all_gather", M * h * e / n, "tp")
         rs = lambda n: n * net.collective("reduce_scatter", M * h * e / n, "tp")
         kb, ka = kd["out"], kd["qkv"]   # pieces of the backward's blocking and async collectives
-        if ptb:  # attention and MLP share one all-gather and one reduce-scatter
-            f_sync = [(ag(k), g_fwd["qkv"] + g_fwd["fc1"]), (rs(k), g_fwd["out"] + g_fwd["fc2"])]
-            b_sync = [(ag(kb), g_dgrad["out"] + g_dgrad["fc2"])]
-            b_async = [(ag(ka), g_dgrad["qkv"] + g_dgrad["fc1"]), (rs(kw), g_wgrad["qkv"] + g_wgrad["fc1"])]
-        else:
-            f_sync = [(ag(k), g_fwd["qkv"]), (rs(k), g_fwd["out"]), (ag(k), g_fwd["fc1"]), (rs(k), g_fwd["fc2"])]
-            b_sync = [(ag(kb), g_dgrad["out"]), (ag(kb), g_dgrad["fc2"])]
-            b_async = [(ag(ka), g_dgrad["qkv"]), (rs(kw), g_wgrad["qkv"]), (ag(ka), g_dgrad["fc1"]), (rs(kw), g_wgrad["fc1"])]
-        for comm, gemm in f_sync:
-            _comm(fwd, "tp_comm", comm, gemm, mode, k)
-        for comm, gemm in b_sync:
-            _comm(bwd, "tp_comm", comm, gemm, mode, k)
-        for comm, gemm in b_async:  # re-gather for the weight gradient, reduce-scatter of the input grad
-            _comm(bwd, "tp_comm", comm, gemm, "async")
-    return fwd, bwd, attn_f
+        pieces = {"forward": k, "backward": kb, "regather": ka, "input_grad": kw}
+        gemms = {"forward": g_fwd, "backward": g_dgrad, "regather": g_dgrad, "input_grad": g_wgrad}
+        for phase, kind, names in tp_layer_collectives(cfg):
+            comm = (ag if kind == "all_gather" else rs)(pieces[phase])
+            gemm = sum(gemms[phase][n] for n in names)
+            _comm(fwd if phase == "forward" else bwd, "tp_comm", comm, gemm,
+                  mode if phase in ("forward", "backward") else "async", k)
+    return fwd, bwd, attn_recompute
+
+
+def tp_layer_collectives(cfg: config.Config) -> list:
+    """The TP collectives of one layer and microbatch under sequence parallelism, each of the
+    layer's full-sequence activation (M·h elements): (phase, kind, the GEMMs it pairs with).
+    forward: all-gather before each column-parallel GEMM, reduce-scatter after each row-parallel;
+    backward: the all-gather of the row-parallel outputs' gradient (blocking); regather: the
+    column-parallel inputs gathered again for their weight gradient (backward keeps only the
+    shard, as Megatron-LM; none under full recomputation, whose recomputed forward keeps them);
+    input_grad: the column-parallel inputs' gradient reduce-scattered, behind the weight gradient.
+    PTB shares one of each between attention and MLP (MegaScale §3.1)."""
+    if cfg.model.block == "parallel":
+        out = [("forward", "all_gather", ("qkv", "fc1")), ("forward", "reduce_scatter", ("out", "fc2")),
+               ("backward", "all_gather", ("out", "fc2")), ("regather", "all_gather", ("qkv", "fc1")),
+               ("input_grad", "reduce_scatter", ("qkv", "fc1"))]
+    else:
+        out = [("forward", "all_gather", ("qkv",)), ("forward", "reduce_scatter", ("out",)),
+               ("forward", "all_gather", ("fc1",)), ("forward", "reduce_scatter", ("fc2",)),
+               ("backward", "all_gather", ("out",)), ("backward", "all_gather", ("fc2",)),
+               ("regather", "all_gather", ("qkv",)), ("input_grad", "reduce_scatter", ("qkv",)),
+               ("regather", "all_gather", ("fc1",)), ("input_grad", "reduce_scatter", ("fc1",))]
+    if cfg.train.recompute == "full":
+        out = [c for c in out if c[0] != "regather"]
+    return out
 
 
 def precision(cfg: config.Config) -> str:
@@ -440,6 +469,7 @@ def ends_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
         # head's gather of the whole sequence, which stays one blocking all-gather.
         _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
         _comm(head_b, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), head_b["gemm"] / 2, "async")
+        _comm(head_b, "tp_comm", net.collective("all_gather", M * h * e, "tp"), head_b["gemm"] / 2, "async")  # regather
         _comm(head_f, "tp_comm", 3 * net.collective("all_reduce", M * 4, "tp"), 0.0, "off")  # max, sum, target
     return (emb_f, emb_b), (head_f, head_b)
 
@@ -469,11 +499,17 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     m, e = cfg.model, _elem(cfg)
     h, ff = m.d_model, m.mlp_ratio * m.d_model
     norms = 1 if m.block == "parallel" else 2
-    kept = 2 * norms * h + 3 * h + h + 2 * ff   # norm in/out, q k v, attention out, fc1 out, GeLU out
+    # norm in/out, the q k v projection (alive while v, a view of it, is), q and k after RoPE,
+    # attention out, fc1 out, GeLU out
+    kept = 2 * norms * h + 3 * h + 2 * h + h + 2 * ff
     masks = (1 if m.block == "parallel" else 2) * h if m.dropout else 0   # residual dropout, a byte each
     if cfg.kernels.attention in MATERIALIZED:  # the probabilities (and after dropout, the kept ones and the mask)
         return (e * kept + masks) / tp + square_bytes(cfg) * m.n_heads / tp * seq
-    return (e * kept + masks) / tp + 4 * m.n_heads / tp  # a fused kernel keeps only the log-sum-exp
+    # A fused kernel keeps its own output beside the rearranged copy the output projection reads,
+    # and a log-sum-exp per row; the banded kernel also its keys and values as [heads, T, d] copies
+    # (its windows are views of them).
+    kept += h + (2 * h if cfg.kernels.attention == "banded" and banded_keys(cfg, seq) else 0)
+    return (e * kept + masks) / tp + 4 * m.n_heads / tp
 
 
 def square_bytes(cfg: config.Config) -> int:
@@ -481,6 +517,22 @@ def square_bytes(cfg: config.Config) -> int:
     with dropout also the kept probabilities and the byte mask."""
     e = _elem(cfg)
     return e + (e + 1 if cfg.model.dropout else 0)
+
+
+def backward_working_set(cfg: config.Config, lay: Layout) -> float:
+    """Bytes a layer's backward has in flight on top of what is kept, where the peak falls: its
+    largest weight gradient (before zero.py adds it to the fp32 buffer; one per piece under TP
+    overlap), the gradient through the
+    MLP's wide activation, the pipeline's message in and out, and with materialized attention one
+    [T, T] square of gradient. (Measured against the rehearsal's ledger: tests/test_rehearsal.py.)"""
+    m, e, t, M = cfg.model, _elem(cfg), lay.tp, lay.micro_batch * lay.seq
+    ff = m.mlp_ratio * m.d_model
+    # TP overlap computes a weight's gradient piece by piece; autograd sums the pieces' at the end
+    pieces = cfg.parallel.overlap.tp_chunks if t > 1 and cfg.parallel.overlap.tp in ("chunked", "domino") else 1
+    work = pieces * e * m.d_model * ff / t + e * M * ff / t + (2 * e * M * m.d_model / t if lay.pp > 1 else 0)
+    if cfg.kernels.attention in MATERIALIZED:
+        work += e * lay.micro_batch * m.n_heads / t * lay.seq ** 2
+    return work
 
 
 def in_flight_layers(lay: Layout, n_layers: int, rank: int) -> float:
@@ -514,32 +566,41 @@ class Memory:
 
 
 def memory(cfg: config.Config, lay: Layout, capacity_gib: Optional[float] = None) -> Memory:
-    """bf16: bf16 weights, fp32 gradients, fp32 master + two moments (Adam and LAMB alike), the
-    mixed-precision recipe of Megatron-LM and ZeRO. ZeRO-1 splits the optimizer over DP, ZeRO-2 the
-    fp32 gradients too, keeping an unsplit gradient in the compute dtype while microbatches add up."""
+    """The fuller of the first and the last pipeline rank (memory_of_rank)."""
+    ranks = [memory_of_rank(cfg, lay, last, capacity_gib) for last in (False, True)]
+    return max(ranks, key=lambda mem: mem.total)
+
+
+def memory_of_rank(cfg: config.Config, lay: Layout, last: bool = False, capacity_gib: Optional[float] = None) -> Memory:
+    """Peak memory of the first (or last) pipeline rank, GiB. bf16: bf16 weights, fp32 gradients,
+    fp32 master + two moments (Adam and LAMB alike), the mixed-precision recipe of Megatron-LM and
+    ZeRO (zero.py). ZeRO-1 splits the optimizer over DP; ZeRO-2 the gradients too, but only once
+    reduced: while microbatches add up the whole gradient buffer is there (in the reduction dtype),
+    through the backward, where the peak is; so ZeRO-2's peak is ZeRO-1's (DeepSpeed refuses ZeRO-2
+    with pipeline parallelism for this reason)."""
     e, GiB = _elem(cfg), 2.0 ** 30
     m, M = cfg.model, lay.micro_batch * lay.seq
     states = 8 + (4 if precision(cfg) == "bf16" else 0)
     per_layer = activation_bytes(cfg, lay.tp, lay.seq) * M
-    best = None
-    for rank, params in zip((0, lay.pp - 1), rank_params(m, lay)):
-        grads = 4 * params if lay.zero < 2 else 4 * params / lay.dp + (e * params if lay.microbatches > 1 else 0)
-        optimizer = states * params / (lay.dp if lay.zero >= 1 else 1)
-        layers = in_flight_layers(lay, m.n_layers, rank)
-        if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
-            acts = layers * M * e * m.d_model / lay.tp + per_layer
-        elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
-            acts = layers * (per_layer - M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq) + per_layer
-        else:
-            acts = layers * per_layer
-        if rank == lay.pp - 1:
-            acts += M * m.vocab_size / lay.tp * (e + (0 if cfg.kernels.fused else 4))  # logits
-        mem = Memory(e * params / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)
-        best = mem if best is None or mem.total > best.total else best
-    return best
+    rank = lay.pp - 1 if last else 0
+    params = rank_params(m, lay)[1 if last else 0]
+    grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
+    grads = grad_bytes * params
+    optimizer = states * params / (lay.dp if lay.zero >= 1 else 1)
+    layers = in_flight_layers(lay, m.n_layers, rank)
+    if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
+        acts = layers * M * e * m.d_model / lay.tp + per_layer
+    elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
+        squares = M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq  # rebuilt for one layer at a time
+        acts = layers * (per_layer - squares) + squares
+    else:
+        acts = layers * per_layer
+    # On top of what is kept: a layer's backward in flight, or, on the last rank, the loss's
+    # probabilities over the vocabulary slice (fp32; fused: the logits), which are gone by then.
+    logits = M * m.vocab_size / lay.tp * (e if cfg.kernels.fused else 4) if rank == lay.pp - 1 else 0.0
+    acts += max(backward_working_set(cfg, lay), logits)
+    return Memory(e * params / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)
 
-
-# --- One step ---
 
 @dataclass
 class Prediction:
@@ -561,12 +622,12 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     r, net = Rates.of(hw, precision(cfg), lay.gpus), Network(hw, lay)
     m, ov = cfg.model, cfg.parallel.overlap
 
-    fwd, bwd, attn_fwd = layer_time(cfg, lay, r, net)
+    fwd, bwd, attn_recompute = layer_time(cfg, lay, r, net)
     layer = _add(_add({}, fwd), bwd)
     if cfg.train.recompute == "full":
         _add(layer, fwd)
     elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
-        layer["attention"] += attn_fwd
+        layer["attention"] += attn_recompute
     body = _add({}, layer, m.n_layers // lay.pp)
     (emb_f, emb_b), (head_f, head_b) = ends_time(cfg, lay, r, net)
     first = _add(_add(dict(body), emb_f), emb_b)
@@ -597,6 +658,56 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     exposed = step.get("tp_comm", 0.0) + step.get("pp_comm", 0.0) + step.get("dp_comm", 0.0)
     return Prediction(step_s, tokens / step_s, mfu, step, exposed, hidden,
                       memory(cfg, lay, hw.memory_gib), lay)
+
+
+# --- What a rank moves, computes and holds per step: checked against the code's rehearsal ---
+
+def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = False) -> Dict[str, float]:
+    """One step of the first (or last) pipeline rank, in the model's own terms: the bytes it puts on
+    the wire per mesh dimension (ring collectives: all-reduce 2(n-1)/n of the tensor, all-gather
+    and reduce-scatter (n-1)/n of it; a send its tensor), its GEMM and attention FLOPs, and its
+    memory at the peak. tests/test_rehearsal.py holds rehearsal.py's records of the code to these
+    within 5%."""
+    lay = layout_of(cfg, gpus)
+    cfg = resolve_config(cfg, resolve_hardware(cfg.hardware))
+    m, e, t = cfg.model, _elem(cfg), lay.tp
+    M, h, V = lay.micro_batch * lay.seq, m.d_model, m.vocab_size
+    layers, mbs = m.n_layers // lay.pp, lay.microbatches
+    ring = lambda kind, nbytes, n: nbytes * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
+    tp_layer = sum(ring(kind, M * h * e, t) for _, kind, _ in tp_layer_collectives(cfg)) if t > 1 else 0.0
+    if cfg.train.recompute == "full":  # the recomputed forward gathers and scatters again
+        tp_layer += sum(ring(kind, M * h * e, t) for ph, kind, _ in tp_layer_collectives(cfg) if ph == "forward") if t > 1 else 0
+    first, final = not last or lay.pp == 1, last or lay.pp == 1
+    tp_ends = 0.0
+    if t > 1:
+        tp_ends += 2 * ring("all_gather", M * h * e, t) * first  # the embedding's reduce-scatter, its gradient's all-gather
+        tp_ends += final * (3 * ring("all_gather", M * h * e, t) + 3 * ring("all_reduce", M * 4, t))  # head, loss
+    sends = (2 * lay.vpp - (not last) - last) if lay.pp > 1 else 0  # stage 0 sends no gradient, the last no activation
+    params = rank_params(m, lay)[1 if last else 0]
+    grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
+    dp = 0.0
+    if lay.dp > 1:
+        dp = (ring("all_reduce", params * grad_bytes, lay.dp) if lay.zero == 0 else
+              ring("reduce_scatter", params * grad_bytes, lay.dp) + ring("all_gather", params * e, lay.dp))
+    shapes = [(3 * h // t, h), (h, h // t), (m.mlp_ratio * h // t, h), (h, m.mlp_ratio * h // t)]
+    gemm_fwd = sum(2 * M * n * k for n, k in shapes)
+    passes = 3 + (cfg.train.recompute == "full")
+    gemm = passes * gemm_fwd * layers + (3 * 2 * M * V // t * h if final else 0)
+    n, T, hd = lay.micro_batch * m.n_heads // t, lay.seq, h // m.n_heads
+    if cfg.kernels.attention in MATERIALIZED:
+        attn_fwd = 4 * n * T * T * hd
+        attn = attn_fwd * (3 + {"full": 1, "selective": 0.5}.get(cfg.train.recompute, 0))  # selective: QK^T only
+    else:
+        impl = attention_impl(cfg, "cuda")
+        keys = banded_keys(cfg, T) if impl == "banded" and banded_keys(cfg, T) else (
+            T if m.attention.window and impl != "flash" else mean_keys(T, m.attention.window))
+        attn_fwd = 4 * n * T * keys * hd
+        attn = attn_fwd * (3.5 + (cfg.train.recompute == "full"))
+    mem = memory_of_rank(cfg, lay, last)
+    return {"tp_bytes_per_layer": tp_layer, "tp_bytes": mbs * (tp_layer * layers + tp_ends),
+            "pp_bytes": mbs * sends * M * h * e / t, "dp_bytes": dp,
+            "gemm_flops": mbs * gemm, "attention_flops": mbs * attn * layers,
+            **{f"{k}_bytes": v * 2**30 for k, v in vars(mem).items() if k != "capacity"}}
 
 
 def dp_time(cfg: config.Config, lay: Layout, net: Network, fwd_s: float, bwd_s: float) -> Dict[str, float]:

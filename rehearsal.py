@@ -290,17 +290,35 @@ def _fake_object_collective(name, *args, **kwargs):
 
 # --- FLOPs by op class ---
 
+BATCHED = (torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
 class FlopLedger(TorchDispatchMode):
-    """FLOPs of every op the rank runs: GEMMs and attention by torch's FlopCounterMode formulas
-    (ops inside Attention.core count as attention, whatever kernel computes them), and one FLOP
-    per output element for pointwise ops (elementwise)."""
+    """FLOPs of every op the rank runs: GEMMs and attention by torch's FlopCounterMode formulas,
+    and one FLOP per output element for pointwise ops (elementwise). Attention is what runs inside
+    Attention.core in the forward, and every batched matmul (the model's linears are mm/addmm;
+    only attention multiplies batches of matrices, forward and backward), and the fused kernels'
+    own count (cuda_attention)."""
 
     def __init__(self):
         super().__init__()
         from torch.utils.flop_counter import flop_registry
         self.registry = flop_registry
         self.flops = {"gemm": 0, "attention": 0, "elementwise": 0}
-        self.in_attention = 0
+        self.in_attention, self.active = 0, 0
+
+    def __enter__(self):
+        self.active += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active -= 1
+        return super().__exit__(*exc)
+
+    def add(self, kind: str, n: float) -> None:
+        """FLOPs of a kernel this mode cannot see (counted only while the mode is on)."""
+        if self.active:
+            self.flops[kind] += int(n)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -308,7 +326,8 @@ class FlopLedger(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in self.registry:
             n = self.registry[packet](*args, **kwargs, out_val=out)
-            self.flops["attention" if self.in_attention or "attention" in str(packet) else "gemm"] += int(n)
+            attention = self.in_attention or packet in BATCHED or "attention" in str(packet)
+            self.flops["attention" if attention else "gemm"] += int(n)
         elif torch.Tag.pointwise in func.tags:
             first = out[0] if isinstance(out, (tuple, list)) else out
             if torch.is_tensor(first):
@@ -330,13 +349,13 @@ class _FusedAttention(torch.autograd.Function):
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.work, ctx.flops = 4 * q.shape[:-2].numel() * q.shape[-2] * keys * q.shape[-1], flops
-        flops.flops["attention"] += int(ctx.work)
+        flops.add("attention", ctx.work)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, _, _ = ctx.saved_tensors
-        ctx.flops.flops["attention"] += int(2.5 * ctx.work)
+        ctx.flops.add("attention", 2.5 * ctx.work)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
 
 
@@ -375,16 +394,16 @@ class MemoryLedger(TorchDispatchMode):
         self.device, self.classify = device, classify
         self.live, self.bytes, self.peak = {}, 0, 0
         self.peak_split, self.peak_at, self.where = {}, "", "start"
-        self._snapshot_at = 0
+        self._snapshot_at, self.paused = 0, False
 
     def track(self, t: torch.Tensor) -> None:
-        if not torch.is_tensor(t) or t.device.type != self.device.type:
+        if self.paused or not torch.is_tensor(t) or t.device.type != self.device.type:
             return
         st = t.untyped_storage()
         key = id(st)
         if key in self.live:
             return
-        self.live[key] = (weakref.ref(st), st.nbytes())
+        self.live[key] = (weakref.ref(st), st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."))
         self.bytes += st.nbytes()
         weakref.finalize(st, self._release, key, st.nbytes())
         if self.bytes > self.peak:
@@ -417,10 +436,14 @@ def _categories(engine, optimizer, recorder):
         opt = keys(state + [b.master for b in zero.buckets if b.master is not None]) - weights
         comm = recorder.comm_storages() - weights - grads - opt
         split = {"weights": 0, "gradients": 0, "optimizer": 0, "communication": 0, "activations": 0}
-        for key, (_, nbytes) in live.items():
+        largest = []
+        for key, (_, nbytes, shape, dtype) in live.items():
             kind = ("weights" if key in weights else "gradients" if key in grads else "optimizer" if key in opt
                     else "communication" if key in comm else "activations")
             split[kind] += nbytes
+            if kind == "activations":
+                largest.append((nbytes, shape, dtype))
+        split["largest_activations"] = [[n, list(sh), dt] for n, sh, dt in sorted(largest, reverse=True)[:12]]
         return split
     return classify
 
@@ -464,6 +487,7 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
         for t in list(engine.zero.params) + [b.params for b in engine.zero.buckets] + \
                 [b.master for b in engine.zero.buckets if b.master is not None]:
             ledger.track(t)
+        _fused_adamw_in_place(optimizer, ledger, cfg)
         rows = cfg.train.batch_size // layout.dp
         tokens = torch.zeros((rows, cfg.train.seq_len), dtype=torch.long, device=device)
         schedule = _label_pipeline(engine, ledger, pipeline)
@@ -501,7 +525,9 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
         "model": cfg.model.name, "steps": cfg.rehearse.steps, "dtype": str(dtype).removeprefix("torch."),
         "flops": {"per_step": {k: v // cfg.rehearse.steps for k, v in flops.flops.items()},
                   "per_microbatch": {k: v // (cfg.rehearse.steps * cfg.parallel.microbatches) for k, v in flops.flops.items()}},
-        "memory": {"peak_bytes": ledger.peak, "at": ledger.peak_at, **{f"{k}_bytes": v for k, v in ledger.peak_split.items()},
+        "memory": {"peak_bytes": ledger.peak, "at": ledger.peak_at,
+                   **{f"{k}_bytes": v for k, v in ledger.peak_split.items() if k != "largest_activations"},
+                   "largest_activations": ledger.peak_split.get("largest_activations", []),
                    "capacity_bytes": int(cfg.rehearse.capacity_gib * 2**30)},
         "checkpoint_bytes": saved, "schedule": first_step,
         "comm": recorder.events, "violations": recorder.violations,
@@ -509,11 +535,34 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     record["memory"]["fits"] = ledger.peak <= record["memory"]["capacity_bytes"]
-    record["memory"]["dominant"] = max(ledger.peak_split, key=ledger.peak_split.get) if ledger.peak_split else None
+    split = {k: v for k, v in ledger.peak_split.items() if k != "largest_activations"}
+    record["memory"]["dominant"] = max(split, key=split.get) if split else None
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
     return record
+
+
+def _fused_adamw_in_place(optimizer, ledger, cfg) -> None:
+    """On a GPU AdamW is torch's fused kernel: its state and nothing else. Its meta stand-in here
+    (foreach, as fused has no meta kernel) allocates temporaries the GPU never holds, so the
+    ledger does not count them; the state it creates is counted. (LAMB is foreach on GPUs too:
+    its temporaries are real and stay counted.)"""
+    if cfg.optim.name != "adamw":
+        return
+    step = optimizer.step
+
+    def counted_state(*args, **kwargs):
+        where, ledger.where, ledger.paused = ledger.where, f"{ledger.where.split(':')[0]}: optimizer", True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            ledger.paused = False
+            for state in optimizer.state.values():
+                for value in state.values():
+                    ledger.track(value)
+            ledger.where = where
+    optimizer.step = counted_state
 
 
 def _attention_context(core, flops):

@@ -104,3 +104,58 @@ def test_an_impossible_paper_layout_is_one_line(overrides, key, tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(key), proc.stderr
+
+
+# --- The performance model's accounting and the code's, config by config ---
+
+AGREE = ["hardware=a100_cluster", "precision=bf16", "model=175B", "model.n_layers=8", "model.d_model=2048",
+         "model.n_heads=16", "model.vocab_size=8192", "train.seq_len=1024", "train.batch_size=8",
+         "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "parallel.microbatches=4",
+         "parallel.zero_stage=1", "kernels.attention=unfused", "rehearse.steps=2"]
+VARIANTS = {
+    "baseline": [],
+    "ptb": ["model.block=parallel"],                      # half the TP collectives
+    "zero2": ["parallel.zero_stage=2"],
+    "swa_flash": ["model.attention.window=256", "kernels.attention=flash"],
+    "swa_banded": ["model.attention.window=256", "kernels.attention=banded", "kernels.attention_block=128"],
+    "recompute_full": ["train.recompute=full"],
+    "recompute_selective": ["train.recompute=selective"],
+    "overlap": ["parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"],
+}
+
+
+def code_accounting(rec: dict) -> dict:
+    m = rec["memory"]
+    per_dim = rehearsal.comm_per_step(rec)
+    return {"tp_bytes": per_dim.get("tp", 0.0), "pp_bytes": per_dim.get("pp", 0.0), "dp_bytes": per_dim.get("dp", 0.0),
+            "gemm_flops": rec["flops"]["per_step"]["gemm"], "attention_flops": rec["flops"]["per_step"]["attention"],
+            "weights_bytes": m["weights_bytes"], "grads_bytes": m["gradients_bytes"],
+            "optimizer_bytes": m["optimizer_bytes"],
+            "activations_bytes": m["activations_bytes"] + m["communication_bytes"], "total": m["peak_bytes"]}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_performance_model_accounts_for_what_the_code_does(variant, tmp_path):
+    """perfmodel.accounting against the rehearsal of the first and the last pipeline rank: bytes on
+    the wire per step for TP, PP and DP, GEMM and attention FLOPs, and memory at the peak, each
+    within 5%."""
+    import perfmodel
+    cfg = config.compose(AGREE + VARIANTS[variant])
+    first, last = (rehearsal.rehearse_rank(cfg, r, 8, tmp_path) for r in (0, 7))
+    for rec, is_last in ((first, False), (last, True)):
+        model = perfmodel.accounting(cfg, 8, last=is_last)
+        model["total"] = sum(model[k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
+        code = code_accounting(rec)
+        for key, got in code.items():
+            want = model[key]
+            assert got == pytest.approx(want, rel=0.05, abs=1e-9), (variant, "last" if is_last else "first", key, got, want)
+
+
+def test_tp_bytes_per_layer_agree(tmp_path):
+    import perfmodel
+    grown = {}
+    for layers in (8, 16):
+        cfg = config.compose(AGREE + [f"model.n_layers={layers}"])
+        grown[layers] = rehearsal.comm_per_step(rehearsal.rehearse_rank(cfg, 0, 8, tmp_path))["tp"]
+    per_layer = (grown[16] - grown[8]) / (8 // 2) / 4  # layers added per pp rank, per microbatch
+    assert per_layer == pytest.approx(perfmodel.accounting(cfg, 8)["tp_bytes_per_layer"], rel=0.05)
