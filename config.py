@@ -383,25 +383,30 @@ def job_overrides(argv: List[str]) -> List[List[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def preflight(argv: List[str]) -> None:
-    """Compose and validate every job of this command line; on bad input print one line, exit 2."""
+def preflight(argv: List[str], remote_world: Optional[int] = None) -> list:
+    """Compose and validate every job of this command line; on bad input print one line, exit 2.
+    Returns [(overrides, config, world)] of the jobs (world: a SLURM launcher's ranks, else None).
+    remote_world: the jobs will run elsewhere on that many ranks (experiments/slurm/submit.py)."""
     if any(a in argv for a in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion")):
-        return
+        return []
     try:
         jobs = job_overrides(argv)
     except Exception as err:  # a malformed override string
         _fail(describe_composition_error(err))
     hydra_args = [a for a in argv if a.startswith(HYDRA_OVERRIDE)]
+    checked = []
     for overrides in jobs:
         try:
             cfg = compose(overrides)
-            world = launcher_world(overrides + hydra_args) if "-m" in argv or "--multirun" in argv else None
+            world = launcher_world(overrides + hydra_args) if "-m" in argv or "--multirun" in argv else remote_world
         except Exception as err:
             _fail(describe_composition_error(err))
         try:
             validate(cfg, world, remote=world is not None)
         except ConfigError as err:
             _fail(str(err))
+        checked.append((overrides, cfg, world))
+    return checked
 
 
 def launcher_world(overrides: List[str]) -> Optional[int]:

@@ -51,6 +51,10 @@ class RehearseConfig:
     ranks: List[int] = field(default_factory=list)  # ranks of the job to rehearse; empty: a normal run
     rank: int = -1                # set by the parent in each rank's own process
     record: bool = False          # a real run records its first `steps` steps the same way (<run dir>/comm/)
+    # Before a SLURM submission (the submitit launcher, experiments/slurm/submit.py): rank 0 of each
+    # job, one step; a job that cannot be built, breaks NCCL's rules or overflows the GPU fails on
+    # the login node instead of after the queue. On at scale=cluster.
+    precheck: bool = False
     world: int = -1               # the job's world size; -1: tp*pp*dp of the layout (dp must be set)
     steps: int = 2
     nccl_rules: bool = True       # enforce NCCL's rules on what the ranks post (nccl_rules.py)
@@ -610,6 +614,34 @@ def checkpoint_bytes(state: dict, rank: int) -> int:
 
 
 # --- The parent: one process per rank, then the checks across ranks and the table ---
+
+def precheck(jobs: list, out: Path) -> Optional[str]:
+    """Rehearses rank 0 of each (overrides, world) for one step, two at a time; the first job that
+    fails, in one line, or None."""
+    import subprocess
+    pending, running = list(enumerate(jobs)), []
+    while pending or running:
+        while pending and len(running) < 2:
+            k, (overrides, world) = pending.pop(0)
+            folder = out / f"job{k}"
+            cmd = [sys.executable, str(Path(HERE) / "train.py"), *overrides, "rehearse.ranks=[0]", f"rehearse.world={world}",
+                   "rehearse.steps=1", "rehearse.precheck=false", f"hydra.run.dir={folder}"]
+            running.append((k, overrides, folder, subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE,
+                                                                    stderr=subprocess.STDOUT, text=True)))
+        k, overrides, folder, proc = running.pop(0)
+        log = proc.communicate()[0]
+        if proc.returncode != 0:
+            for _, _, _, other in running:
+                other.kill()
+            summary = folder / "rehearsal.json"
+            why = (json.loads(summary.read_text())["problems"] or ["does not fit"])[0] if summary.exists() else \
+                (log.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            if summary.exists() and not json.loads(summary.read_text())["problems"]:
+                row = json.loads(summary.read_text())["table"][0]
+                why = f"rank 0 needs {row['peak_gib']:.1f} GiB at its peak, mostly {row['dominant']}"
+            return f"job {' '.join(overrides)}: {why}"
+    return None
+
 
 def world_of(cfg) -> int:
     """The rehearsed job's world size: rehearse.world, else the layout's tp*pp*dp (None if dp=-1)."""

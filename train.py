@@ -432,7 +432,16 @@ def _fail(line: str) -> None:
 
 
 if __name__ == "__main__":
-    config.preflight(sys.argv[1:])
+    jobs = config.preflight(sys.argv[1:])
+    slurm = [(overrides, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
+    if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued
+        import tempfile
+        import rehearsal
+        print(f"precheck: rehearsing rank 0 of {len(slurm)} job(s) before submitting (rehearse.precheck=false skips)",
+              flush=True)
+        why = rehearsal.precheck(slurm, Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))
+        if why:
+            _fail(f"precheck failed: {why}. Fix: change the layout, or rehearse.precheck=false to submit anyway")
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         # Fix the sweep dir's name now: the submitit launcher's jobs re-resolve hydra.sweep.dir in
         # their own processes (under SLURM, where ${run_id:} would name their array job instead),

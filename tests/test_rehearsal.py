@@ -159,3 +159,47 @@ def test_tp_bytes_per_layer_agree(tmp_path):
         grown[layers] = rehearsal.comm_per_step(rehearsal.rehearse_rank(cfg, 0, 8, tmp_path))["tp"]
     per_layer = (grown[16] - grown[8]) / (8 // 2) / 4  # layers added per pp rank, per microbatch
     assert per_layer == pytest.approx(perfmodel.accounting(cfg, 8)["tp_bytes_per_layer"], rel=0.05)
+
+
+# --- Before the queue: a SLURM submission rehearses rank 0 of each job on the login node ---
+
+SMALL_CLUSTER = ["experiment=megascale_ablation", "scale=cluster", "ablation.step=0", "model=tiny", "model.n_heads=8",
+                 "model.d_model=256", "model.n_layers=48", "model.vocab_size=4096", "train.seq_len=256",
+                 "data.tokenizer=bytes", "parallel.microbatches=8", "train.batch_size=32"]
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path):
+    """An sbatch on PATH that records its arguments and submits nothing."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch_calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho Submitted batch job 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    import os
+    return dict(PATH=f"{bin_dir}:{os.environ['PATH']}"), calls
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_sbatch_submission_rehearses_rank_0_first(fits, fake_sbatch, tmp_path):
+    env, calls = fake_sbatch
+    extra = [] if fits else ["rehearse.capacity_gib=0.001"]
+    proc = subprocess.run([sys.executable, "experiments/slurm/submit.py", "--nodes", "32", "--gpus-per-node", "8", "--",
+                           *SMALL_CLUSTER, *extra], cwd=ROOT, env=train_env(tmp_path, **env), capture_output=True,
+                          text=True, timeout=300)
+    if fits:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "train.sbatch" in calls.read_text() and "ablation.step=0" in calls.read_text()
+    else:
+        assert proc.returncode == 2 and not calls.exists()
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("precheck failed") and "GiB" in lines[0], proc.stderr
+
+
+def test_submitit_multirun_rehearses_before_submitting(fake_sbatch, tmp_path):
+    env, calls = fake_sbatch
+    proc = subprocess.run([sys.executable, "train.py", "-m", *SMALL_CLUSTER, "rehearse.capacity_gib=0.001",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, env=train_env(tmp_path, **env),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not calls.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("precheck failed"), proc.stderr
