@@ -320,16 +320,8 @@ class Saver:
     def _write(self, step: int, state: dict, error: Optional[OSError] = None) -> None:
         folder = step_dir(self.ckpt_dir, step)
         write_dcp(folder, state, self.group, error=error, delay=self.write_delay)
-        # Every rank hashes the files it wrote, at once: at 175B that is ~2 TB, which one rank
-        # alone would take longer to read than the hang and collective timeouts allow.
-        mine = file_digests(folder, own_files(folder, self.rank))
-        everyone = [None] * (dist.get_world_size(self.group) if self.distributed else 1)
-        if self.distributed:
-            dist.all_gather_object(everyone, mine, group=self.group)
-        else:
-            everyone = [mine]
+        mark_complete_together(folder, self.group)
         if self.rank == 0:
-            mark_complete(folder, {k: v for d in everyone for k, v in d.items()})
             prune(self.ckpt_dir, self.keep)
             log.info("saved %s", folder)
 
@@ -406,6 +398,20 @@ def own_files(folder: Path, rank: int) -> list:
 
 def file_digests(folder: Path, names: list) -> dict:
     return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
+
+
+def mark_complete_together(folder: Path, group=None) -> None:
+    """Every rank of the group hashes the files it wrote, at once, and rank 0 writes the manifest:
+    at 175B a checkpoint is ~2 TB, which one rank alone would read for longer than the hang and
+    collective timeouts allow."""
+    rank = dist.get_rank(group) if group is not None else 0
+    mine = file_digests(folder, own_files(folder, dist.get_rank() if group is not None else 0))
+    everyone = [mine]
+    if group is not None:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    if rank == 0:
+        mark_complete(folder, {k: v for d in everyone for k, v in d.items()})
 
 
 def mark_complete(folder: Path, files: Optional[dict] = None) -> Path:

@@ -19,7 +19,8 @@ batching off.) The same holds on gloo, where tags are not used either, so the CP
 NCCL's matching rule.
 
 parallel.overlap.pp decides when a receive is posted (MegaScale §3.3). Sends go out as soon as
-their tensor is computed, asynchronously; each is released once complete.
+their tensor is computed, asynchronously; each is released with its tensor once complete (NCCL's
+works report completion; gloo's only once waited for, so on CPU they go at the step's end).
 - off: a receive is posted when the compute that needs it is next, and blocks it: every
   transfer is exposed at the receiver.
 - on: the receive for the next compute is posted before the current compute starts, so the
@@ -154,6 +155,7 @@ class Pipeline:
         self.group = layout.group("pp")
         self.device = next(chunks[0].parameters()).device
         self.sends: list = []  # (work, tensor) in flight: gloo reads the tensor until complete
+        self.most_held = 0     # the most sends held at once (tests: they are released as they complete)
 
     def _peer(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank)
@@ -195,6 +197,7 @@ class Pipeline:
 
     def _release_completed(self) -> None:
         """Drops the sends that have completed, so a step holds only the messages still in flight."""
+        self.most_held = max(self.most_held, len(self.sends))
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
 
     def _compute(self, action, received, inputs, targets, loss_fn, autocast_dtype, backward, saved):

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = str(Path(__file__).resolve().parent)
+THIS = str(Path(__file__).resolve())
 
 
 @dataclass
@@ -258,7 +259,7 @@ def _dim_names(layout) -> dict:
 def _site() -> str:
     """The first frame outside torch and this file: the project's line that made the call."""
     for frame in reversed(traceback.extract_stack()[:-1]):
-        if frame.filename.startswith(HERE) and not frame.filename.endswith("rehearsal.py"):
+        if frame.filename.startswith(HERE) and str(Path(frame.filename).resolve()) != THIS:
             return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
     return "?"
 
@@ -463,88 +464,108 @@ class _NoData:
 
 def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
     """Runs rank `rank` of a `world`-rank job for cfg.rehearse.steps steps on the meta device and
-    the fake backend; writes and returns its record."""
+    the fake backend; writes and returns its record. A rank that crashes still writes one: the
+    error and where it was raised, beside what was recorded up to it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    import checkpoint
-    import model as gpt
-    import optim
     import parallel
-    import pipeline
-    import train
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    device = torch.device("meta")
-    layout = parallel.build_layout(cfg.parallel, rank, world, torch.device("cpu"))
-    dtype = torch.bfloat16 if cfg.precision in ("bf16", "auto") else torch.float32
-    recorder = Recorder(layout, device, fake=True, nccl_rules=cfg.rehearse.nccl_rules)
-    flops = FlopLedger()
-    with recorder:
+    try:
+        layout = parallel.build_layout(cfg.parallel, rank, world, torch.device("cpu"))
+        recorder = Recorder(layout, torch.device("meta"), fake=True, nccl_rules=cfg.rehearse.nccl_rules)
+        run = _Run(cfg, layout, recorder)
+        try:
+            with recorder:
+                run.steps()
+        except Exception as err:  # noqa: BLE001 - reported in the record, where the parent reads it
+            frame = traceback.extract_tb(err.__traceback__)[-1]
+            run.crash = f"{type(err).__name__}: {str(err).splitlines()[0]} ({Path(frame.filename).name}:{frame.lineno})"
+        record = run.record(rank, world, time.perf_counter() - started)
+    finally:
+        dist.destroy_process_group()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    return record
+
+
+class _Run:
+    """One rank's rehearsal: the real code's build and steps under the recorder and the ledgers."""
+
+    def __init__(self, cfg, layout, recorder):
+        self.cfg, self.layout, self.recorder = cfg, layout, recorder
+        self.dtype = torch.bfloat16 if cfg.precision in ("bf16", "auto") else torch.float32
+        self.flops, self.ledger = FlopLedger(), None
+        self.first_step, self.saved, self.crash = [], 0, None
+
+    def steps(self) -> None:
+        import checkpoint
+        import model as gpt
+        import optim
+        import parallel
+        import pipeline
+        import train
+        cfg, layout, recorder, device = self.cfg, self.layout, self.recorder, torch.device("meta")
         with torch.device("meta"):
             model = gpt.GPT(cfg.model, cfg.kernels)
         engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
-                                dtype=dtype, device=device, seed=cfg.train.seed)
+                                dtype=self.dtype, device=device, seed=cfg.train.seed)
         del model
         optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                           norm_group=engine.norm_group)
         scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-        ledger = MemoryLedger(device, _categories(engine, optimizer, recorder))
+        ledger = self.ledger = MemoryLedger(device, _categories(engine, optimizer, recorder))
         for t in list(engine.zero.params) + [b.params for b in engine.zero.buckets] + \
                 [b.master for b in engine.zero.buckets if b.master is not None]:
             ledger.track(t)
         _fused_adamw_in_place(optimizer, ledger, cfg)
-        rows = cfg.train.batch_size // layout.dp
-        tokens = torch.zeros((rows, cfg.train.seq_len), dtype=torch.long, device=device)
+        tokens = torch.zeros((cfg.train.batch_size // layout.dp, cfg.train.seq_len), dtype=torch.long, device=device)
         schedule = _label_pipeline(engine, ledger, pipeline)
         original_core = gpt.Attention.core
-        gpt.Attention.core = _attention_context(original_core, flops)
-        attention = cuda_attention(flops)
-        attention.__enter__()
+        gpt.Attention.core = _attention_context(original_core, self.flops)
         try:
-            for step in range(1, cfg.rehearse.steps + 1):
-                recorder.step = step
-                ledger.where = f"step {step}"
-                with ledger, flops:
-                    loss, norm = train.train_step(engine, optimizer, tokens, tokens, cfg, dtype)
-                    scheduler.step()
-                    train._agree(loss, False, layout, norm)
+            with cuda_attention(self.flops):
+                for step in range(1, cfg.rehearse.steps + 1):
+                    recorder.step, ledger.where = step, f"step {step}"
+                    with ledger, self.flops:
+                        loss, norm = train.train_step(engine, optimizer, tokens, tokens, cfg, self.dtype)
+                        scheduler.step()
+                        train._agree(loss, False, layout, norm)
+                    with recorder.named_read():
+                        pass
+                    if step == 1:
+                        self.first_step = list(schedule)
+                recorder.step, ledger.where = "eval", "evaluation"
+                with ledger, torch.no_grad():  # one held-out batch, as train.evaluate runs it
+                    train._agree(engine.forward_backward(tokens, tokens, self.dtype, backward=False), False, layout)
                 with recorder.named_read():
                     pass
-                if step == 1:
-                    first_step = list(schedule)
-            recorder.step, ledger.where = "eval", "evaluation"
-            with ledger, torch.no_grad():  # one held-out batch, as train.evaluate runs it
-                train._agree(engine.forward_backward(tokens, tokens, dtype, backward=False), False, layout)
-            with recorder.named_read():
-                pass
-            ledger.where = "checkpoint"
-            with ledger:
-                saved = checkpoint_bytes(checkpoint.training_state(step, engine, optimizer, scheduler, _NoData(), {}), rank)
+                ledger.where = "checkpoint"
+                with ledger:
+                    state = checkpoint.training_state(step, engine, optimizer, scheduler, _NoData(), {})
+                    self.saved = checkpoint_bytes(state, layout.rank)
         finally:
             gpt.Attention.core = original_core
-            attention.__exit__(None, None, None)
-    record = {
-        "rank": rank, "world": world, "coordinates": layout.coordinates(),
-        "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": cfg.parallel.vpp,
-                   "microbatches": cfg.parallel.microbatches, "zero_stage": cfg.parallel.zero_stage},
-        "model": cfg.model.name, "steps": cfg.rehearse.steps, "dtype": str(dtype).removeprefix("torch."),
-        "flops": {"per_step": {k: v // cfg.rehearse.steps for k, v in flops.flops.items()},
-                  "per_microbatch": {k: v // (cfg.rehearse.steps * cfg.parallel.microbatches) for k, v in flops.flops.items()}},
-        "memory": {"peak_bytes": ledger.peak, "at": ledger.peak_at,
-                   **{f"{k}_bytes": v for k, v in ledger.peak_split.items() if k != "largest_activations"},
-                   "largest_activations": ledger.peak_split.get("largest_activations", []),
-                   "capacity_bytes": int(cfg.rehearse.capacity_gib * 2**30)},
-        "checkpoint_bytes": saved, "schedule": first_step,
-        "comm": recorder.events, "violations": recorder.violations,
-        "seconds": time.perf_counter() - started,
-        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }
-    record["memory"]["fits"] = ledger.peak <= record["memory"]["capacity_bytes"]
-    split = {k: v for k, v in ledger.peak_split.items() if k != "largest_activations"}
-    record["memory"]["dominant"] = max(split, key=split.get) if split else None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-    dist.destroy_process_group()
-    return record
+
+    def record(self, rank: int, world: int, seconds: float) -> dict:
+        cfg, layout, ledger, flops = self.cfg, self.layout, self.ledger, self.flops.flops
+        steps, split = cfg.rehearse.steps, dict(ledger.peak_split) if ledger else {}
+        largest = split.pop("largest_activations", [])
+        peak = ledger.peak if ledger else 0
+        capacity = int(cfg.rehearse.capacity_gib * 2**30)
+        return {
+            "rank": rank, "world": world, "coordinates": layout.coordinates(),
+            "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": cfg.parallel.vpp,
+                       "microbatches": cfg.parallel.microbatches, "zero_stage": cfg.parallel.zero_stage},
+            "model": cfg.model.name, "steps": steps, "dtype": str(self.dtype).removeprefix("torch."),
+            "flops": {"per_step": {k: v // steps for k, v in flops.items()},
+                      "per_microbatch": {k: v // (steps * cfg.parallel.microbatches) for k, v in flops.items()}},
+            "memory": {"peak_bytes": peak, "at": ledger.peak_at if ledger else "", **{f"{k}_bytes": v for k, v in split.items()},
+                       "largest_activations": largest, "capacity_bytes": capacity, "fits": peak <= capacity,
+                       "dominant": max(split, key=split.get) if split else None},
+            "checkpoint_bytes": self.saved, "schedule": self.first_step, "crash": self.crash,
+            "comm": self.recorder.events, "violations": self.recorder.violations, "seconds": seconds,
+            "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
 
 
 def _fused_adamw_in_place(optimizer, ledger, cfg) -> None:
@@ -680,6 +701,7 @@ def main(cfg, overrides: list, run_dir: Path) -> int:
         problems += cross_check(records, cfg)
     for rec in records:
         problems += [f"rank {rec['rank']}: {v}" for v in rec["violations"]]
+        problems += [f"rank {rec['rank']} crashed: {rec['crash']}"] if rec.get("crash") else []
     summary = {"world": world, "ranks": cfg.rehearse.ranks, "seconds": time.perf_counter() - started,
                "problems": problems, "table": [table_row(r) for r in records]}
     (out / "rehearsal.json").write_text(json.dumps(summary, indent=1))

@@ -203,3 +203,99 @@ def test_submitit_multirun_rehearses_before_submitting(fake_sbatch, tmp_path):
     assert proc.returncode == 2 and not calls.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("precheck failed"), proc.stderr
+
+
+# --- The guard: each GPU-path defect of the e17bd15 review, put back, fails a CPU test ---
+
+TINY_3D = ["model.vocab_size=512", "precision=fp32", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
+           "parallel.microbatches=2", "parallel.zero_stage=1"]
+
+
+def violations(records: list) -> list:
+    return [v for rec in records for v in rec["violations"]]
+
+
+def test_a_cpu_tensor_in_the_gradient_norm_all_reduce_is_named(monkeypatch, tmp_path):
+    """Finding 1: finish_gradients summed squared norms into a CPU fp64 tensor and all-reduced it."""
+    import optim
+    monkeypatch.setattr(optim, "grad_squares", lambda params, device: torch.zeros((), dtype=torch.float64))
+    found = violations(rehearse_here(TINY_3D, [0], tmp_path))
+    assert found and all("cpu tensor" in v for v in found)
+    assert any("parallel.py" in v and "finish_gradients" in v for v in found), found
+
+
+def test_a_cpu_tensor_in_the_loss_all_reduce_is_named(monkeypatch, tmp_path):
+    """Finding 1: train._agree all-reduced a CPU float64 tensor on the default (NCCL) group."""
+    import train
+
+    def agree(loss, stop, layout, grad_norm=None):  # e17bd15's
+        t = torch.tensor([0.0, float(stop)], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return t
+    monkeypatch.setattr(train, "_agree", agree)
+    found = violations(rehearse_here(TINY_3D, [0], tmp_path))
+    assert any("cpu tensor" in v and "test_rehearsal.py" not in v for v in found) or any("agree" in v for v in found), found
+
+
+def test_a_host_read_per_microbatch_is_named(monkeypatch, tmp_path):
+    """Finding 3: .item() on every microbatch's loss on the last stage stalls the host."""
+    import pipeline
+    compute = pipeline.Pipeline._compute
+
+    def reading(self, *args, **kwargs):
+        out = compute(self, *args, **kwargs)
+        if out is not None and out.dim() == 0:
+            out.item()
+        return out
+    monkeypatch.setattr(pipeline.Pipeline, "_compute", reading)
+    found = violations(rehearse_here(TINY_3D + ["precision=bf16"], [7], tmp_path))
+    assert any(v.startswith("host read (item)") and "test_rehearsal.py" in v for v in found), found
+
+
+def test_one_channel_for_every_pipeline_message_is_a_deadlock(monkeypatch, tmp_path):
+    """Finding 2, recorded rather than planned: every pipeline message on one process group (the
+    mesh's pp group), as e17bd15 sent them; the cross-rank check sees the wait close."""
+    import parallel
+    build = parallel.build_layout
+
+    def one_channel(*args, **kwargs):
+        layout = build(*args, **kwargs)
+        layout.pp_channels = {key: layout.group("pp") for key in layout.pp_channels}
+        return layout
+    monkeypatch.setattr(parallel, "build_layout", one_channel)
+    overrides = ["model.vocab_size=512", "precision=fp32", "parallel.pp=2", "parallel.microbatches=4", "parallel.dp=1"]
+    records = rehearse_here(overrides, [0, 1], tmp_path)
+    cfg = config.compose(TINY + overrides)
+    problems = rehearsal.cross_check(records, cfg)
+    assert any(p.startswith("deadlock") or p.startswith("mismatch") for p in problems), problems
+
+
+LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off and on
+    "tp2": ["parallel.tp=2"], "pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"],
+    "dp2_zero1": ["parallel.dp=2", "parallel.zero_stage=1"],
+    "tp2_dp2": ["parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1"],
+    "pp2_dp2": ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2", "parallel.zero_stage=2"],
+    "tp2_overlap_domino": ["parallel.tp=2", "parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"],
+    "pp2_vpp2_overlap": ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"],
+    "dp2_zero2_overlap": ["parallel.dp=2", "parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"],
+    "tp2_pp2_dp2_overlap": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2",
+                            "parallel.zero_stage=1", "parallel.overlap.tp=chunked", "parallel.overlap.pp=true",
+                            "parallel.overlap.dp=true"],
+    "tp2_recompute_full": ["parallel.tp=2", "train.recompute=full"],
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_OF_TEST_PARALLEL))
+def test_the_fixed_code_keeps_nccl_rules_on_every_layout(name, tmp_path):
+    """Every rank of each layout, training and evaluation, in bf16 (the GPU's dtype): no CPU
+    tensor in a collective, no host read beyond the step's one, and across the ranks FIFO
+    matching and no deadlock."""
+    overrides = ["model.vocab_size=512", "precision=bf16"] + LAYOUTS_OF_TEST_PARALLEL[name]
+    if not any(o.startswith("parallel.dp") for o in overrides):
+        overrides.append("parallel.dp=1")
+    cfg = config.compose(TINY + overrides)
+    records = rehearse_here(overrides, list(range(rehearsal.world_of(cfg))), tmp_path)
+    assert violations(records) == []
+    assert any(ev["step"] == "eval" for rec in records for ev in rec["comm"]) or cfg.parallel.tp * cfg.parallel.pp == 1 \
+        or name == "dp2_zero1"
+    assert rehearsal.cross_check(records, cfg) == []
