@@ -514,9 +514,9 @@ class ParallelModel:
                 apply_tp(chunk, layout, cfg.overlap.tp, cfg.overlap.tp_chunks)
             if recompute != "none":
                 apply_recompute(chunk, recompute)
+            chunk.to(dtype)  # on meta first: the shard is materialized in its own dtype, never in fp32
             if on_meta:
                 _materialize(chunk, self.device, seed)
-            chunk.to(dtype)
         self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp) if layout.pp > 1 else None
         named = self.named_model_parameters()
         self.names = [n for n, _ in named]
@@ -635,7 +635,7 @@ def _materialize(chunk: torch.nn.Module, device: torch.device, seed: int) -> Non
 def _norm_group(layout: Layout):
     """LAMB's per-tensor norms are summed over the ranks holding pieces of the same tensors: the
     dp x tp ranks of one pipeline stage (other stages hold other tensors)."""
-    if layout.world == 1:
+    if layout.world == 1 or layout.mesh is None:  # (no mesh: a shard built alone, experiments/build_rank.py)
         return None
     if layout.pp == 1:
         return dist.group.WORLD
