@@ -549,12 +549,14 @@ def in_flight_layers(lay: Layout, n_layers: int, rank: int) -> float:
 
 @dataclass
 class Memory:
-    """Peak memory of the fullest rank, GiB."""
+    """Peak memory of the fullest rank, GiB: rehearsed (rehearsal.py) where a rehearsal of this
+    config is remembered, else modelled."""
     weights: float
     grads: float
     optimizer: float
     activations: float
     capacity: Optional[float]
+    source: str = "model"
 
     @property
     def total(self) -> float:
@@ -566,7 +568,14 @@ class Memory:
 
 
 def memory(cfg: config.Config, lay: Layout, capacity_gib: Optional[float] = None) -> Memory:
-    """The fuller of the first and the last pipeline rank (memory_of_rank)."""
+    """The fuller of the first and the last pipeline rank: rehearsed where this config was
+    (rehearsal.remembered), else memory_of_rank's model."""
+    import rehearsal
+    measured = [rec["memory"] for rec in rehearsal.remembered(cfg, lay.gpus).values()]
+    if measured:
+        GiB, m = 2.0 ** 30, max(measured, key=lambda m: m["peak_bytes"])
+        return Memory(m["weights_bytes"] / GiB, m["gradients_bytes"] / GiB, m["optimizer_bytes"] / GiB,
+                      (m["activations_bytes"] + m["communication_bytes"]) / GiB, capacity_gib, "rehearsal")
     ranks = [memory_of_rank(cfg, lay, last, capacity_gib) for last in (False, True)]
     return max(ranks, key=lambda mem: mem.total)
 

@@ -244,7 +244,8 @@ def breakdown_table(pred) -> str:
     rows = [[k, seconds(v), pct(v / pred.step_s)] for k, v in pred.breakdown.items() if v > 0]
     mem = pred.memory
     rows += [[f"memory: {k}", f"{getattr(mem, k):.2f} GiB", ""] for k in ("weights", "grads", "optimizer", "activations")]
-    rows.append(["memory: total", f"{mem.total:.2f} GiB", "fits" if mem.fits else f"OVER {mem.capacity:.0f} GiB"])
+    verdict = "fits" if mem.fits else f"OVER {mem.capacity:.0f} GiB"
+    rows.append([f"memory: total ({'rehearsed' if mem.source == 'rehearsal' else 'modelled'})", f"{mem.total:.2f} GiB", verdict])
     return markdown_table(["part", "per step", "share"], rows)
 
 

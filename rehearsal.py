@@ -664,6 +664,43 @@ def precheck(jobs: list, out: Path) -> Optional[str]:
     return None
 
 
+# --- Rehearsed figures, remembered for dry_run and the performance model ---
+
+def cache_key(cfg, world: int) -> str:
+    """What decides a rank's memory: the model, layout, kernels, shapes, optimizer, precision."""
+    import hashlib
+    from omegaconf import OmegaConf
+    whole = OmegaConf.to_container(OmegaConf.structured(cfg))
+    key = {k: whole[k] for k in ("model", "parallel", "kernels")}
+    key.update(train={k: whole["train"][k] for k in ("batch_size", "seq_len", "recompute")},
+               optim=whole["optim"]["name"], precision=whole["precision"], world=world)
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _memory_cache(cfg, world: int) -> Path:
+    import machine
+    return machine.cache_dir() / "rehearsal" / f"{cache_key(cfg, world)}.json"
+
+
+def remember(cfg, world: int, records: list) -> None:
+    """Keep each rehearsed rank's memory (and coordinates), so that dry_run and perfmodel.py can
+    give the measured figure where there is one."""
+    path = _memory_cache(cfg, world)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known.update({str(r["rank"]): {"coordinates": r["coordinates"], "memory": r["memory"]} for r in records
+                  if not r.get("crash")})
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(known))
+    os.replace(tmp, path)
+
+
+def remembered(cfg, world: int) -> dict:
+    """{rank: {"coordinates", "memory"}} of earlier rehearsals of this config at this world size."""
+    path = _memory_cache(cfg, world)
+    return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
+
+
 def world_of(cfg) -> int:
     """The rehearsed job's world size: rehearse.world, else the layout's tp*pp*dp (None if dp=-1)."""
     if cfg.rehearse.world > 0:
@@ -702,6 +739,7 @@ def main(cfg, overrides: list, run_dir: Path) -> int:
     for rec in records:
         problems += [f"rank {rec['rank']}: {v}" for v in rec["violations"]]
         problems += [f"rank {rec['rank']} crashed: {rec['crash']}"] if rec.get("crash") else []
+    remember(cfg, world, records)
     summary = {"world": world, "ranks": cfg.rehearse.ranks, "seconds": time.perf_counter() - started,
                "problems": problems, "table": [table_row(r) for r in records]}
     (out / "rehearsal.json").write_text(json.dumps(summary, indent=1))

@@ -403,24 +403,37 @@ def record_pending(cfg: config.Config, run_dir: Path) -> float:
 # --- Dry run: size, FLOPs and memory of any config, with no hardware ---
 
 def dry_run(cfg: config.Config) -> float:
+    """Size, FLOPs and memory per GPU of a config, with no hardware: the first and last pipeline
+    rank's memory as rehearsed (rehearse.ranks=[...] measures it; remembered per config), else as
+    perfmodel.py models it (weights, gradients, optimizer and activations)."""
+    import perfmodel
+    import rehearsal
     with torch.device("meta"):
         model = GPT(cfg.model)
     n = count_params(model)
     p = cfg.parallel
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    # Our mixed precision keeps fp32 weights (bf16 only inside autocast), fp32 grads and two fp32
-    # Adam moments: 4 + 4 + 8 bytes per parameter, split over tp*pp, and over dp by ZeRO for the
-    # parts it shards (stage 1: moments; stage 2: also grads).
-    shard = n / (p.tp * p.pp)
-    dp = max(1, p.dp)
-    moment_bytes = 8 / (dp if p.zero_stage >= 1 else 1)
-    grad_bytes = 4 / (dp if p.zero_stage >= 2 else 1)
-    static_gib = shard * (4 + grad_bytes + moment_bytes) / 2**30
     print(f"model {cfg.model.name}: {n:,} parameters ({n / 1e9:.2f}B), N (matmul) = {matmul_params(cfg.model):,}")
     print(f"FLOPs per token (6N + 12·L·h·T, T={cfg.train.seq_len}): {fpt:.4e}")
     print(f"FLOPs per step (batch {cfg.train.batch_size}): {fpt * cfg.train.batch_size * cfg.train.seq_len:.4e}")
-    print(f"weights+grads+optimizer per device at tp={p.tp} pp={p.pp} dp={dp} zero={p.zero_stage}: {static_gib:,.1f} GiB "
-          f"(activations not included)")
+    world = p.tp * p.pp * max(1, p.dp)
+    lay = perfmodel.layout_of(cfg, world)
+    measured = rehearsal.remembered(cfg, world)
+    for last in (False, True):
+        rank = lay.pp * lay.tp * lay.dp - 1 if last else 0
+        if rank in measured:
+            m, how = measured[rank]["memory"], f"rehearsed (rank {rank})"
+            parts = {k: m[f"{k}_bytes"] / 2**30 for k in ("weights", "gradients", "optimizer")}
+            parts["activations"] = (m["activations_bytes"] + m["communication_bytes"]) / 2**30
+        else:
+            mem = perfmodel.memory_of_rank(cfg, lay, last)
+            how = f"modelled (rehearse.ranks=[{','.join(map(str, sorted({0, world - 1})))}] measures it)"
+            parts = {"weights": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer, "activations": mem.activations}
+        split = ", ".join(f"{k} {v:,.1f}" for k, v in parts.items())
+        print(f"{'last' if last else 'first'} pipeline rank at tp={p.tp} pp={p.pp} dp={lay.dp} zero={p.zero_stage}: "
+              f"{sum(parts.values()):,.1f} GiB ({split}), {how}")
+        if lay.pp == 1:
+            break
     return 0.0
 
 

@@ -299,3 +299,17 @@ def test_the_fixed_code_keeps_nccl_rules_on_every_layout(name, tmp_path):
     assert any(ev["step"] == "eval" for rec in records for ev in rec["comm"]) or cfg.parallel.tp * cfg.parallel.pp == 1 \
         or name == "dp2_zero1"
     assert rehearsal.cross_check(records, cfg) == []
+
+
+def test_dry_run_gives_the_rehearsed_memory_once_there_is_one(tmp_path):
+    layout = [*TINY, "model.vocab_size=512", "parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2"]
+    env = train_env(tmp_path / "cache")
+    run = lambda extra: subprocess.run([sys.executable, "train.py", *layout, *extra, f"hydra.run.dir={tmp_path / 'run'}"],
+                                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    before = run(["dry_run=true"])
+    assert before.returncode == 0 and "modelled (rehearse.ranks=[0,1] measures it)" in before.stdout, before.stderr
+    assert run(["rehearse.ranks=[0,1]"]).returncode == 0
+    after = run(["dry_run=true"])
+    peak = json.loads((tmp_path / "run" / "rank0.json").read_text())["memory"]["peak_bytes"] / 2**30
+    line = next(l for l in after.stdout.splitlines() if l.startswith("first pipeline rank"))
+    assert "rehearsed (rank 0)" in line and f"{peak:,.1f} GiB" in line, after.stdout
