@@ -42,3 +42,13 @@ def run_train(run_dir: Path, args: list, cache: Path, nproc: int = 1, check: boo
 
 def read_metrics(run_dir: Path) -> list:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def spawn(fn, world: int, *args) -> None:
+    """fn(rank, world, port, *args) on `world` spawned processes (gloo ranks), joined."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(fn, args=(world, port, *args), nprocs=world)

@@ -4,7 +4,6 @@ as they complete, ZeRO's flat buckets with no full-size copies, each rank hashin
 checkpoint files, and the bytes one step puts on the data-parallel link for ZeRO 0, 1 and 2."""
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 import config
 import parallel
 import rehearsal
+from conftest import spawn
 from model import GPT, ModelConfig
 
 TINY = ModelConfig(n_layers=2, n_heads=4, d_model=64, vocab_size=128)
@@ -118,11 +118,7 @@ def _pipeline_sends(rank, world, port, out):
 
 
 def test_pipeline_messages_travel_in_bf16(tmp_path):
-    import torch.multiprocessing as mp
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_pipeline_sends, args=(2, port, str(tmp_path)), nprocs=2)
+    spawn(_pipeline_sends, 2, str(tmp_path))
     for rank in range(2):
         got = json.loads((tmp_path / f"sends{rank}.json").read_text())
         assert len(got["sent"]) == 2 * 8 and {d for d, _ in got["sent"]} == {"torch.bfloat16"}
@@ -168,11 +164,7 @@ def _save_and_verify(rank, world, port, out):
 
 
 def test_each_rank_hashes_and_verifies_its_share_of_a_checkpoint(tmp_path):
-    import torch.multiprocessing as mp
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_save_and_verify, args=(2, port, str(tmp_path)), nprocs=2)
+    spawn(_save_and_verify, 2, str(tmp_path))
     zero, one = (json.loads((tmp_path / f"hashed{r}.json").read_text()) for r in (0, 1))
     assert sorted(zero["saved"]) == [".metadata", "__0_0.distcp"] and one["saved"] == ["__1_0.distcp"]
     manifest = json.loads((tmp_path / "step_00000001" / "manifest.json").read_text())["files"]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint
 
 import checkpoint
-from conftest import ROOT, SMALL, read_metrics, run_train, train_env
+from conftest import ROOT, SMALL, read_metrics, run_train, spawn, train_env
 
 STEPS = 3
 EXACT = SMALL + [f"train.max_steps={STEPS}", "precision=fp32", f"checkpoint.interval={STEPS}", "train.eval_interval=3"]
@@ -171,16 +171,6 @@ def test_invalid_layout_is_one_line_before_any_work(overrides, world, key, tmp_p
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"config error: {key}"), proc.stderr
-
-
-def spawn(fn, world: int, *args) -> None:
-    """fn(rank, world, port, *args) on `world` spawned processes, joined."""
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(fn, args=(world, port, *args), nprocs=world)
 
 
 def _compiled_pipeline(rank: int, world: int, port: int, out_dir: str) -> None:
