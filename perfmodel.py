@@ -537,13 +537,14 @@ def backward_working_set(cfg: config.Config, lay: Layout) -> float:
 
 def in_flight_layers(lay: Layout, n_layers: int, rank: int) -> float:
     """Layers' worth of one microbatch's activations a pipeline rank holds at its peak: 1F1B's
-    warm-up depth p - rank microbatches, interleaved 1F1B's (p-rank-1)*2 + (v-1)*p + 1 chunks."""
+    warm-up depth p - rank microbatches, interleaved 1F1B's (p-rank-1)*2 + (v-1)*p + 1 chunks (or
+    every chunk-forward of the step, m*v, where there are fewer)."""
     if lay.pp == 1:
         return n_layers
     per_rank = n_layers // lay.pp
     if lay.vpp == 1:
         return min(lay.microbatches, lay.pp - rank) * per_rank
-    chunks = min(lay.microbatches * lay.vpp, (lay.pp - rank - 1) * 2 + (lay.vpp - 1) * lay.pp) + 1
+    chunks = min(lay.microbatches * lay.vpp, (lay.pp - rank - 1) * 2 + (lay.vpp - 1) * lay.pp + 1)
     return chunks * per_rank / lay.vpp
 
 
@@ -600,14 +601,25 @@ def memory_of_rank(cfg: config.Config, lay: Layout, last: bool = False, capacity
     if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
         acts = layers * M * e * m.d_model / lay.tp + per_layer
     elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
-        squares = M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq  # rebuilt for one layer at a time
-        acts = layers * (per_layer - squares) + squares
+        # the squares rebuilt for one layer at a time; they stand in the working set for the
+        # square gradient the backward would otherwise hold beside them
+        squares = M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq
+        acts = layers * (per_layer - squares) + squares - e * lay.micro_batch * m.n_heads / lay.tp * lay.seq ** 2
     else:
         acts = layers * per_layer
-    # On top of what is kept: a layer's backward in flight, or, on the last rank, the loss's
-    # probabilities over the vocabulary slice (fp32; fused: the logits), which are gone by then.
-    logits = M * m.vocab_size / lay.tp * (e if cfg.kernels.fused else 4) if rank == lay.pp - 1 else 0.0
-    acts += max(backward_working_set(cfg, lay), logits)
+    # On top of what is kept: a layer's backward in flight, or, on the last rank, the head's: the
+    # loss's probabilities over the vocabulary slice (fp32; fused: the logits), their gradient and
+    # the head's weight gradient, whichever is larger.
+    head = 0.0
+    if rank == lay.pp - 1:
+        vocab = m.vocab_size / lay.tp
+        head = M * vocab * (e if cfg.kernels.fused else 4) + e * M * vocab + e * vocab * m.d_model
+    acts += max(backward_working_set(cfg, lay), head)
+    if lay.zero >= 2 and lay.pp > 1 and rank < lay.pp - 1:
+        # ZeRO-2 allocates the gradient buffer at the first gradient of the step, by when the
+        # first backward has freed about one layer's activations (ZeRO-1 holds it all along; on
+        # the last rank the head's weight gradient comes first, before anything is freed).
+        acts -= min(per_layer, acts)
     return Memory(e * params / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)
 
 

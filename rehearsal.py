@@ -512,12 +512,12 @@ class _Run:
         del model
         optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                           norm_group=engine.norm_group)
-        scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         ledger = self.ledger = MemoryLedger(device, _categories(engine, optimizer, recorder))
         for t in list(engine.zero.params) + [b.params for b in engine.zero.buckets] + \
                 [b.master for b in engine.zero.buckets if b.master is not None]:
             ledger.track(t)
-        _fused_adamw_in_place(optimizer, ledger, cfg)
+        _fused_adamw_in_place(optimizer, ledger, cfg)  # before the scheduler, which wraps optimizer.step
+        scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         tokens = torch.zeros((cfg.train.batch_size // layout.dp, cfg.train.seq_len), dtype=torch.long, device=device)
         schedule = _label_pipeline(engine, ledger, pipeline)
         original_core = gpt.Attention.core
@@ -575,9 +575,10 @@ def _fused_adamw_in_place(optimizer, ledger, cfg) -> None:
     its temporaries are real and stay counted.)"""
     if cfg.optim.name != "adamw":
         return
+    import types
     step = optimizer.step
 
-    def counted_state(*args, **kwargs):
+    def counted_state(self, *args, **kwargs):
         where, ledger.where, ledger.paused = ledger.where, f"{ledger.where.split(':')[0]}: optimizer", True
         try:
             return step(*args, **kwargs)
@@ -587,7 +588,7 @@ def _fused_adamw_in_place(optimizer, ledger, cfg) -> None:
                 for value in state.values():
                     ledger.track(value)
             ledger.where = where
-    optimizer.step = counted_state
+    optimizer.step = types.MethodType(counted_state, optimizer)  # bound: the lr scheduler wraps it
 
 
 def _attention_context(core, flops):
@@ -637,30 +638,22 @@ def checkpoint_bytes(state: dict, rank: int) -> int:
 # --- The parent: one process per rank, then the checks across ranks and the table ---
 
 def precheck(jobs: list, out: Path) -> Optional[str]:
-    """Rehearses rank 0 of each (overrides, world) for one step, two at a time; the first job that
-    fails, in one line, or None."""
-    import subprocess
-    pending, running = list(enumerate(jobs)), []
-    while pending or running:
-        while pending and len(running) < 2:
-            k, (overrides, world) = pending.pop(0)
-            folder = out / f"job{k}"
-            cmd = [sys.executable, str(Path(HERE) / "train.py"), *overrides, "rehearse.ranks=[0]", f"rehearse.world={world}",
-                   "rehearse.steps=1", "rehearse.precheck=false", f"hydra.run.dir={folder}"]
-            running.append((k, overrides, folder, subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE,
-                                                                    stderr=subprocess.STDOUT, text=True)))
-        k, overrides, folder, proc = running.pop(0)
-        log = proc.communicate()[0]
-        if proc.returncode != 0:
-            for _, _, _, other in running:
-                other.kill()
-            summary = folder / "rehearsal.json"
-            why = (json.loads(summary.read_text())["problems"] or ["does not fit"])[0] if summary.exists() else \
-                (log.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-            if summary.exists() and not json.loads(summary.read_text())["problems"]:
-                row = json.loads(summary.read_text())["table"][0]
-                why = f"rank 0 needs {row['peak_gib']:.1f} GiB at its peak, mostly {row['dominant']}"
-            return f"job {' '.join(overrides)}: {why}"
+    """Rehearses rank 0 of each (overrides, config, world) for one step, in this process; the first
+    job that cannot be built, breaks NCCL's rules or does not fit, in one line, or None."""
+    import copy
+    for overrides, cfg, world in jobs:
+        cfg = copy.deepcopy(cfg)
+        cfg.rehearse.steps = 1
+        rec = rehearse_rank(cfg, 0, world, out)
+        problems = ([f"crashed: {rec['crash']}"] if rec.get("crash") else []) + rec["violations"]
+        if cfg.rehearse.nccl_rules and not problems:
+            problems = cross_check([rec], cfg)
+        if not problems and not rec["memory"]["fits"]:
+            m = rec["memory"]
+            problems = [f"rank 0 needs {m['peak_bytes'] / 2**30:.3g} GiB at its peak, mostly {m['dominant']} "
+                        f"({m[m['dominant'] + '_bytes'] / 2**30:.3g} GiB), over rehearse.capacity_gib={cfg.rehearse.capacity_gib:g}"]
+        if problems:
+            return f"job {' '.join(overrides)}: {problems[0]}"
     return None
 
 

@@ -446,7 +446,7 @@ def _fail(line: str) -> None:
 
 if __name__ == "__main__":
     jobs = config.preflight(sys.argv[1:])
-    slurm = [(overrides, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
+    slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
     if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued
         import tempfile
         import rehearsal

@@ -85,10 +85,11 @@ def test_memory_by_zero_stage_by_hand(tiny):
     # bf16 weights 2 B, fp32 grads 4 B, fp32 master + Adam moments 12 B; dp=4, 4 sequences per rank.
     # Activations per token and layer: norms 2*(in+out) h + qkv 3h + q, k after RoPE 2h + attn out h
     # + fc1, GeLU 2*4h = 18h values of 2 B, plus 4 heads x 256 probabilities of 2 B; the last rank
-    # adds the loss's fp32 probabilities (larger than a layer's backward working set here: 4.7 MB).
-    # ZeRO-2's gradients are whole through the backward, where the peak is.
+    # adds the head's backward: the loss's fp32 probabilities, their bf16 gradient and the head's
+    # weight gradient (larger than a layer's backward working set here: 4.7 MB). ZeRO-2's
+    # gradients are whole through the backward, where the peak is.
     per_layer_token = 2 * 18 * 256 + 2 * 4 * 256
-    acts = 4 * per_layer_token * 4 * 256 + 4 * 256 * 4096 * 4
+    acts = 4 * per_layer_token * 4 * 256 + 4 * 256 * 4096 * (4 + 2) + 2 * 4096 * 256
     for zero, grads, opt in ((0, 4 * P, 12 * P), (1, 4 * P, 3 * P), (2, 4 * P, 3 * P)):
         cfg = with_parallel(tiny, zero_stage=zero, microbatches=1)
         mem = pm.memory(cfg, pm.layout_of(cfg, 4), 80)
@@ -130,7 +131,7 @@ def test_full_recompute_keeps_only_layer_inputs(tiny):
     cfg.train.recompute = "full"
     mem = pm.memory(cfg, pm.layout_of(cfg, 4), 80)
     per_layer = (2 * 18 * 256 + 2 * 4 * 256) * 1024
-    assert mem.activations * 2 ** 30 == pytest.approx(4 * 1024 * 2 * 256 + per_layer + 1024 * 4096 * 4)
+    assert mem.activations * 2 ** 30 == pytest.approx(4 * 1024 * 2 * 256 + per_layer + 1024 * 4096 * 6 + 2 * 4096 * 256)
 
 
 def test_in_flight_microbatches_follow_the_schedules():

@@ -1,6 +1,6 @@
 """sbatch with a precheck: rehearse rank 0 of the job's layout on this (login) node first, then
 submit experiments/slurm/train.sbatch. A job that cannot be built, breaks NCCL's rules or does
-not fit in the GPUs' memory fails here in a minute, not after the queue.
+not fit in the GPUs' memory fails here in a minute or so, not after the queue.
 
     python experiments/slurm/submit.py --nodes 32 --gpus-per-node 8 -- experiment=megascale_ablation scale=cluster ablation.step=3
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     jobs = config.preflight(overrides, remote_world=world)  # bad input: one line, exit 2
     if not skip and jobs and jobs[0][1].rehearse.precheck:
         print(f"precheck: rehearsing rank 0 of a {world}-rank job before submitting", flush=True)
-        why = rehearsal.precheck([(overrides, world)], Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))
+        why = rehearsal.precheck([(overrides, jobs[0][1], world)], Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))
         if why:
             print(f"precheck failed: {why}. Fix: change the layout, or --no-precheck to submit anyway", file=sys.stderr)
             return 2
