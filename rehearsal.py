@@ -256,11 +256,19 @@ def _dim_names(layout) -> dict:
     return names
 
 
+@functools.lru_cache(maxsize=None)
+def _is_this_file(name: str) -> bool:
+    return str(Path(name).resolve()) == THIS
+
+
 def _site() -> str:
     """The first frame outside torch and this file: the project's line that made the call."""
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        if frame.filename.startswith(HERE) and str(Path(frame.filename).resolve()) != THIS:
-            return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(HERE) and not _is_this_file(name):
+            return f"{Path(name).name}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
     return "?"
 
 
