@@ -444,6 +444,18 @@ def _fail(line: str) -> None:
     sys.exit(2)
 
 
+def _pickle_config_modules_by_name() -> None:
+    """The submitit launcher cloudpickles this file's functions by value, with every loaded submodule
+    of a module they use whose last name they also use: `dist` and `config` bring in
+    torch.distributed.config, a torch config module (a ModuleType subclass) that pickle cannot
+    copy. Such modules travel by name (the job imports them again)."""
+    import copyreg
+    import importlib
+    import types
+    for module_type in {type(m) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)} - {types.ModuleType}:
+        copyreg.pickle(module_type, lambda module: (importlib.import_module, (module.__name__,)))
+
+
 if __name__ == "__main__":
     jobs = config.preflight(sys.argv[1:])
     slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
@@ -456,6 +468,7 @@ if __name__ == "__main__":
         if why:
             _fail(f"precheck failed: {why}. Fix: change the layout, or rehearse.precheck=false to submit anyway")
     if {"-m", "--multirun"} & set(sys.argv[1:]):
+        _pickle_config_modules_by_name()
         # Fix the sweep dir's name now: the submitit launcher's jobs re-resolve hydra.sweep.dir in
         # their own processes (under SLURM, where ${run_id:} would name their array job instead),
         # and they inherit this environment.
