@@ -20,27 +20,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import machine  # noqa: E402
+import metrics  # noqa: E402
+
 TABLE2 = [256, 512, 768, 1024, 3072, 6144, 8192, 12288]
 GPUS_530B = [2240, 4480, 11200]
 LABELS = ["baseline", "+PTB", "+SWA", "+TP overlap", "+PP overlap", "+DP overlap", "+efficient operators",
           "+misc (data pipeline)", "+LAMB (batch x3)"]
 
 
-def jobs(which: set) -> list:
-    """(table, label, world, overrides) of every job."""
+def jobs(which: list) -> list:
+    """(table, label, world, overrides) of every job, tables in the order asked."""
     out = []
-    if "table3" in which:
-        out += [("Table 3", f"step {k}: {LABELS[k]}", 256, ["experiment=megascale_ablation", "scale=cluster",
-                                                           f"ablation.step={k}"]) for k in range(9)]
-    if "table2" in which:
-        out += [("Table 2", f"{g} GPUs", g, ["experiment=strong_scaling", "scale=cluster", f"scaling.row={row}"])
-                for row, g in enumerate(TABLE2)]
-    if "530b" in which:  # perfmodel_cli.megascale_config("530B") at batch = GPUs, one sequence per microbatch
-        for g in GPUS_530B:
-            dp = g // (8 * 35)
-            out.append(("530B", f"{g} GPUs", g, ["experiment=megascale_ablation", "scale=cluster", "ablation.step=7",
-                                                  "model=530B", "parallel=megascale_530B", "parallel.dp=-1",
-                                                  f"train.batch_size={g}", f"parallel.microbatches={g // dp}"]))
+    for table in which:
+        if table == "table3":
+            out += [("Table 3", f"step {k}: {LABELS[k]}", 256, ["experiment=megascale_ablation", "scale=cluster",
+                                                               f"ablation.step={k}"]) for k in range(9)]
+        elif table == "table2":
+            out += [("Table 2", f"{g} GPUs", g, ["experiment=strong_scaling", "scale=cluster", f"scaling.row={row}"])
+                    for row, g in enumerate(TABLE2)]
+        elif table == "530b":  # perfmodel_cli.megascale_config("530B") at batch = GPUs, one sequence per microbatch
+            for g in GPUS_530B:
+                dp = g // (8 * 35)
+                out.append(("530B", f"{g} GPUs", g, ["experiment=megascale_ablation", "scale=cluster", "ablation.step=7",
+                                                      "model=530B", "parallel=megascale_530B", "parallel.dp=-1",
+                                                      f"train.batch_size={g}", f"parallel.microbatches={g // dp}"]))
+        else:
+            raise SystemExit(f"--jobs: unknown table {table!r}. Fix: a comma list of table3, table2, 530b")
     return out
 
 
@@ -79,17 +85,20 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "outputs" / "rehearse_paper"))
     args = parser.parse_args(argv)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     results = []
-    for table, label, world, overrides in jobs(set(args.jobs.split(","))):
+    for table, label, world, overrides in jobs(args.jobs.split(",")):
         results.append(run(table, label, world, overrides, out))
         r = results[-1]
         print(f"{table} {label}: exit {r['exit']}, {r['seconds']:.0f} s, problems {len(r['problems'])}", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))  # so far: a cut-off sweep keeps its jobs
     text = render(results)
     print(text)
     results_dir = ROOT / "experiments" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     with open(results_dir / "rehearsal_paper.md", "a") as f:  # appended, never overwritten
-        f.write(f"\n## {datetime.datetime.now():%Y-%m-%d %H:%M} (`python experiments/rehearse_paper.py --jobs {args.jobs}`)\n\n")
+        f.write(f"\n## {datetime.datetime.now():%Y-%m-%d %H:%M} (`python experiments/rehearse_paper.py --jobs {args.jobs}`, "
+                f"git {metrics.git_commit()}, {machine.cpu_model()}, 2 ranks at a time)\n\n")
         f.write(text + "\n")
         for r in results:
             for p in r["problems"][:5]:
