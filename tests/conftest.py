@@ -34,10 +34,30 @@ def run_train(run_dir: Path, args: list, cache: Path, nproc: int = 1, check: boo
     launcher = [sys.executable, "train.py"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     cmd = launcher + list(args) + [f"hydra.run.dir={run_dir}"]
+    if nproc > 1:  # torchrun's own default: ranks sharing 2 cores with 2 threads each wait on each other
+        env.setdefault("OMP_NUM_THREADS", 1)
     proc = subprocess.run(cmd, cwd=ROOT, env=train_env(cache, **env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+# The 8-rank layout with every overlap on: test_parallel checks that it equals one process, and
+# test_rehearsal that its rehearsal posts the collectives it posted (rehearse.record). One run
+# serves both (8 ranks on 2 cores is the suite's dearest run).
+EIGHT_RANKS = ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1",
+               "parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"]
+EXACT_STEPS = 3
+EXACT = SMALL + [f"train.max_steps={EXACT_STEPS}", "precision=fp32", f"checkpoint.interval={EXACT_STEPS}",
+                 "train.eval_interval=3"]
+
+
+@pytest.fixture(scope="session")
+def eight_rank_run(tmp_path_factory, cache_dir) -> Path:
+    """The run dir of EXACT at tp2 pp2 dp2 with every overlap on, its collectives recorded."""
+    run_dir = tmp_path_factory.mktemp("tp2_pp2_dp2_overlap")
+    run_train(run_dir, EXACT + EIGHT_RANKS + ["rehearse.record=true"], cache_dir, nproc=8)
+    return run_dir
 
 
 def read_metrics(run_dir: Path) -> list:

@@ -11,10 +11,9 @@ import torch
 import torch.distributed.checkpoint
 
 import checkpoint
-from conftest import ROOT, SMALL, read_metrics, run_train, spawn, train_env
+from conftest import EIGHT_RANKS, EXACT, EXACT_STEPS, ROOT, SMALL, read_metrics, run_train, spawn, train_env
 
-STEPS = 3
-EXACT = SMALL + [f"train.max_steps={STEPS}", "precision=fp32", f"checkpoint.interval={STEPS}", "train.eval_interval=3"]
+STEPS = EXACT_STEPS
 
 LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, TP x PP inside
     # tp2_pp2_dp2_overlap (8 ranks, every overlap on), and the ZeRO-2 path inside
@@ -32,9 +31,7 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, T
     "pp2_vpp2_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"]),
     "dp2_zero2_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
     # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
-    "tp2_pp2_dp2_overlap": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
-                                "parallel.zero_stage=1", "parallel.overlap.tp=chunked", "parallel.overlap.pp=true",
-                                "parallel.overlap.dp=true"]),
+    "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # run once for the session (conftest.eight_rank_run)
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
     # background prefetch must hand every rank the very batches it would have read itself.
     "tp2_recompute_full_megascale_data": (2, ["parallel.tp=2", "train.recompute=full", "data.pipeline=megascale"]),
@@ -50,9 +47,12 @@ def reference(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_equals_single_process(name, reference, tmp_path, cache_dir):
+def test_layout_equals_single_process(name, reference, tmp_path, cache_dir, request):
     ranks, overrides = LAYOUTS[name]
-    run_train(tmp_path, EXACT + overrides, cache_dir, nproc=ranks)
+    if overrides is EIGHT_RANKS:
+        tmp_path = request.getfixturevalue("eight_rank_run")
+    else:
+        run_train(tmp_path, EXACT + overrides, cache_dir, nproc=ranks)
     ref_rows, ref_weights = reference
     rows = read_metrics(tmp_path)
     assert len(rows) == STEPS

@@ -13,7 +13,7 @@ import torch
 
 import config
 import rehearsal
-from conftest import ROOT, SMALL, run_train, train_env
+from conftest import EIGHT_RANKS, ROOT, train_env
 
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled"]
 
@@ -46,18 +46,18 @@ def comm_keys(events: list, steps=(1, 2)) -> list:
     return out
 
 
-def test_a_real_8_rank_run_and_its_rehearsal_post_the_same_collectives(tmp_path, cache_dir):
-    overrides = ["precision=fp32", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1",
-                 "parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"]
-    run_train(tmp_path / "real", SMALL + overrides + ["train.max_steps=2", "rehearse.record=true"], cache_dir, nproc=8)
-    records = rehearse_here(["model.vocab_size=512"] + overrides + ["parallel.dp=2"], list(range(8)), tmp_path / "rehearsal")
+def test_a_real_8_rank_run_and_its_rehearsal_post_the_same_collectives(eight_rank_run, tmp_path):
+    """The real run (conftest.eight_rank_run: tp2 pp2 dp2, every overlap on, 3 steps) against the
+    rehearsal of its first 2 steps, every rank."""
+    records = rehearse_here(["model.vocab_size=512"] + EIGHT_RANKS + ["precision=fp32", "parallel.dp=2"],
+                            list(range(8)), tmp_path / "rehearsal")
     for rec in records:
-        real = json.loads((tmp_path / "real" / "comm" / f"rank{rec['rank']}.json").read_text())
+        real = json.loads((eight_rank_run / "comm" / f"rank{rec['rank']}.json").read_text())
         assert real["coordinates"] == rec["coordinates"]
         got, want = comm_keys(rec["comm"]), comm_keys(real["comm"])
         assert len(got) > 50 and got == want, rec["rank"]
         assert {p[0][1] for p in got if p[0] != "wait"} == {"tp", "pp", "dp", "world"}
-    assert rehearsal.cross_check(records, config.compose(TINY + overrides + ["parallel.dp=2"])) == []
+    assert rehearsal.cross_check(records, config.compose(TINY + EIGHT_RANKS + ["precision=fp32", "parallel.dp=2"])) == []
 
 
 def test_a_64_rank_layout_rehearses_its_first_and_last_rank(tmp_path):
@@ -113,12 +113,13 @@ AGREE = ["hardware=a100_cluster", "precision=bf16", "model=175B", "model.n_layer
          "model.n_heads=16", "model.vocab_size=8192", "train.seq_len=1024", "train.batch_size=4",
          "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "parallel.microbatches=2",
          "parallel.zero_stage=1", "kernels.attention=unfused", "rehearse.steps=2"]
-VARIANTS = {
+VARIANTS = {  # the issue's pairs (baseline vs PTB, ZeRO-1 vs ZeRO-2, SWA, recompute); PTB and ZeRO-2 touch
+    # different terms and share a rehearsal. (Flash with full recomputation is not here: perfmodel
+    # misses ~18 MB of its peak working set, an open disagreement.)
     "baseline": [],
-    "ptb": ["model.block=parallel"],                      # half the TP collectives
-    "zero2": ["parallel.zero_stage=2"],
-    "swa_flash": ["model.attention.window=256", "kernels.attention=flash"],
+    "ptb_zero2": ["model.block=parallel", "parallel.zero_stage=2"],   # half the TP collectives; ZeRO-2's buffers
     "swa_banded": ["model.attention.window=256", "kernels.attention=banded", "kernels.attention_block=128"],
+    "swa_flash": ["model.attention.window=256", "kernels.attention=flash"],
     "recompute_full": ["train.recompute=full"],
     "recompute_selective": ["train.recompute=selective"],
     "overlap": ["parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"],
