@@ -6,6 +6,7 @@ NCCL's rules on; the table gives each job's peak memory per GPU, split, and its 
 step, per mesh dimension, and is appended to experiments/results/rehearsal_paper.md.
 
     python experiments/rehearse_paper.py [--jobs table3,table2,530b] [--out DIR]
+    python experiments/rehearse_paper.py --render DIR/results.json ...   # the table of finished jobs
 """
 from __future__ import annotations
 
@@ -83,28 +84,38 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", default="table3,table2,530b")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "rehearse_paper"))
+    parser.add_argument("--render", nargs="+", metavar="RESULTS_JSON",
+                        help="no rehearsal: append the table of these results.json (e.g. of a cut-off sweep)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        results = [r for path in args.render for r in json.loads(Path(path).read_text())]
+        append(results, f"`python experiments/rehearse_paper.py --render {' '.join(args.render)}`")
+        return 0
     results = []
     for table, label, world, overrides in jobs(args.jobs.split(",")):
         results.append(run(table, label, world, overrides, out))
         r = results[-1]
         print(f"{table} {label}: exit {r['exit']}, {r['seconds']:.0f} s, problems {len(r['problems'])}", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))  # so far: a cut-off sweep keeps its jobs
+    append(results, f"`python experiments/rehearse_paper.py --jobs {args.jobs}`, git {metrics.git_commit()}, "
+                    f"{machine.cpu_model()}, 2 ranks at a time")
+    return 0 if all(r["exit"] == 0 for r in results) else 1
+
+
+def append(results: list, heading: str) -> None:
+    """The table, printed and appended to experiments/results/rehearsal_paper.md (never overwritten)."""
     text = render(results)
     print(text)
     results_dir = ROOT / "experiments" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    with open(results_dir / "rehearsal_paper.md", "a") as f:  # appended, never overwritten
-        f.write(f"\n## {datetime.datetime.now():%Y-%m-%d %H:%M} (`python experiments/rehearse_paper.py --jobs {args.jobs}`, "
-                f"git {metrics.git_commit()}, {machine.cpu_model()}, 2 ranks at a time)\n\n")
+    with open(results_dir / "rehearsal_paper.md", "a") as f:
+        f.write(f"\n## {datetime.datetime.now():%Y-%m-%d %H:%M} ({heading})\n\n")
         f.write(text + "\n")
         for r in results:
             for p in r["problems"][:5]:
                 f.write(f"- {r['table']} {r['label']}: {p}\n")
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    return 0 if all(r["exit"] == 0 for r in results) else 1
 
 
 if __name__ == "__main__":
