@@ -728,7 +728,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
     return {"tp_bytes_per_layer": tp_layer, "tp_bytes": mbs * (tp_layer * layers + tp_ends),
             "pp_bytes": mbs * sends * M * h * e / t, "dp_bytes": dp,
             "gemm_flops": mbs * gemm, "attention_flops": mbs * attn * layers,
-            **{f"{k}_bytes": v * 2**30 for k, v in vars(mem).items() if k != "capacity"}}
+            **{f"{k}_bytes": getattr(mem, k) * 2**30 for k in ("weights", "grads", "optimizer", "activations")}}
 
 
 def dp_time(cfg: config.Config, lay: Layout, net: Network, fwd_s: float, bwd_s: float) -> Dict[str, float]:

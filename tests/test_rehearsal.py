@@ -18,12 +18,26 @@ from conftest import EIGHT_RANKS, ROOT, train_env
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled"]
 
 
-def rehearse_here(overrides: list, ranks: list, out: Path) -> list:
-    """rehearse_rank for each rank in this process (the fake backend is set up and torn down per
-    rank), as train.py's rehearse.rank does in a process of its own."""
+def rehearse_here(overrides: list, ranks: list, out: Path, pool=None) -> list:
+    """rehearse_rank for each rank, in this process (the fake backend is set up and torn down per
+    rank, as train.py's rehearse.rank does in a process of its own), or on `pool`'s processes."""
     cfg = config.compose(TINY + overrides + ["rehearse.ranks=[0]"])
-    world = rehearsal.world_of(cfg)
-    return [rehearsal.rehearse_rank(cfg, r, world, out) for r in ranks]
+    return rehearse_ranks(cfg, ranks, rehearsal.world_of(cfg), out, pool)
+
+
+def rehearse_ranks(cfg, ranks: list, world: int, out: Path, pool=None) -> list:
+    if pool is None:
+        return [rehearsal.rehearse_rank(cfg, r, world, out) for r in ranks]
+    return list(pool.map(rehearsal.rehearse_rank, [cfg] * len(ranks), ranks, [world] * len(ranks), [out] * len(ranks)))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Two processes (the 2 cores) that rehearse ranks side by side: a rehearsal is one thread."""
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as executor:
+        yield executor
 
 
 def comm_keys(events: list, steps=(1, 2)) -> list:
@@ -46,11 +60,11 @@ def comm_keys(events: list, steps=(1, 2)) -> list:
     return out
 
 
-def test_a_real_8_rank_run_and_its_rehearsal_post_the_same_collectives(eight_rank_run, tmp_path):
+def test_a_real_8_rank_run_and_its_rehearsal_post_the_same_collectives(eight_rank_run, pool, tmp_path):
     """The real run (conftest.eight_rank_run: tp2 pp2 dp2, every overlap on, 3 steps) against the
     rehearsal of its first 2 steps, every rank."""
     records = rehearse_here(["model.vocab_size=512"] + EIGHT_RANKS + ["precision=fp32", "parallel.dp=2"],
-                            list(range(8)), tmp_path / "rehearsal")
+                            list(range(8)), tmp_path / "rehearsal", pool)
     for rec in records:
         real = json.loads((eight_rank_run / "comm" / f"rank{rec['rank']}.json").read_text())
         assert real["coordinates"] == rec["coordinates"]
@@ -137,13 +151,13 @@ def code_accounting(rec: dict) -> dict:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_the_performance_model_accounts_for_what_the_code_does(variant, tmp_path):
+def test_the_performance_model_accounts_for_what_the_code_does(variant, pool, tmp_path):
     """perfmodel.accounting against the rehearsal of the first and the last pipeline rank: bytes on
     the wire per step for TP, PP and DP, GEMM and attention FLOPs, and memory at the peak, each
     within 5%."""
     import perfmodel
     cfg = config.compose(AGREE + VARIANTS[variant])
-    first, last = (rehearsal.rehearse_rank(cfg, r, 8, tmp_path) for r in (0, 7))
+    first, last = rehearse_ranks(cfg, [0, 7], 8, tmp_path, pool)
     for rec, is_last in ((first, False), (last, True)):
         model = perfmodel.accounting(cfg, 8, last=is_last)
         model["total"] = sum(model[k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
@@ -153,12 +167,12 @@ def test_the_performance_model_accounts_for_what_the_code_does(variant, tmp_path
             assert got == pytest.approx(want, rel=0.05, abs=1e-9), (variant, "last" if is_last else "first", key, got, want)
 
 
-def test_tp_bytes_per_layer_agree(tmp_path):
+def test_tp_bytes_per_layer_agree(pool, tmp_path):
     import perfmodel
-    grown = {}
-    for layers in (4, 8):
-        cfg = config.compose(AGREE + [f"model.n_layers={layers}"])
-        grown[layers] = rehearsal.comm_per_step(rehearsal.rehearse_rank(cfg, 0, 8, tmp_path))["tp"]
+    configs = {layers: config.compose(AGREE + [f"model.n_layers={layers}"]) for layers in (4, 8)}
+    records = pool.map(rehearsal.rehearse_rank, configs.values(), [0, 0], [8, 8], [tmp_path / "4", tmp_path / "8"])
+    grown = {layers: rehearsal.comm_per_step(rec)["tp"] for layers, rec in zip(configs, records)}
+    cfg = configs[8]
     per_layer = (grown[8] - grown[4]) / (4 // 2) / 2  # layers added per pp rank, per microbatch
     assert per_layer == pytest.approx(perfmodel.accounting(cfg, 8)["tp_bytes_per_layer"], rel=0.05)
 
@@ -288,7 +302,7 @@ LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off an
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_OF_TEST_PARALLEL))
-def test_the_fixed_code_keeps_nccl_rules_on_every_layout(name, tmp_path):
+def test_the_fixed_code_keeps_nccl_rules_on_every_layout(name, pool, tmp_path):
     """Every rank of each layout, training and evaluation, in bf16 (the GPU's dtype): no CPU
     tensor in a collective, no host read beyond the step's one, and across the ranks FIFO
     matching and no deadlock."""
@@ -296,7 +310,7 @@ def test_the_fixed_code_keeps_nccl_rules_on_every_layout(name, tmp_path):
     if not any(o.startswith("parallel.dp") for o in overrides):
         overrides.append("parallel.dp=1")
     cfg = config.compose(TINY + overrides)
-    records = rehearse_here(overrides, list(range(rehearsal.world_of(cfg))), tmp_path)
+    records = rehearse_here(overrides, list(range(rehearsal.world_of(cfg))), tmp_path, pool)
     assert violations(records) == []
     assert any(ev["step"] == "eval" for rec in records for ev in rec["comm"]) or cfg.parallel.tp * cfg.parallel.pp == 1 \
         or name == "dp2_zero1"
