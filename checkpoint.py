@@ -270,7 +270,8 @@ class Saver:
         self.ckpt_dir, self.keep, self.async_save = Path(ckpt_dir), keep, async_save
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
-        self.group = _checkpoint_group() if self.distributed else None
+        from parallel import checkpoint_group
+        self.group = checkpoint_group() if self.distributed else None
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.last_step: Optional[int] = None
@@ -325,6 +326,13 @@ class Saver:
             prune(self.ckpt_dir, self.keep)
             log.info("saved %s", folder)
 
+    def close(self) -> None:
+        """The run's end, failed or not: an asynchronous save being written is finished (a crash
+        loses no checkpoint; its error, if any, was the training thread's to raise in wait())."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
@@ -341,19 +349,6 @@ def _dcp(op, state: dict, **kwargs) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         op(state, no_dist=single, **kwargs)
-
-
-_GROUP: dict = {}
-
-
-def _checkpoint_group():
-    """One gloo group over all ranks for checkpoint traffic, made once per process group (a
-    multirun's jobs share it)."""
-    world = dist.group.WORLD
-    if world not in _GROUP:
-        _GROUP.clear()
-        _GROUP[world] = dist.new_group(backend="gloo")
-    return _GROUP[world]
 
 
 def _storage_failure(e: BaseException) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -153,8 +154,46 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Opt
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     # Once per process, not per job: a second init after destroy reuses torchrun's store keys and
     # hangs, and a multirun runs its jobs one after another in the same ranks.
-    atexit.register(dist.destroy_process_group)
+    atexit.register(shutdown)
     return dist.get_rank(), dist.get_world_size()
+
+
+# What holds a process group beyond the layout: the checkpoint's group, made once per process group.
+_CHECKPOINT_GROUP: dict = {}
+_FAILED = False  # a job of this process raised: shutdown leaves the groups alone
+
+
+def checkpoint_group():
+    """One gloo group over all ranks for checkpoint traffic (checkpoint.Saver), so that a background
+    save's collectives never interleave with training's; made once per process group (a
+    multirun's jobs share it)."""
+    world = dist.group.WORLD
+    if world not in _CHECKPOINT_GROUP:
+        _CHECKPOINT_GROUP.clear()
+        _CHECKPOINT_GROUP[world] = dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUP[world]
+
+
+def mark_failed() -> None:
+    global _FAILED
+    _FAILED = True
+
+
+def shutdown() -> None:
+    """The end of a rank, at exit. By then train() has closed, in this order, the data loader
+    (its prefetch thread joined), the checkpoint writer (an asynchronous save written) and the
+    heartbeat; every send and collective was waited in its step. Left: the process groups. Every
+    reference to them goes (the checkpoint's group; a finished job's model and layout, if only a
+    cycle still holds them), then destroy_process_group drops c10d's, so that the groups' gloo
+    threads join here, while the interpreter is whole. Left to interpreter finalization, they
+    abort a rank after a finished run: SIGABRT, "terminate called without an active exception"
+    (issue 19; pytorch#190489). After a failure it does nothing (torchtitan#1342): a group whose
+    peer is gone can block in its destructor, and the rank is failing anyway."""
+    if _FAILED or not dist.is_initialized():
+        return
+    _CHECKPOINT_GROUP.clear()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _slurm_first_host() -> str:

@@ -195,11 +195,13 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         beat.progress(step, "done")
     except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
         run_log.finish("failed", summarize(history, step))
+        parallel.mark_failed()
         raise
-    finally:
+    finally:  # every thread the run started ends here, in this order (parallel.shutdown says the rest)
+        loader.close()
+        saver.close()
         beat.close()
         collector.close()
-        loader.close()
         if bar is not None:
             bar.close()
         stop.restore()

@@ -26,6 +26,8 @@ Nothing here holds a full-size copy of the gradients or parameters besides the b
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -83,8 +85,14 @@ class ZeroDataParallel:
         self.shards = [self._optimizer_piece(i) for i in range(len(params))]
         self.reducing, self.gathering = {}, {}  # bucket -> collective in flight
         self.current = set(range(len(self.buckets)))  # buckets whose parameters are this step's
+        # The hooks reach this object through a weak reference. A strong one closes a cycle through
+        # autograd's C++ hook table, which Python's collector cannot see: the model, its buffers and
+        # the layout's process groups would outlive the run (a multirun would keep every job's
+        # model) and be torn down only during interpreter finalization, where gloo's worker threads
+        # abort the process ("terminate called without an active exception").
+        owner = weakref.ref(self)
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda param, i=i: self._accumulate(i, param))
+            p.register_post_accumulate_grad_hook(lambda param, i=i: owner()._accumulate(i, param))
 
     # Layout
 

@@ -64,3 +64,51 @@ def test_dropout_outside_0_1_is_a_config_error(value):
     import config
     with pytest.raises(config.ConfigError, match="model.dropout"):
         config.validate(config.compose([f"model.dropout={value}"]), world=1)
+
+
+def _two_jobs_then_exit(rank, world, port, cache, run_dir):
+    """One rank of a 2-job multirun in the same processes, as Hydra's basic launcher runs one, then
+    the rank's exit (parallel.shutdown, which init_distributed registers at exit)."""
+    import gc
+    import os
+    import threading
+    import weakref
+    from pathlib import Path
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), MEGAREPRO_CACHE=cache, WANDB_MODE="disabled", HF_DATASETS_OFFLINE="1")
+    import config
+    import parallel
+    import train
+    layouts, build = [], parallel.build_layout
+
+    def watched_build(*args, **kwargs):
+        layout = build(*args, **kwargs)
+        layouts.append(weakref.ref(layout))
+        return layout
+    parallel.build_layout = watched_build
+    cfg = config.compose(SMALL + ["parallel.pp=2", "parallel.microbatches=2", "train.max_steps=2", "precision=fp32",
+                                  "checkpoint.interval=1", "checkpoint.async_save=true", "data.pipeline=megascale"])
+    report = {}
+    for job in (1, 2):
+        train.train(cfg, Path(run_dir) / f"rank{rank}_job{job}")
+        gc.collect()
+        report[f"job{job}_layout_alive"] = layouts[-1]() is not None
+    parallel.shutdown()
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    report["native_threads"] = sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
+    report["python_threads"] = [t.name for t in threading.enumerate()]
+    (Path(run_dir) / f"exit_{rank}.json").write_text(json.dumps(report))
+
+
+def test_a_rank_ends_with_every_thread_joined(tmp_path, cache_dir):
+    """What issue 19's SIGABRT after "done" came from: the process groups outlived the run (the ZeRO
+    hooks' cycle through autograd's C++ hook table kept each job's model and layout, and a cache
+    kept the checkpoint's group), so gloo's threads were torn down in interpreter finalization.
+    Now each job's model goes when the job ends, and at exit no gloo thread or run thread is left."""
+    from conftest import spawn
+    spawn(_two_jobs_then_exit, 2, str(cache_dir), str(tmp_path))
+    for rank in range(2):
+        report = json.loads((tmp_path / f"exit_{rank}.json").read_text())
+        assert not report["job1_layout_alive"] and not report["job2_layout_alive"], report
+        assert not [t for t in report["native_threads"] if "gloo" in t], report["native_threads"]
+        assert report["python_threads"] == ["MainThread"], report["python_threads"]
