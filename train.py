@@ -86,7 +86,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     torch.manual_seed(cfg.train.seed + rank)
     random.seed(cfg.train.seed + rank)
     np.random.seed(cfg.train.seed + rank)
-    precision = machine.resolve_precision(cfg.precision, device)
+    precision = _agreed_precision(cfg.precision, device, world)
     autocast_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     # --- Data: rank 0 reads and hashes the corpus (building the cache under a file lock if need
@@ -275,6 +275,19 @@ def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_
 def evaluate(engine, batches, device, autocast_dtype, layout) -> float:
     total = sum(engine.forward_backward(x.to(device), y.to(device), autocast_dtype, backward=False) for x, y in batches)
     return _read_agreed(_agree(total / len(batches), False, layout), layout)[0]
+
+
+def _agreed_precision(requested: str, device: torch.device, world: int) -> str:
+    """precision=auto on a CPU is a measurement (machine.resolve_precision), taken on rank 0 and
+    broadcast: ranks measuring side by side on shared cores could decide differently, and ranks in
+    two precisions would exchange tensors of two dtypes. (On CUDA, and when asked, no measurement.)"""
+    if requested != "auto" or world == 1 or device.type == "cuda":
+        return machine.resolve_precision(requested, device)
+    bf16 = torch.zeros(1, dtype=torch.int32, device=device)
+    if dist.get_rank() == 0:
+        bf16.fill_(machine.resolve_precision(requested, device) == "bf16")
+    dist.broadcast(bf16, src=0)
+    return "bf16" if bf16.item() else "fp32"
 
 
 def _agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """train.py end to end: learning, gradient accumulation, dry runs, and bad input (resume: test_checkpoint.py, test_ft.py)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -7,7 +8,8 @@ from conftest import SMALL, read_metrics, run_train
 
 
 def test_tiny_model_learns_on_the_embedded_corpus(tmp_path, cache_dir):
-    run_train(tmp_path, SMALL + ["train.max_steps=120", "train.eval_interval=60"], cache_dir)
+    measured_peak = [a for a in SMALL if not a.startswith("hardware.peak_tflops")]
+    run_train(tmp_path, measured_peak + ["train.max_steps=120", "train.eval_interval=60"], cache_dir)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 121))
     first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
@@ -21,6 +23,7 @@ def test_tiny_model_learns_on_the_embedded_corpus(tmp_path, cache_dir):
     assert run["final"]["tokens_per_s"] > 0 and 0 < run["final"]["mfu"] < 1
     assert run["data"]["python_version"] and run["data"]["content_hash"]
     assert run["flops_per_token"] > 0 and run["config"]["model"]["name"] == "tiny"
+    assert run["peak_source"] == "measured" and run["peak_tflops"] > 0
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path, cache_dir):
@@ -112,3 +115,22 @@ def test_a_rank_ends_with_every_thread_joined(tmp_path, cache_dir):
         assert not report["job1_layout_alive"] and not report["job2_layout_alive"], report
         assert not [t for t in report["native_threads"] if "gloo" in t], report["native_threads"]
         assert report["python_threads"] == ["MainThread"], report["python_threads"]
+
+
+def _precision_of_rank(rank, world, port, out_dir):
+    import torch
+    import torch.distributed as dist
+    import machine
+    import train
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # Two ranks whose measurements disagree, as ranks measuring side by side under load can.
+    machine.resolve_precision = lambda requested, device: "bf16" if rank == 0 else "fp32"
+    got = train._agreed_precision("auto", torch.device("cpu"), world)
+    (Path(out_dir) / f"rank{rank}").write_text(got)
+    dist.destroy_process_group()
+
+
+def test_precision_auto_is_rank_0s_decision_on_every_rank(tmp_path):
+    from conftest import spawn
+    spawn(_precision_of_rank, 2, str(tmp_path))
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["bf16", "bf16"]
