@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+from errors import ConfigError
 from overlap import CLOCK
 from pipeline import Pipeline, autocast, split_for_pipeline
 from zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
@@ -52,7 +53,6 @@ def data_parallel_size(cfg: ParallelConfig, world: int) -> int:
 
 def validate(cfg, world: int) -> None:
     """Layout checks against the model, batch and world size; each failure is one ConfigError."""
-    from config import ConfigError
     p, m, t = cfg.parallel, cfg.model, cfg.train
     for key in ("tp", "pp", "vpp", "microbatches"):
         if getattr(p, key) < 1:

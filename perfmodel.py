@@ -58,7 +58,8 @@ import config
 import machine
 import model as gpt
 from kernels import mean_keys
-from config import ConfigError, HardwareConfig
+from config import HardwareConfig
+from errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent
 DATA_DIR = ROOT / "experiments" / "data"

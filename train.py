@@ -36,6 +36,7 @@ import metrics
 import optim
 import parallel
 import sampling
+from errors import ConfigError
 from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
@@ -49,7 +50,7 @@ def main(dict_cfg) -> float:
     cfg = config.to_object(dict_cfg)
     try:
         config.validate(cfg)
-    except config.ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
+    except ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
         print(err, file=sys.stderr)
         sys.exit(2)
     if cfg.rehearse.rank >= 0:  # one rank of a rehearsal (rehearsal.py), in its own process
@@ -223,7 +224,7 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
         try:
             corpus = data.prepare(cfg.data, cfg.train.seq_len)
             found = [corpus.path.name]
-        except config.ConfigError as err:
+        except ConfigError as err:
             found = [("error", str(err))]
     if world > 1:
         dist.broadcast_object_list(found, src=0)
