@@ -19,7 +19,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import hydra
 import numpy as np
@@ -163,12 +162,12 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             with recorder if recording else contextlib.nullcontext():
                 if recording:
                     recorder.step = step - start_step
-                loss, grad_norm = train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
+                loss, grad_norm = parallel.train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
                 scheduler.step()
-                agreed = _agree(loss, stop.requested, layout, grad_norm)
+                agreed = parallel.agree(loss, stop.requested, layout, grad_norm)
                 # The step's one host read: loss, stop flag and grad norm together, once the step has run.
                 with recorder.named_read() if recording else contextlib.nullcontext():
-                    (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: _read_agreed(agreed, layout))
+                    (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: parallel.read_agreed(agreed, layout))
             if recording and step == start_step + cfg.rehearse.steps:
                 recorder.write(run_dir / "comm" / f"rank{rank}.json")
             row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
@@ -257,43 +256,10 @@ def breakdown(timing: dict) -> dict:
     return {"exposed_comm_s": timing["comm_s"], "bubble_s": timing["bubble_s"], "compute_s": timing["compute_s"]}
 
 
-def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_dtype) -> tuple:
-    """One optimizer step: forward and backward over parallel.microbatches microbatches (a
-    pipeline schedule when pp > 1, gradient accumulation otherwise), then the TP/DP gradient
-    reductions and clipping, the update, and ZeRO's parameter all-gather. Returns the loss and
-    the gradient norm as 0-d tensors on the device: nothing here waits for the device."""
-    loss = engine.forward_backward(inputs, targets, autocast_dtype)
-    grad_norm = engine.finish_gradients(cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    engine.after_step()
-    return loss, grad_norm
-
-
 @torch.no_grad()
 def evaluate(engine, batches, device, autocast_dtype, layout) -> float:
     total = sum(engine.forward_backward(x.to(device), y.to(device), autocast_dtype, backward=False) for x, y in batches)
-    return _read_agreed(_agree(total / len(batches), False, layout), layout)[0]
-
-
-def _agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Sum the loss over ranks (it lives on the last pipeline stage, on each of its tp ranks: the
-    reader divides by dp*tp) and the stop flag over all ranks, in one all-reduce on the device:
-    every rank must stop at the same step or the others hang in a collective. The grad norm (the
-    same on every rank already) rides along, so the host reads all three at once."""
-    t = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
-    if layout.world > 1:
-        with CLOCK.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
-            dist.all_reduce(t)
-    return t if grad_norm is None else torch.cat([t, grad_norm.float().reshape(1)])
-
-
-def _read_agreed(agreed: torch.Tensor, layout) -> tuple:
-    """The host read of _agree's result: (mean loss, stop flag[, grad norm])."""
-    values = agreed.tolist()
-    values[0] /= layout.dp * layout.tp
-    values[1] = values[1] > 0
-    return tuple(values)
+    return parallel.read_agreed(parallel.agree(total / len(batches), False, layout), layout)[0]
 
 
 # --- Checkpoints ---
