@@ -47,6 +47,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.metadata import TensorProperties
 
+from errors import ConfigError
+
 log = logging.getLogger("checkpoint")
 
 
@@ -512,7 +514,6 @@ def load(folder: Path, engine, optimizer, scheduler, loader, group=None) -> int:
     state = {**model_chunks(engine), **optimizer_chunks(engine, optimizer, template=opt_meta)}
     missing = sorted(k for k in state if k not in saved)
     if missing:
-        from config import ConfigError
         raise ConfigError("resume", f"{folder} has no {missing[0]} (and {len(missing) - 1} more keys): "
                           f"another model?", "resume a checkpoint of this model, or resume=none")
     blobs = ["optim/param_groups", "scheduler", "loader", "step"] + [f"rng/{rank}"] * (f"rng/{rank}" in saved)
@@ -554,7 +555,7 @@ def _load_optimizer(engine, optimizer, state: dict, groups: list) -> None:
 # - HF's LayerNorms and MLP always have biases; with model.bias=false they get zeros, which
 #   computes the same. The attention biases follow HF's attention_bias flag.
 # - GPT-NeoX has no sliding-window attention, so an SWA model is refused, not exported wrong.
-# config.py imports this module, so config, model and transformers are imported inside functions.
+# config.py imports this module, so model and transformers are imported inside functions.
 
 HF_LAYER = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.qkv": "attention.query_key_value",
             "attn.out": "attention.dense", "mlp.fc_in": "mlp.dense_h_to_4h", "mlp.fc_out": "mlp.dense_4h_to_h"}
@@ -572,8 +573,7 @@ def consolidate_model(folder: Path) -> dict:
 
 def resolve_complete(path) -> Path:
     """PATH if it is a step folder that verifies against its manifest, or the newest such folder in
-    a checkpoints dir (config.ConfigError otherwise)."""
-    from config import ConfigError
+    a checkpoints dir (ConfigError otherwise)."""
     path = Path(path)
     fix = "give a step_* folder with a manifest.json, or a checkpoints dir holding one"
     if not path.exists():
@@ -640,8 +640,7 @@ def hf_neox_state(state: dict, cfg) -> dict:
 
 def export_hf(ckpt, out) -> Path:
     """Write CKPT as a transformers GPTNeoXForCausalLM (config.json + safetensors) to OUT. Returns the
-    step folder exported. Raises config.ConfigError for an SWA model or an incomplete checkpoint."""
-    from config import ConfigError
+    step folder exported. Raises ConfigError for an SWA model or an incomplete checkpoint."""
     from model import GPT
     folder = resolve_complete(ckpt)
     cfg = saved_model_config(folder)
@@ -668,7 +667,6 @@ def export_hf(ckpt, out) -> Path:
 def main(argv: Optional[list] = None) -> None:
     import argparse
     import sys
-    from config import ConfigError
     parser = argparse.ArgumentParser(prog="checkpoint.py", description="Checkpoint tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser("export-hf", help="write a transformers GPT-NeoX model (config.json + safetensors)")

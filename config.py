@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 from omegaconf import OmegaConf
 
 from checkpoint import CheckpointConfig
+from errors import ConfigError  # defined in errors.py, a leaf; config.ConfigError still names it
 from ft import FTConfig
 from data import DataConfig
 from kernels import ATTENTION_IMPLS, FUSED_IMPLS, KernelsConfig
@@ -166,14 +167,6 @@ class Config:
     precision: str = "auto"       # auto | bf16 (autocast, fp32 master weights) | fp32; auto: bf16 where it is fast
     resume: str = "auto"          # auto (newest complete checkpoint, if any) | none | PATH
     dry_run: bool = False         # build on the meta device, print size/FLOPs/memory, exit
-
-
-class ConfigError(ValueError):
-    """A bad setting. str() is the one line the user sees."""
-
-    def __init__(self, key: str, problem: str, fix: str):
-        super().__init__(f"config error: {key}: {problem}. Fix: {fix}")
-        self.key = key
 
 
 def run_id() -> str:

@@ -34,6 +34,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
+from errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -69,8 +71,7 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # --- Validation: cheap checks only, never the network ---
 
 def check_config(cfg: DataConfig) -> None:
-    """Raise config.ConfigError for a bad data setting found without loading anything."""
-    from config import ConfigError  # config.py imports this module at load time
+    """Raise ConfigError for a bad data setting found without loading anything."""
     for key, value, allowed in (("data.format", cfg.format, FORMATS), ("data.pipeline", cfg.pipeline, PIPELINES)):
         if value not in allowed:
             raise ConfigError(key, f"unknown value {value!r}", f"use one of: {', '.join(allowed)}")
@@ -141,7 +142,6 @@ def _local_format(cfg: DataConfig, files: list[Path]) -> str:
         return cfg.format
     formats = sorted({_file_format(p) for p in files})
     if len(formats) > 1:
-        from config import ConfigError
         raise ConfigError("data.format", f"data.source mixes {' and '.join(formats)} files",
                           "set data.format explicitly or narrow data.source to one kind of file")
     return formats[0]
@@ -217,7 +217,6 @@ def _hub_source(cfg: DataConfig, hf_cache: Path) -> Source:
 
     def documents() -> Iterator[str]:
         import datasets
-        from config import ConfigError
         try:
             ds = datasets.load_dataset(cfg.source, cfg.subset, split=cfg.split, cache_dir=str(hf_cache))
         except Exception as err:  # offline, a typo, a gated dataset: all end the run the same way
@@ -231,7 +230,6 @@ def _hub_source(cfg: DataConfig, hf_cache: Path) -> Source:
 
 def _column(ds, field: str, key: str) -> Iterator[str]:
     if field not in ds.column_names:
-        from config import ConfigError
         raise ConfigError(key, f"no column {field!r}; the dataset has {', '.join(ds.column_names)}",
                           "set data.text_field to the column that holds the text")
     for batch in ds.select_columns([field]).iter(batch_size=1024):
@@ -317,7 +315,6 @@ class HFTokenizer:
         self.vocab_size = len(self.tok)
         self.eot_id = self.tok.eos_token_id
         if self.eot_id is None:
-            from config import ConfigError
             raise ConfigError("data.tokenizer", f"{name_or_path!r} has no end-of-text (eos) token to separate documents",
                               "use a tokenizer with an eos token, or bpe")
         self.backend = getattr(self.tok, "backend_tokenizer", None)
@@ -488,7 +485,6 @@ def _build(entry: Path, cfg: DataConfig, source: Source, tokenizer_identity: dic
     log.info("data: tokenizing %s into %s", cfg.source, entry)
     _write_atomic(entry / "tokens.bin", write_tokens)
     if counts["documents"] == 0:
-        from config import ConfigError
         raise ConfigError("data.source", f"{cfg.source!r} contains no text", "point data.source at a non-empty corpus")
     done = time.perf_counter()
     meta = {**source.meta, **counts, "tokenizer": {**tokenizer_identity, "vocab_size": tokenizer.vocab_size},
@@ -515,7 +511,6 @@ def _batches(documents: Iterable[str], max_chars: int) -> Iterator[list[str]]:
 
 
 def _check_size(corpus: Corpus, cfg: DataConfig, seq_len: int) -> None:
-    from config import ConfigError
     if corpus.num_sequences("train", seq_len) < 1:
         raise ConfigError("data.source", f"the training split has {len(corpus.train)} tokens, fewer than one "
                           f"sequence of train.seq_len={seq_len} plus its target",

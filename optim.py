@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from errors import ConfigError
+
 
 @dataclass
 class OptimConfig:
@@ -46,8 +48,7 @@ NAMES = ("adamw", "lamb")
 
 
 def check_config(cfg: OptimConfig) -> None:
-    """Raise config.ConfigError for a bad optim setting."""
-    from config import ConfigError
+    """Raise ConfigError for a bad optim setting."""
     if cfg.name not in NAMES:
         raise ConfigError("optim.name", f"unknown value {cfg.name!r}", f"use one of: {', '.join(NAMES)}")
     if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):

@@ -1,7 +1,9 @@
 """Parallelism, applied from outside to the plain model of model.py (torchtitan-style).
 
 This file owns the process group set-up (env:// under torchrun or srun, device and backend
-detection), the device mesh, and the functions that shard the model.
+detection), the device mesh, the functions that shard the model, and the optimizer step over the
+sharded model with the ranks' agreement on its loss (train_step, agree), which train.py and
+rehearsal.py both run.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+from errors import ConfigError
 from overlap import CLOCK
 from pipeline import Pipeline, autocast, split_for_pipeline
 from zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
@@ -53,7 +56,6 @@ def data_parallel_size(cfg: ParallelConfig, world: int) -> int:
 
 def validate(cfg, world: int) -> None:
     """Layout checks against the model, batch and world size; each failure is one ConfigError."""
-    from config import ConfigError
     p, m, t = cfg.parallel, cfg.model, cfg.train
     for key in ("tp", "pp", "vpp", "microbatches"):
         if getattr(p, key) < 1:
@@ -684,3 +686,39 @@ def _norm_group(layout: Layout):
 def build(model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none",
           fused: bool = False, dtype: torch.dtype = torch.float32, device=None, seed: int = 0) -> ParallelModel:
     return ParallelModel(model, layout, cfg, recompute, fused, dtype, device, seed)
+
+
+# --- The optimizer step, and the ranks' agreement on its loss: train.py runs them, and
+# rehearsal.py rehearses the very same code ---
+
+def train_step(engine, optimizer, inputs, targets, cfg, autocast_dtype) -> tuple:
+    """One optimizer step: forward and backward over parallel.microbatches microbatches (a
+    pipeline schedule when pp > 1, gradient accumulation otherwise), then the TP/DP gradient
+    reductions and clipping, the update, and ZeRO's parameter all-gather. Returns the loss and
+    the gradient norm as 0-d tensors on the device: nothing here waits for the device."""
+    loss = engine.forward_backward(inputs, targets, autocast_dtype)
+    grad_norm = engine.finish_gradients(cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    engine.after_step()
+    return loss, grad_norm
+
+
+def agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum the loss over ranks (it lives on the last pipeline stage, on each of its tp ranks: the
+    reader divides by dp*tp) and the stop flag over all ranks, in one all-reduce on the device:
+    every rank must stop at the same step or the others hang in a collective. The grad norm (the
+    same on every rank already) rides along, so the host reads all three at once."""
+    t = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
+    if layout.world > 1:
+        with CLOCK.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
+            dist.all_reduce(t)
+    return t if grad_norm is None else torch.cat([t, grad_norm.float().reshape(1)])
+
+
+def read_agreed(agreed: torch.Tensor, layout) -> tuple:
+    """The host read of agree's result: (mean loss, stop flag[, grad norm])."""
+    values = agreed.tolist()
+    values[0] /= layout.dp * layout.tp
+    values[1] = values[1] > 0
+    return tuple(values)

@@ -49,7 +49,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -58,7 +57,8 @@ import config
 import machine
 import model as gpt
 from kernels import mean_keys
-from config import ConfigError, HardwareConfig
+from config import HardwareConfig
+from errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent
 DATA_DIR = ROOT / "experiments" / "data"
@@ -763,5 +763,8 @@ def optimizer_time(cfg: config.Config, lay: Layout, r: Rates) -> float:
 
 
 if __name__ == "__main__":
-    import perfmodel_cli  # the studies, their tables and the command line live there (file length)
-    sys.exit(perfmodel_cli.main(sys.argv[1:]))
+    # `python perfmodel.py ...` is the command users type; its studies, tables and command line live
+    # in perfmodel_cli.py, which imports this model. Running that file as __main__ by name (no import
+    # statement) keeps the model from depending on its command line: no import circle.
+    import runpy
+    runpy.run_module("perfmodel_cli", run_name="__main__")

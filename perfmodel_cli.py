@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import config
 import machine
 import perfmodel as pm
-from config import ConfigError
+from errors import ConfigError
 # Table 3's row names and the number formats: one definition, shared with the tables of measured runs.
 from experiments.tables import ABLATION_LABELS, markdown_table, pct, seconds
 

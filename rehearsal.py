@@ -511,7 +511,6 @@ class _Run:
         import optim
         import parallel
         import pipeline
-        import train
         cfg, layout, recorder, device = self.cfg, self.layout, self.recorder, torch.device("meta")
         with torch.device("meta"):
             model = gpt.GPT(cfg.model, cfg.kernels)
@@ -535,16 +534,16 @@ class _Run:
                 for step in range(1, cfg.rehearse.steps + 1):
                     recorder.step, ledger.where = step, f"step {step}"
                     with ledger, self.flops:
-                        loss, norm = train.train_step(engine, optimizer, tokens, tokens, cfg, self.dtype)
+                        loss, norm = parallel.train_step(engine, optimizer, tokens, tokens, cfg, self.dtype)
                         scheduler.step()
-                        train._agree(loss, False, layout, norm)
+                        parallel.agree(loss, False, layout, norm)
                     with recorder.named_read():
                         pass
                     if step == 1:
                         self.first_step = list(schedule)
                 recorder.step, ledger.where = "eval", "evaluation"
                 with ledger, torch.no_grad():  # one held-out batch, as train.evaluate runs it
-                    train._agree(engine.forward_backward(tokens, tokens, self.dtype, backward=False), False, layout)
+                    parallel.agree(engine.forward_backward(tokens, tokens, self.dtype, backward=False), False, layout)
                 with recorder.named_read():
                     pass
                 ledger.where = "checkpoint"

@@ -19,7 +19,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import hydra
 import numpy as np
@@ -36,6 +35,7 @@ import metrics
 import optim
 import parallel
 import sampling
+from errors import ConfigError
 from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
@@ -49,7 +49,7 @@ def main(dict_cfg) -> float:
     cfg = config.to_object(dict_cfg)
     try:
         config.validate(cfg)
-    except config.ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
+    except ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
         print(err, file=sys.stderr)
         sys.exit(2)
     if cfg.rehearse.rank >= 0:  # one rank of a rehearsal (rehearsal.py), in its own process
@@ -162,12 +162,12 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             with recorder if recording else contextlib.nullcontext():
                 if recording:
                     recorder.step = step - start_step
-                loss, grad_norm = train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
+                loss, grad_norm = parallel.train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
                 scheduler.step()
-                agreed = _agree(loss, stop.requested, layout, grad_norm)
+                agreed = parallel.agree(loss, stop.requested, layout, grad_norm)
                 # The step's one host read: loss, stop flag and grad norm together, once the step has run.
                 with recorder.named_read() if recording else contextlib.nullcontext():
-                    (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: _read_agreed(agreed, layout))
+                    (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: parallel.read_agreed(agreed, layout))
             if recording and step == start_step + cfg.rehearse.steps:
                 recorder.write(run_dir / "comm" / f"rank{rank}.json")
             row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
@@ -225,7 +225,7 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
         try:
             corpus = data.prepare(cfg.data, cfg.train.seq_len)
             found = [corpus.path.name]
-        except config.ConfigError as err:
+        except ConfigError as err:
             found = [("error", str(err))]
     if world > 1:
         dist.broadcast_object_list(found, src=0)
@@ -258,23 +258,10 @@ def breakdown(timing: dict) -> dict:
     return {"exposed_comm_s": timing["comm_s"], "bubble_s": timing["bubble_s"], "compute_s": timing["compute_s"]}
 
 
-def train_step(engine, optimizer, inputs, targets, cfg: config.Config, autocast_dtype) -> tuple:
-    """One optimizer step: forward and backward over parallel.microbatches microbatches (a
-    pipeline schedule when pp > 1, gradient accumulation otherwise), then the TP/DP gradient
-    reductions and clipping, the update, and ZeRO's parameter all-gather. Returns the loss and
-    the gradient norm as 0-d tensors on the device: nothing here waits for the device."""
-    loss = engine.forward_backward(inputs, targets, autocast_dtype)
-    grad_norm = engine.finish_gradients(cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    engine.after_step()
-    return loss, grad_norm
-
-
 @torch.no_grad()
 def evaluate(engine, batches, device, autocast_dtype, layout) -> float:
     total = sum(engine.forward_backward(x.to(device), y.to(device), autocast_dtype, backward=False) for x, y in batches)
-    return _read_agreed(_agree(total / len(batches), False, layout), layout)[0]
+    return parallel.read_agreed(parallel.agree(total / len(batches), False, layout), layout)[0]
 
 
 def _agreed_precision(requested: str, device: torch.device, world: int) -> str:
@@ -288,26 +275,6 @@ def _agreed_precision(requested: str, device: torch.device, world: int) -> str:
         bf16.fill_(machine.resolve_precision(requested, device) == "bf16")
     dist.broadcast(bf16, src=0)
     return "bf16" if bf16.item() else "fp32"
-
-
-def _agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Sum the loss over ranks (it lives on the last pipeline stage, on each of its tp ranks: the
-    reader divides by dp*tp) and the stop flag over all ranks, in one all-reduce on the device:
-    every rank must stop at the same step or the others hang in a collective. The grad norm (the
-    same on every rank already) rides along, so the host reads all three at once."""
-    t = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
-    if layout.world > 1:
-        with CLOCK.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
-            dist.all_reduce(t)
-    return t if grad_norm is None else torch.cat([t, grad_norm.float().reshape(1)])
-
-
-def _read_agreed(agreed: torch.Tensor, layout) -> tuple:
-    """The host read of _agree's result: (mean loss, stop flag[, grad norm])."""
-    values = agreed.tolist()
-    values[0] /= layout.dp * layout.tp
-    values[1] = values[1] > 0
-    return tuple(values)
 
 
 # --- Checkpoints ---

@@ -241,14 +241,15 @@ def test_a_cpu_tensor_in_the_gradient_norm_all_reduce_is_named(monkeypatch, tmp_
 
 
 def test_a_cpu_tensor_in_the_loss_all_reduce_is_named(monkeypatch, tmp_path):
-    """Finding 1: train._agree all-reduced a CPU float64 tensor on the default (NCCL) group."""
-    import train
+    """Finding 1: train._agree (now parallel.agree) all-reduced a CPU float64 tensor on the default
+    (NCCL) group."""
+    import parallel
 
     def agree(loss, stop, layout, grad_norm=None):  # e17bd15's
         t = torch.tensor([0.0, float(stop)], dtype=torch.float64)
         torch.distributed.all_reduce(t)
         return t
-    monkeypatch.setattr(train, "_agree", agree)
+    monkeypatch.setattr(parallel, "agree", agree)
     found = violations(rehearse_here(TINY_3D, [0], tmp_path))
     assert any("cpu tensor" in v and "test_rehearsal.py" not in v for v in found) or any("agree" in v for v in found), found
 

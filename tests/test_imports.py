@@ -1,0 +1,146 @@
+"""The project's import graph has no circles (issue 23).
+
+The graph is read from the source with `ast`, not by importing anything: every import statement of
+every top-level module (*.py in the repo root) and of experiments/*.py counts, the lazy ones inside
+functions included, except those under `if TYPE_CHECKING:` (never run). An edge a -> b means module
+a imports project module b somewhere.
+"""
+import ast
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def project_modules(root: Path) -> Dict[str, Path]:
+    """Module name -> file: the flat repo's *.py, and experiments/*.py as experiments.<name>."""
+    modules = {p.stem: p for p in sorted(root.glob("*.py"))}
+    modules.update({f"experiments.{p.stem}": p for p in sorted((root / "experiments").glob("*.py"))
+                    if p.stem != "__init__"})
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imported_names(path: Path, module: str) -> List[str]:
+    """Every dotted name an import statement in the file names (for `from a import b`: a and
+    a.b, since b may be a submodule), TYPE_CHECKING blocks left out."""
+    names: List[str] = []
+    package = module.rpartition(".")[0]
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if _is_type_checking(node.test):
+                for child in node.orelse:  # the else branch does run
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            names.extend(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            base = node.module or ""
+            if node.level:  # relative: from the file's package
+                parts = package.split(".") if package else []
+                parts = parts[:len(parts) - (node.level - 1)] if node.level > 1 else parts
+                base = ".".join(p for p in parts + ([node.module] if node.module else []) if p)
+            if base:
+                names.append(base)
+            names.extend(f"{base}.{alias.name}" if base else alias.name for alias in node.names)
+
+    Visitor().visit(ast.parse(path.read_text(), filename=str(path)))
+    return names
+
+
+def import_graph(root: Path) -> Dict[str, Set[str]]:
+    """Project module -> the project modules it imports (itself left out)."""
+    modules = project_modules(root)
+    graph: Dict[str, Set[str]] = {}
+    for module, path in modules.items():
+        deps = set()
+        for name in imported_names(path, module):
+            parts = name.split(".")
+            for n in range(len(parts), 0, -1):  # the longest prefix that is a project module
+                candidate = ".".join(parts[:n])
+                if candidate in modules:
+                    deps.add(candidate)
+                    break
+        deps.discard(module)
+        graph[module] = deps
+    return graph
+
+
+def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """One cycle as [a, b, ..., a], or None. Depth-first search; a grey node met again closes a cycle."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    colour = {node: WHITE for node in graph}
+    path: List[str] = []
+
+    def visit(node: str) -> Optional[List[str]]:
+        colour[node] = GREY
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if colour.get(dep, BLACK) == GREY:
+                return path[path.index(dep):] + [dep]
+            if colour.get(dep) == WHITE:
+                found = visit(dep)
+                if found:
+                    return found
+        path.pop()
+        colour[node] = BLACK
+        return None
+
+    for node in sorted(graph):
+        if colour[node] == WHITE:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_project_has_no_import_cycle():
+    graph = import_graph(ROOT)
+    # The reader sees what matters: lazy imports inside functions (ft imports checkpoint only in
+    # one), experiments' modules, and the schema root's imports of the modules it assembles.
+    assert "checkpoint" in graph["ft"]
+    assert "experiments.tables" in graph["experiments.figures"]
+    assert {"checkpoint", "data", "optim", "parallel", "rehearsal"} <= graph["config"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_errors_is_a_leaf_and_config_is_imported_by_none_it_imports():
+    graph = import_graph(ROOT)
+    assert graph["errors"] == set(), graph["errors"]
+    assert graph["perfmodel"].isdisjoint({"perfmodel_cli"})
+    for module in graph["config"]:
+        assert "config" not in graph[module], f"{module} imports config.py back"
+    # config.ConfigError stays a name for callers outside the project; the project's modules take it from errors.py
+    for module, path in project_modules(ROOT).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "config":
+                assert "ConfigError" not in [a.name for a in node.names], f"{module} imports ConfigError from config"
+
+
+def test_the_detector_finds_a_known_cycle(tmp_path):
+    """A synthetic project: a -> b (lazy, in a function) -> c -> a (from-import). A TYPE_CHECKING
+    import back (d -> a, a -> d) is not a cycle; experiments' modules are nodes too."""
+    (tmp_path / "a.py").write_text("import d\n\ndef f():\n    import b\n    return b\n")
+    (tmp_path / "b.py").write_text("import os\nfrom c import thing\n")
+    (tmp_path / "c.py").write_text("thing = 1\n\ndef g():\n    from a import f\n    return f\n")
+    (tmp_path / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
+    graph = import_graph(tmp_path)
+    assert graph == {"a": {"b", "d"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+
+    (tmp_path / "c.py").write_text("thing = 1\n")  # the circle broken
+    assert find_cycle(import_graph(tmp_path)) is None
+
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "x.py").write_text("from experiments import y\n")
+    (tmp_path / "experiments" / "y.py").write_text("def h():\n    import experiments.x\n")
+    assert find_cycle(import_graph(tmp_path)) == ["experiments.x", "experiments.y", "experiments.x"]
