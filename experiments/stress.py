@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import checkpoint  # noqa: E402
 import machine  # noqa: E402
 from conftest import EIGHT_RANKS, EXACT, train_env  # noqa: E402
-from test_checkpoint import ARGS as RESUME_ARGS, ASYNC_ARGS, SAVED_AT  # noqa: E402
+from test_checkpoint import ARGS as RESUME_ARGS, ASYNC_ARGS, PP2_VPP2, SAVED_AT  # noqa: E402
 from test_parallel import LAYOUTS  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results" / "stress.md"
@@ -63,11 +63,12 @@ def cases() -> dict:
     """name -> Case: the tests' commands, each ending in a checkpoint whose weights are compared."""
     found = {"single": Case(1, EXACT)}
     found.update({name: Case(ranks, EXACT + overrides) for name, (ranks, overrides) in LAYOUTS.items()})
+    found["tp2_pp2_dp2_overlap"].args += ["rehearse.record=true"]  # as the tests run it (conftest.eight_rank_run)
     # test_checkpoint: 5 steps at tp2 x dp2 saving at step 3, then resumes from that step at the
     # same layout and at three others; and asynchronous saves (one rank, and at tp2 x dp2).
     found["saved_tp2_dp2"] = Case(4, RESUME_ARGS + SAVED_AT + ["checkpoint.interval=3"])
     resumes = {"resume_tp2_dp2": (4, SAVED_AT), "resume_single": (1, ["parallel.zero_stage=0"]),
-               "resume_pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"]),
+               "resume_pp2_vpp2": (2, PP2_VPP2),
                "resume_dp2_zero2": (2, ["parallel.zero_stage=2"])}
     for name, (ranks, layout) in resumes.items():
         found[name] = Case(ranks, RESUME_ARGS + layout + ["checkpoint.interval=5"], needs="saved_tp2_dp2")
@@ -80,7 +81,7 @@ def cases() -> dict:
 # with every overlap on, asynchronous saves across ranks, and the interleaved pipeline with overlap.
 CI_CASES = ["resume_pp2_vpp2", "tp2_pp2_dp2_overlap", "async_tp2_dp2", "pp2_vpp2_overlap"]
 assert all(name in cases() for name in CI_CASES)
-assert cases()["tp2_pp2_dp2_overlap"].args[-len(EIGHT_RANKS):] == EIGHT_RANKS
+assert cases()["tp2_pp2_dp2_overlap"].args == EXACT + EIGHT_RANKS + ["rehearse.record=true"]
 
 
 def command(case: Case, run_dir: Path, resume_from: Path | None) -> list:
@@ -136,6 +137,8 @@ class Tally:
     stray: int = 0
     seconds: list = field(default_factory=list)
     reference: dict | None = None
+    dirs: list = field(default_factory=list)  # every run's dir, in order
+    good: list = field(default_factory=list)  # those of runs that exited 0
 
     def add(self, record: dict) -> None:
         self.runs += 1
@@ -170,30 +173,38 @@ class Hog:
 
 
 def stress(names: list, n: int, hog: int, timeout: float, out: Path, cache: Path, progress=print) -> dict:
-    known = cases()
-    tallies = {name: Tally() for name in names}
+    """Every case in `names`, n runs each, beside `hog` busy processes: {name: Tally}."""
+    setups: dict = {}
+    with Hog(hog):
+        return {name: stress_case(name, n, timeout, out, cache, setups, progress) for name in names}
+
+
+def stress_case(name: str, n: int, timeout: float, out: Path, cache: Path, setups: dict, progress=print) -> Tally:
+    """n runs of one case in out/<name>/<i>, after the run it resumes from (once, kept in setups)."""
+    case, tally = cases()[name], Tally()
     out.mkdir(parents=True, exist_ok=True)
-    with Hog(hog), (out / "runs.jsonl").open("a") as log:
-        setups = {}
-        for name in names:
-            case = known[name]
-            if case.needs and case.needs not in setups:  # the run every resume starts from, once
-                setup_dir = out / case.needs
-                record = run_once(known[case.needs], setup_dir, None, cache, timeout)
-                if record["rc"] != 0:
-                    raise SystemExit(f"stress: the setup run {case.needs} failed ({record['rc']}): see {setup_dir}")
-                setups[case.needs] = setup_dir
-            for i in range(n):
-                run_dir = out / name / f"{i:03d}"
-                run_dir.mkdir(parents=True, exist_ok=True)
-                record = {"case": name, "i": i, **run_once(case, run_dir, setups.get(case.needs), cache, timeout)}
-                tallies[name].add(record)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                progress(f"{name} {i + 1}/{n}: rc {record['rc']}, {record['seconds']} s"
-                         + (f", signals {record['signals']}" if record["signals"] else "")
-                         + (f", {len(record['stray'])} stray stderr lines" if record["stray"] else ""))
-    return tallies
+    if case.needs and case.needs not in setups:
+        setup_dir = out / case.needs
+        setup_dir.mkdir(parents=True, exist_ok=True)
+        record = run_once(cases()[case.needs], setup_dir, None, cache, timeout)
+        if record["rc"] != 0:
+            raise RuntimeError(f"stress: the setup run {case.needs} failed ({record['rc']}): see {setup_dir}")
+        setups[case.needs] = setup_dir
+    with (out / "runs.jsonl").open("a") as log:
+        for i in range(n):
+            run_dir = out / name / f"{i:03d}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            record = {"case": name, "i": i, **run_once(case, run_dir, setups.get(case.needs), cache, timeout)}
+            tally.add(record)
+            tally.dirs.append(run_dir)
+            if record["rc"] == 0:
+                tally.good.append(run_dir)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            progress(f"{name} {i + 1}/{n}: rc {record['rc']}, {record['seconds']} s"
+                     + (f", signals {record['signals']}" if record["signals"] else "")
+                     + (f", {len(record['stray'])} stray stderr lines" if record["stray"] else ""))
+    return tally
 
 
 def table(tallies: dict) -> str:

@@ -45,21 +45,44 @@ def run_train(run_dir: Path, args: list, cache: Path, nproc: int = 1, check: boo
 
 
 # The 8-rank layout with every overlap on: test_parallel checks that it equals one process, and
-# test_rehearsal that its rehearsal posts the collectives it posted (rehearse.record). One run
-# serves both (8 ranks on 2 cores is the suite's dearest run).
+# test_rehearsal that its rehearsal posts the collectives it posted (rehearse.record). It is one of
+# the CI stress pass's cases, whose first run serves both (8 ranks on 2 cores is the suite's dearest run).
 EIGHT_RANKS = ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1",
                "parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"]
 EXACT_STEPS = 3
 EXACT = SMALL + [f"train.max_steps={EXACT_STEPS}", "precision=fp32", f"checkpoint.interval={EXACT_STEPS}",
                  "train.eval_interval=3"]
+CI_STRESS_RUNS = 3
 
 
 @pytest.fixture(scope="session")
-def eight_rank_run(tmp_path_factory, cache_dir) -> Path:
+def ci_stress(tmp_path_factory, cache_dir):
+    """The CI stress pass (experiments/stress.py; issue 19): a case's CI_STRESS_RUNS runs beside one
+    CPU hog, on its first request, as stress.Tally. Its first run also serves the tests that check
+    that case's result (one process's losses and weights), so the pass costs two runs a case."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import stress
+    out, setups, tallies = tmp_path_factory.mktemp("stress"), {}, {}
+
+    def run(name: str):
+        if name not in tallies:
+            with stress.Hog(1):
+                tallies[name] = stress.stress_case(name, CI_STRESS_RUNS, 600, out, cache_dir, setups, progress=print)
+        return tallies[name]
+    run.setups = setups
+    return run
+
+
+def first_good_run(tally) -> Path:
+    """The dir of a stress case's first run that exited 0 (test_stress counts the others)."""
+    assert tally.good, f"no run of the case exited 0: see {tally.dirs[0] / 'stderr.txt'}"
+    return tally.good[0]
+
+
+@pytest.fixture(scope="session")
+def eight_rank_run(ci_stress) -> Path:
     """The run dir of EXACT at tp2 pp2 dp2 with every overlap on, its collectives recorded."""
-    run_dir = tmp_path_factory.mktemp("tp2_pp2_dp2_overlap")
-    run_train(run_dir, EXACT + EIGHT_RANKS + ["rehearse.record=true"], cache_dir, nproc=8)
-    return run_dir
+    return first_good_run(ci_stress("tp2_pp2_dp2_overlap"))
 
 
 def read_metrics(run_dir: Path) -> list:

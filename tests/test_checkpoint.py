@@ -12,18 +12,20 @@ import torch.distributed.checkpoint
 
 import checkpoint
 import train
-from conftest import SMALL, read_metrics, run_train
+from conftest import SMALL, first_good_run, read_metrics, run_train
 
 # Saved at tp2 x dp2 with ZeRO-1: TP slices and ZeRO's flat ranges of them are both in the files.
 SAVED_AT = ["parallel.tp=2", "parallel.zero_stage=1"]
 ARGS = SMALL + ["precision=fp32", "train.max_steps=5"]
+PP2_VPP2 = ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"]
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, cache_dir):
-    """5 uninterrupted steps at tp2 x dp2, saving at step 3."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    run_train(run_dir, ARGS + SAVED_AT + ["checkpoint.interval=3"], cache_dir, nproc=4)
+def straight(ci_stress):
+    """5 uninterrupted steps at tp2 x dp2, saving at step 3: the run the CI stress pass's resume
+    starts from (experiments/stress.py's saved_tp2_dp2, this very command)."""
+    first_good_run(ci_stress("resume_pp2_vpp2"))
+    run_dir = ci_stress.setups["saved_tp2_dp2"]
     return [r["loss"] for r in read_metrics(run_dir)], checkpoint.step_dir(run_dir / "checkpoints", 3)
 
 
@@ -35,14 +37,17 @@ def test_resume_at_the_same_layout_is_bitwise(straight, tmp_path, cache_dir):
 
 @pytest.mark.parametrize("ranks, layout", [
     (1, ["parallel.zero_stage=0"]),                                            # tp1 x pp1 x dp1
-    (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"]),       # tp2 -> pp2 vpp2, dp2 -> 1
+    (2, PP2_VPP2),                                                             # tp2 -> pp2 vpp2, dp2 -> 1
     (2, ["parallel.zero_stage=2"]),                                            # tp2 -> 1, dp2, zero 1 -> 2
 ])
-def test_resume_at_another_layout_continues_the_same_run(straight, ranks, layout, tmp_path, cache_dir):
+def test_resume_at_another_layout_continues_the_same_run(straight, ranks, layout, tmp_path, cache_dir, ci_stress):
     """Model and optimizer state (Adam moments of ZeRO shards included) land where the new layout
     keeps them: the next steps' losses are the uninterrupted run's, within fp32 tolerance."""
     losses, step3 = straight
-    run_train(tmp_path, ARGS + layout + [f"resume={step3}"], cache_dir, nproc=ranks)
+    if layout == PP2_VPP2:  # the CI stress pass's case: its first run
+        tmp_path = first_good_run(ci_stress("resume_pp2_vpp2"))
+    else:
+        run_train(tmp_path, ARGS + layout + [f"resume={step3}"], cache_dir, nproc=ranks)
     resumed = [r["loss"] for r in read_metrics(tmp_path)]
     assert len(resumed) == 2
     assert resumed == pytest.approx(losses[3:], rel=1e-5)

@@ -11,14 +11,15 @@ import torch
 import torch.distributed.checkpoint
 
 import checkpoint
-from conftest import EIGHT_RANKS, EXACT, EXACT_STEPS, ROOT, SMALL, read_metrics, run_train, spawn, train_env
+from conftest import (EIGHT_RANKS, EXACT, EXACT_STEPS, ROOT, SMALL, first_good_run, read_metrics, run_train, spawn,
+                      train_env)
 
 STEPS = EXACT_STEPS
 
-LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, TP x PP inside
+LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, plain TP (tp2 x dp1)
+    # inside tp2_recompute_full_megascale_data and tp2_dp2, TP x PP inside
     # tp2_pp2_dp2_overlap (8 ranks, every overlap on), and the ZeRO-2 path inside
     # dp2_zero2_overlap (the same reductions, per bucket) and pp2_dp2.
-    "tp2": (2, ["parallel.tp=2"]),
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4"]),
     "dp2_zero0": (2, ["parallel.zero_stage=0"]),  # plain data parallelism: 2 ranks = 1 rank
     "dp2_zero1": (2, ["parallel.zero_stage=1"]),
@@ -31,12 +32,14 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, T
     "pp2_vpp2_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"]),
     "dp2_zero2_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
     # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
-    "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # run once for the session (conftest.eight_rank_run)
+    "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # the CI stress pass's run (conftest.eight_rank_run)
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
     # background prefetch must hand every rank the very batches it would have read itself.
     "tp2_recompute_full_megascale_data": (2, ["parallel.tp=2", "train.recompute=full", "data.pipeline=megascale"]),
     "recompute_selective_megascale_data": (1, ["train.recompute=selective", "data.pipeline=megascale"]),
 }
+
+STRESSED = {"pp2_vpp2_overlap"}  # layouts whose run here is the first of the CI stress pass's
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,8 @@ def test_layout_equals_single_process(name, reference, tmp_path, cache_dir, requ
     ranks, overrides = LAYOUTS[name]
     if overrides is EIGHT_RANKS:
         tmp_path = request.getfixturevalue("eight_rank_run")
+    elif name in STRESSED:  # the CI stress pass runs it anyway (tests/test_stress.py)
+        tmp_path = first_good_run(request.getfixturevalue("ci_stress")(name))
     else:
         run_train(tmp_path, EXACT + overrides, cache_dir, nproc=ranks)
     ref_rows, ref_weights = reference
@@ -154,7 +159,7 @@ def test_bf16_tracks_fp32_at_tp2_dp2(tmp_path, cache_dir):
         assert b["loss"] == pytest.approx(a["loss"], rel=0.02), a["step"]
 
 
-@pytest.mark.parametrize("overrides, world, key", [
+INVALID_LAYOUTS = [
     (["parallel.tp=3"], 3, "parallel.tp"),                      # 3 divides neither 4 heads nor 256
     (["parallel.tp=2"], 3, "parallel"),                         # 3 ranks cannot be tp2 x dp
     (["parallel.pp=3"], 3, "parallel.pp"),                      # 4 layers over 3 stages
@@ -163,8 +168,21 @@ def test_bf16_tracks_fp32_at_tp2_dp2(tmp_path, cache_dir):
     (["parallel.microbatches=3"], 2, "train.batch_size"),       # 8 sequences over dp2 x 3
     (["parallel.zero_stage=3"], 2, "parallel.zero_stage"),
     (["parallel.order=[dp,tp]"], 2, "parallel.order"),
-])
+]
+
+
+@pytest.mark.parametrize("overrides, world, key", INVALID_LAYOUTS)
+def test_invalid_layout_is_a_config_error_naming_its_key(overrides, world, key):
+    """What train.py checks before any rank starts, on each layout (in this process)."""
+    import config
+    with pytest.raises(config.ConfigError) as err:
+        config.validate(config.compose(SMALL + overrides), world)
+    assert str(err.value).startswith(f"config error: {key}") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, world, key", [INVALID_LAYOUTS[0], INVALID_LAYOUTS[4]])
 def test_invalid_layout_is_one_line_before_any_work(overrides, world, key, tmp_path, cache_dir):
+    """train.py itself: the one line and exit 2 (two of the layouts; the rest share the path)."""
     env = train_env(cache_dir, WORLD_SIZE=world)
     proc = subprocess.run([sys.executable, "train.py", *SMALL, *overrides, f"hydra.run.dir={tmp_path}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

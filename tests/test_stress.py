@@ -1,0 +1,38 @@
+"""The CI stress pass (issue 19): the riskiest cases of experiments/stress.py, CI_STRESS_RUNS runs
+each beside a CPU hog. A rank that aborts after "done", a hang, a stray warning or a run that does
+not repeat bitwise fails CI here rather than at random on a fresh machine."""
+import sys
+
+import pytest
+
+from conftest import CI_STRESS_RUNS, ROOT
+
+sys.path.insert(0, str(ROOT / "experiments"))
+import stress  # noqa: E402
+
+
+@pytest.mark.parametrize("name", stress.CI_CASES)
+def test_the_riskiest_cases_exit_cleanly_and_repeat_bitwise(name, ci_stress):
+    tally = ci_stress(name)
+    assert tally.runs == CI_STRESS_RUNS
+    counts = {"failed": tally.failed, "hung": tally.hung, "signal": tally.signal, "differ": tally.differ,
+              "stray": tally.stray}
+    assert counts == dict.fromkeys(counts, 0), (counts, [str(d) for d in tally.dirs])
+
+
+def test_the_tally_counts_what_went_wrong():
+    """What stress.run_once reads from a run, on torchrun's own words for a rank killed after done."""
+    err = ("[2026-11-25 17:37:49,311][train][INFO] - resumed from x (step 3)\n"
+           "terminate called without an active exception\n"
+           "  traceback : Signal 6 (SIGABRT) received by PID 4242\n")
+    own = [line for line in err.splitlines() if stress.OWN_LOG_LINE.match(line)]
+    assert len(own) == 1 and [m.group(2) for m in stress.SIGNAL.finditer(err)] == ["SIGABRT"]
+    tally = stress.Tally()
+    good = {"rc": 0, "hung": False, "signals": [], "stray": [], "seconds": 1.0, "losses": [(6.0, None)],
+            "weights_sha256": "a"}
+    tally.add(good)
+    tally.add({**good, "weights_sha256": "b"})                       # same losses, other weights
+    tally.add({**good, "rc": 1, "signals": ["SIGABRT"], "stray": ["terminate called"]})
+    tally.add({**good, "rc": -9, "hung": True})
+    assert (tally.runs, tally.failed, tally.hung, tally.signal, tally.differ, tally.stray) == (4, 2, 1, 1, 1, 1)
+    assert tally.bad() == 2 + 1 + 1
