@@ -158,9 +158,7 @@ class Source:
 
 def _stdlib_source(max_bytes: Optional[int]) -> Source:
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages"}  # installed packages are not the standard library
-    files = sorted((p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)),
-                   key=lambda p: p.relative_to(root).as_posix())
+    files = sorted(_stdlib_files(root), key=lambda p: p.relative_to(root).as_posix())
     # The corpus is the first max_bytes bytes of the files' concatenation; the hash covers exactly
     # those bytes, so two machines with the same Python agree on it (and on the cache key).
     chunks, total, digest = [], 0, hashlib.sha256()
@@ -182,6 +180,17 @@ def _stdlib_source(max_bytes: Optional[int]) -> Source:
     # A few stdlib files are deliberately not UTF-8 (encoding tests); they enter with U+FFFD.
     return Source({"kind": "stdlib", "sha256": content_hash, "boundaries": boundaries}, meta,
                   lambda: (c.decode("utf-8", errors="replace") for c in chunks))
+
+
+def _stdlib_files(root: Path) -> Iterator[Path]:
+    """The standard library's *.py files. Installed packages are not the standard library, and
+    their folders are not even walked (site-packages can hold far more files than the library
+    itself: a second of every run's start-up on rank 0). Symlinked folders are followed, as
+    Path.rglob does."""
+    skip = {"site-packages", "dist-packages"}
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if d not in skip]
+        yield from (Path(folder) / n for n in names if n.endswith(".py"))
 
 
 def _local_source(cfg: DataConfig, hf_cache: Path) -> Source:
