@@ -1,4 +1,6 @@
-"""Shared helpers: run train.py as a user would (a subprocess, Hydra and all) on small settings."""
+"""Shared helpers: run train.py as a user would (its own processes, Hydra and all) on small settings.
+Its ranks are forked from a server that has already imported its modules (tests/forked.py), unless
+a test asks for a real python or torchrun launch."""
 import json
 import os
 import subprocess
@@ -6,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,14 +35,20 @@ def train_env(cache: Path, **extra) -> dict:
 
 
 def run_train(run_dir: Path, args: list, cache: Path, nproc: int = 1, check: bool = True, timeout: int = 600,
-              **env) -> subprocess.CompletedProcess:
-    """python train.py (or torchrun with nproc ranks) with its run dir pinned to run_dir."""
-    launcher = [sys.executable, "train.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    cmd = launcher + list(args) + [f"hydra.run.dir={run_dir}"]
+              launch: str = "forked", **env) -> subprocess.CompletedProcess:
+    """python train.py (or torchrun with nproc ranks) with its run dir pinned to run_dir. launch:
+    "forked" (ranks forked from a server that has imported train.py's modules: tests/forked.py) or
+    "real" (python or torchrun, started as a user starts them)."""
+    args = list(args) + [f"hydra.run.dir={run_dir}"]
     if nproc > 1:  # torchrun's own default: ranks sharing 2 cores with 2 threads each wait on each other
         env.setdefault("OMP_NUM_THREADS", 1)
-    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(cache, **env), capture_output=True, text=True, timeout=timeout)
+    if launch == "forked":
+        proc = forked.run(args, train_env(cache, **env), nproc=nproc, timeout=timeout)
+    else:
+        launcher = [sys.executable, "train.py"] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+        proc = subprocess.run(launcher + args, cwd=ROOT, env=train_env(cache, **env), capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -90,10 +100,12 @@ def read_metrics(run_dir: Path) -> list:
 
 
 def spawn(fn, world: int, *args) -> None:
-    """fn(rank, world, port, *args) on `world` spawned processes (gloo ranks), joined."""
+    """fn(rank, world, port, *args) on `world` processes (gloo ranks), joined; forked from the
+    server tests/forked.py keeps, so a rank does not import torch again."""
     import socket
     import torch.multiprocessing as mp
+    forked.context()  # the server, with its preloaded modules
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(fn, args=(world, port, *args), nprocs=world)
+    mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="forkserver")

@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import optim  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 
+import forked  # noqa: E402
+
 
 # --- LAMB, one tensor at a time, in float64 numpy ---
 
@@ -326,7 +328,8 @@ def reference_run(full: dict, lamb_groups=GROUPS):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_lamb_matches_single_process(world, tmp_path):
-    mp.spawn(sharded_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    forked.context()  # ranks forked from the preloaded server (tests/forked.py), not fresh interpreters
+    mp.start_processes(sharded_worker, args=(world, str(tmp_path)), nprocs=world, start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     full = full_tensors()
     expected = reference_run(full)

@@ -125,11 +125,11 @@ def _mesh_coordinates(rank, world, port, out):
 def test_rank_coordinates_follow_the_documented_order():
     """The mesh train.py builds (parallel.build_layout), on 4 real gloo ranks without a training run."""
     import socket
-    import torch.multiprocessing as mp
+    import forked
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = forked.context()  # ranks forked from the preloaded server, not fresh interpreters
     out = ctx.Queue()
     procs = [ctx.Process(target=_mesh_coordinates, args=(r, 4, port, out)) for r in range(4)]
     for p in procs:

@@ -35,8 +35,8 @@ def rehearse_ranks(cfg, ranks: list, world: int, out: Path, pool=None) -> list:
 def pool():
     """Two processes (the 2 cores) that rehearse ranks side by side: a rehearsal is one thread."""
     import concurrent.futures
-    import multiprocessing
-    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as executor:
+    import forked
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=forked.context()) as executor:
         yield executor
 
 
