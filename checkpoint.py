@@ -62,10 +62,42 @@ class CheckpointConfig:
 
 STEP_DIR = re.compile(r"step_(\d{8})$")
 MANIFEST = "manifest.json"
+PARTIAL = ".partial"  # a save being written: step_<N>.partial, renamed to step_<N> once complete
+REPLACED = ".old"     # a complete save of the same step, moved aside for a moment by publish()
 
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
     return Path(ckpt_dir) / f"step_{step:08d}"
+
+
+def publish(partial: Path, folder: Path) -> None:
+    """Put a finished save (its manifest written) in place with a rename, so a step folder is always
+    whole: a crash leaves a step_<N>.partial, never a step_<N> with half its files. A folder
+    already there (the same step, saved by an earlier attempt) is moved aside first and removed
+    after; a crash between the two renames leaves it as step_<N>.old, which recover() puts back."""
+    old = folder.with_name(folder.name + REPLACED)
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+    partial.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(ckpt_dir: Path) -> None:
+    """What a crash left mid-save (rank 0, before a run saves): a step moved aside by publish()
+    goes back where it was, and unfinished saves are removed (their steps are saved again)."""
+    if not Path(ckpt_dir).is_dir():
+        return
+    for old in sorted(Path(ckpt_dir).glob(f"step_*{REPLACED}")):
+        folder = old.with_name(old.name[:-len(REPLACED)])
+        if folder.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.rename(folder)
+            log.warning("put back %s, which a crash left moved aside", folder)
+    for partial in sorted(Path(ckpt_dir).glob(f"step_*{PARTIAL}")):
+        log.warning("removing %s: a save that a crash interrupted", partial)
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def rng_state(device: Optional[torch.device] = None) -> dict:
@@ -274,6 +306,10 @@ class Saver:
         self.rank = dist.get_rank() if self.distributed else 0
         from parallel import checkpoint_group
         self.group = checkpoint_group() if self.distributed else None
+        if self.rank == 0:
+            recover(self.ckpt_dir)
+        if self.distributed:  # no rank writes a step_<N>.partial before rank 0 has cleared the old ones
+            dist.barrier(group=self.group)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.last_step: Optional[int] = None
@@ -318,13 +354,17 @@ class Saver:
             log.error("checkpoint at step %d failed (%s); keeping the previous ones, training goes on",
                       step, str(e).strip().splitlines()[-1][:200])
             if self.rank == 0:
-                shutil.rmtree(step_dir(self.ckpt_dir, step), ignore_errors=True)
+                partial = step_dir(self.ckpt_dir, step)
+                shutil.rmtree(partial.with_name(partial.name + PARTIAL), ignore_errors=True)
 
     def _write(self, step: int, state: dict, error: Optional[OSError] = None) -> None:
+        """Into step_<N>.partial: DCP's files, then the manifest; then rank 0 renames it step_<N>."""
         folder = step_dir(self.ckpt_dir, step)
-        write_dcp(folder, state, self.group, error=error, delay=self.write_delay)
-        mark_complete_together(folder, self.group)
+        partial = folder.with_name(folder.name + PARTIAL)
+        write_dcp(partial, state, self.group, error=error, delay=self.write_delay)
+        mark_complete_together(partial, self.group)
         if self.rank == 0:
+            publish(partial, folder)
             prune(self.ckpt_dir, self.keep)
             log.info("saved %s", folder)
 
@@ -420,7 +460,8 @@ def mark_complete(folder: Path, files: Optional[dict] = None) -> Path:
     files = dict(sorted(files.items()))
     tmp = folder / f"{MANIFEST}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(json.dumps({"step": int(STEP_DIR.search(folder.name).group(1)), "files": files}, indent=1))
+        step = int(STEP_DIR.search(folder.name.removesuffix(PARTIAL)).group(1))
+        f.write(json.dumps({"step": step, "files": files}, indent=1))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, folder / MANIFEST)
@@ -456,7 +497,10 @@ def problem(folder: Path, checksums: bool = True, group=None) -> Optional[str]:
     rank of it calls this and reads every world-th file (in parallel), and all get the answer."""
     if not (folder / MANIFEST).exists():
         return f"{folder} has no {MANIFEST}: an interrupted save"
-    files = json.loads((folder / MANIFEST).read_text())["files"]
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError, TypeError) as err:  # written atomically, so a hand edit or a bad copy
+        return f"{folder}'s {MANIFEST} is unreadable ({type(err).__name__})"
     if ".metadata" not in files:
         return f"{folder}'s manifest lists no DCP .metadata"
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
@@ -516,6 +560,10 @@ def load(folder: Path, engine, optimizer, scheduler, loader, group=None) -> int:
     if missing:
         raise ConfigError("resume", f"{folder} has no {missing[0]} (and {len(missing) - 1} more keys): "
                           f"another model?", "resume a checkpoint of this model, or resume=none")
+    for key in (k for k in state if k.startswith("model/")):  # logical shapes: the same at any layout
+        if tuple(saved[key].size) != tuple(state[key].size()):
+            raise ConfigError("resume", f"{folder} holds {key} as {list(saved[key].size)}, this model as "
+                              f"{list(state[key].size())}: another model", "resume a checkpoint of this model, or resume=none")
     blobs = ["optim/param_groups", "scheduler", "loader", "step"] + [f"rng/{rank}"] * (f"rng/{rank}" in saved)
     state.update({k: io.BytesIO() for k in blobs})
     _dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(), process_group=group)
@@ -585,6 +633,21 @@ def resolve_complete(path) -> Path:
     if why is not None:
         raise ConfigError("CKPT", why, fix)
     return folder
+
+
+# What makes a checkpoint another model's: its parameters' shapes, or what they mean.
+MODEL_IDENTITY = ("n_layers", "d_model", "n_heads", "vocab_size", "mlp_ratio", "bias")
+
+
+def model_mismatch(folder: Path, model_cfg) -> Optional[str]:
+    """Why a checkpoint holds another model than model_cfg (from the config it saved), or None. A
+    checkpoint of fewer layers would otherwise load into the first ones and train on."""
+    if model_cfg is None or "config" not in saved_keys(folder):
+        return None
+    theirs = saved_model_config(folder)
+    differ = [f"{k} {getattr(theirs, k)} there, {getattr(model_cfg, k)} here" for k in MODEL_IDENTITY
+              if getattr(theirs, k) != getattr(model_cfg, k)]
+    return f"{folder} is another model's checkpoint ({'; '.join(differ)})" if differ else None
 
 
 def saved_model_config(folder: Path):

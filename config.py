@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -19,7 +18,7 @@ from typing import Any, List, Optional
 from omegaconf import OmegaConf
 
 from checkpoint import CheckpointConfig
-from errors import ConfigError  # defined in errors.py, a leaf; config.ConfigError still names it
+from errors import ConfigError, fail  # defined in errors.py, a leaf; config.ConfigError still names it
 from ft import FTConfig
 from data import DataConfig
 from kernels import ATTENTION_IMPLS, FUSED_IMPLS, KernelsConfig
@@ -277,11 +276,19 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
             raise ConfigError(key, f"{value} < 0", "use 0 (off) or a positive number of steps")
     rehearsing = bool(cfg.rehearse.ranks) or cfg.rehearse.rank >= 0
     remote = remote or rehearsing  # a rehearsal needs none of the job's hardware or paths
-    if cfg.hardware.device == "cuda" and not (cfg.dry_run or remote):  # a dry run needs no hardware
+    if cfg.hardware.device in ("cuda", "auto") and not (cfg.dry_run or remote):  # a dry run needs no hardware
         import torch
-        if not torch.cuda.is_available():
+        import parallel
+        if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
                               "use hardware.device=cpu (or auto) on this machine")
+        if torch.cuda.is_available():
+            visible = torch.cuda.device_count()
+            sharing = parallel.gpu_sharing_problem(parallel.ranks_on_this_node(), visible,
+                                                   torchrun=bool(os.environ.get("LOCAL_WORLD_SIZE")))
+            if sharing:
+                raise ConfigError("hardware.device", sharing, f"start at most {visible} rank(s) per node, one per "
+                                  f"GPU (torchrun --nproc_per_node, srun --ntasks-per-node), or hardware.device=cpu")
     if cfg.kernels.attention == "flash" and not (cfg.dry_run or remote):
         import kernels
         problem = kernels.flash_attn_problem()
@@ -385,7 +392,7 @@ def preflight(argv: List[str], remote_world: Optional[int] = None) -> list:
     try:
         jobs = job_overrides(argv)
     except Exception as err:  # a malformed override string
-        _fail(describe_composition_error(err))
+        fail(describe_composition_error(err))
     hydra_args = [a for a in argv if a.startswith(HYDRA_OVERRIDE)]
     checked = []
     for overrides in jobs:
@@ -393,11 +400,11 @@ def preflight(argv: List[str], remote_world: Optional[int] = None) -> list:
             cfg = compose(overrides)
             world = launcher_world(overrides + hydra_args) if "-m" in argv or "--multirun" in argv else remote_world
         except Exception as err:
-            _fail(describe_composition_error(err))
+            fail(describe_composition_error(err))
         try:
             validate(cfg, world, remote=world is not None)
         except ConfigError as err:
-            _fail(str(err))
+            fail(str(err))
         checked.append((overrides, cfg, world))
     return checked
 
@@ -413,7 +420,3 @@ def launcher_world(overrides: List[str]) -> Optional[int]:
         return None
     return int(launcher.nodes) * int(launcher.tasks_per_node)
 
-
-def _fail(line: str) -> None:
-    print(line, file=sys.stderr)
-    sys.exit(2)

@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import sys
-import time
 from pathlib import Path
 
 import hydra
@@ -35,7 +34,7 @@ import metrics
 import optim
 import parallel
 import sampling
-from errors import ConfigError
+from errors import ConfigError, fail
 from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
@@ -93,7 +92,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     # be); the others open the entry it names, from their own cache where that holds it ---
     corpus = prepare_data(cfg, rank, world)
     if cfg.model.vocab_size < corpus.vocab_size:
-        _fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
+        fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
               f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
     sampler = sampling.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
                            layout.dp_rank, layout.dp, seed=cfg.train.seed)
@@ -116,7 +115,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     # --- Resume ---
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-    start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader, saver.group)
+    start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader, saver.group, cfg.model)
 
     # --- Logging ---
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -230,7 +229,7 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
     if world > 1:
         dist.broadcast_object_list(found, src=0)
     if isinstance(found[0], tuple):
-        _fail(found[0][1])
+        fail(found[0][1])
     return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
 
 
@@ -286,7 +285,7 @@ def save(saver, step, engine, optimizer, scheduler, loader, cfg) -> None:
     saver.save(step, checkpoint.training_state(step, engine, optimizer, scheduler, loader, config_dict))
 
 
-def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group) -> int:
+def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group, model_cfg=None) -> int:
     """Load a checkpoint if asked (resume=auto|PATH, saved at any layout) and return its step.
     The ranks verify the checksums together, each reading its share of the files, and every rank
     loads the folder that passes."""
@@ -300,8 +299,14 @@ def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group
         folder = Path(how)
         why = checkpoint.problem(folder, group=group)
         if why is not None:
-            _fail(f"config error: resume: {why}. Fix: give a step folder with a complete manifest.json, or resume=auto|none")
-    step = checkpoint.load(folder, engine, optimizer, scheduler, loader, group)
+            fail(f"config error: resume: {why}. Fix: give a step folder with a complete manifest.json, or resume=auto|none")
+    why = checkpoint.model_mismatch(folder, model_cfg)
+    if why is not None:  # every rank reads the same config, so every rank stops here
+        fail(f"config error: resume: {why}. Fix: resume a checkpoint of this model (the same model=), or resume=none")
+    try:
+        step = checkpoint.load(folder, engine, optimizer, scheduler, loader, group)
+    except ConfigError as err:  # found by every rank alike (the saved shapes are the same for all)
+        fail(str(err))
     log.info("resumed from %s (step %d)", folder, step)
     return step
 
@@ -422,11 +427,6 @@ def dry_run(cfg: config.Config) -> float:
     return 0.0
 
 
-def _fail(line: str) -> None:
-    """One line on stderr (from rank 0 alone: every rank meets the same bad input) and exit 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(line, file=sys.stderr)
-    sys.exit(2)
 
 
 def _pickle_config_modules_by_name() -> None:
@@ -451,7 +451,7 @@ if __name__ == "__main__":
               flush=True)
         why = rehearsal.precheck(slurm, Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))
         if why:
-            _fail(f"precheck failed: {why}. Fix: change the layout, or rehearse.precheck=false to submit anyway")
+            fail(f"precheck failed: {why}. Fix: change the layout, or rehearse.precheck=false to submit anyway")
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         _pickle_config_modules_by_name()
         # Fix the sweep dir's name now: the submitit launcher's jobs re-resolve hydra.sweep.dir in

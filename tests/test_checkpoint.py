@@ -143,3 +143,74 @@ def test_a_flat_range_is_covered_by_rectangles(shape, lo, hi, expected):
     covered = sorted(int(v) for offs, sizes, _ in rects
                      for v in values[tuple(slice(o, o + n) for o, n in zip(offs, sizes))].flatten())
     assert covered == list(range(lo, hi))
+
+
+# --- What a crash leaves, and checkpoints of other models (issue 19's bad inputs) ---
+
+def test_a_crash_mid_save_loses_no_checkpoint(sync_run, tmp_path, cache_dir):
+    """What a run killed while saving leaves: step 4's save half-written (step_4.partial: a data file
+    cut short, the manifest's temporary file), and an earlier attempt's step 4 moved aside
+    (step_4.old) when the rename that replaces it was cut. The next run recovers all of it: it puts
+    step 4 back, resumes from it, writes nothing stray on stderr, and leaves no partial folder."""
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(sync_run / "checkpoints", ckpt)
+    step4 = checkpoint.step_dir(ckpt, 4)
+    partial = step4.with_name(step4.name + checkpoint.PARTIAL)
+    shutil.copytree(step4, partial)
+    (partial / checkpoint.MANIFEST).rename(partial / f"{checkpoint.MANIFEST}.tmp4242")
+    data = next(partial.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:1000])
+    step4.rename(step4.with_name(step4.name + checkpoint.REPLACED))
+    shutil.copy(sync_run / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    proc = run_train(tmp_path, ASYNC_ARGS + ["train.max_steps=6", "resume=auto"], cache_dir)
+    assert "resumed from" in proc.stdout + proc.stderr and f"{step4} (step 4)" in proc.stdout + proc.stderr
+    stray = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[")]
+    assert stray == [], stray
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert all(checkpoint.problem(p) is None for p in ckpt.iterdir())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # appended to, never rewritten
+
+
+def test_publish_replaces_a_step_and_recover_undoes_a_cut_rename(tmp_path):
+    """publish() renames a finished save into place; a crash between its two renames leaves the old
+    copy as step_N.old and no step_N, and recover() puts it back (and drops unfinished saves)."""
+    folder = checkpoint.step_dir(tmp_path, 7)
+    for name, text in ((folder, "old"), (folder.with_name(folder.name + checkpoint.PARTIAL), "new")):
+        name.mkdir()
+        (name / "x").write_text(text)
+    checkpoint.publish(folder.with_name(folder.name + checkpoint.PARTIAL), folder)
+    assert (folder / "x").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+    folder.rename(folder.with_name(folder.name + checkpoint.REPLACED))  # cut after the first rename
+    (tmp_path / f"step_00000008{checkpoint.PARTIAL}").mkdir()
+    checkpoint.recover(tmp_path)
+    assert (folder / "x").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
+@pytest.mark.parametrize("other, says", [
+    (["model.n_layers=3"], "n_layers 4 there, 3 here"),         # fewer layers: would load into the first 3
+    (["model.d_model=128"], "d_model 256 there, 128 here"),     # other shapes
+])
+def test_resuming_another_models_checkpoint_is_one_line(sync_run, tmp_path, cache_dir, other, says):
+    step4 = checkpoint.step_dir(sync_run / "checkpoints", 4)
+    proc = run_train(tmp_path, ASYNC_ARGS + other + [f"resume={step4}"], cache_dir, check=False)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("config error: resume:") and says in err and "Fix:" in err
+    assert not (tmp_path / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_by_load(sync_run):
+    """The loader's own check, for a checkpoint whose config cannot say (written by other code):
+    every model tensor's logical shape must be this model's, or one line naming the first that is not."""
+    import optim
+    import parallel
+    from errors import ConfigError
+    from model import GPT, ModelConfig
+    with torch.device("meta"):
+        model = GPT(ModelConfig(n_layers=4, n_heads=4, d_model=128, vocab_size=512))
+    layout = parallel.build_layout(parallel.ParallelConfig(), 0, 1, torch.device("cpu"))
+    engine = parallel.build(model, layout, parallel.ParallelConfig(), device=torch.device("cpu"))
+    opt = optim.build_optimizer(engine.named_optimizer_parameters(), optim.OptimConfig(), 1e-3)
+    with pytest.raises(ConfigError, match=r"holds model/\S+ as \[\d+(, \d+)*\], this model as .*another model"):
+        checkpoint.load(checkpoint.step_dir(sync_run / "checkpoints", 4), engine, opt, None, None)
