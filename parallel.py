@@ -124,6 +124,33 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def ranks_on_this_node() -> Optional[int]:
+    """How many ranks run on this node: torchrun's LOCAL_WORLD_SIZE, else SLURM's tasks on this
+    node (SLURM_STEP_TASKS_PER_NODE inside srun, else SLURM_TASKS_PER_NODE: "8(x4),2" means 8 on
+    each of the first four nodes, then 2); None outside both."""
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return None
+    counts = []
+    for part in spec.split(","):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    return counts[min(int(os.environ.get("SLURM_NODEID", 0)), len(counts) - 1)]
+
+
+def gpu_sharing_problem(ranks: Optional[int], visible: int, torchrun: bool) -> Optional[str]:
+    """Why ranks of this node would share a GPU (pick_device takes LOCAL_RANK modulo the GPUs a
+    rank sees, and NCCL refuses two ranks on one GPU at its first collective), or None. torchrun's
+    ranks all see the node's GPUs; srun's tasks may each see only their own (--gpus-per-task), so
+    one visible GPU under srun is not a sign of sharing."""
+    if ranks is None or ranks <= visible or (visible <= 1 and not torchrun):
+        return None
+    return (f"{ranks} ranks on this node but {visible} GPU{'s' * (visible != 1)} visible to each, so two ranks "
+            f"would share a GPU (NCCL refuses that at the first collective)")
+
+
 def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Optional[float] = None) -> tuple[int, int]:
     """Join the job's process group if launched by torchrun or srun; returns (rank, world).
     Under srun the env:// variables are filled from SLURM's, so no torchrun is needed inside it."""

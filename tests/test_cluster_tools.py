@@ -179,6 +179,22 @@ def test_loopback_fallback():
     assert sorted(r["rank"] for r in rows) == [0, 1] and all(r["correct"] for r in rows), out
 
 
+def test_without_root_it_runs_on_loopback():
+    """A launch by a user who is not root (issue 19's bad inputs): the same job, on loopback, and
+    it says why. The tests run as root here, and the venv's Python lives in root's home, out of
+    another user's reach; so emucluster runs with os.geteuid answering a user's uid."""
+    as_user = ("import os, runpy, sys; os.geteuid = lambda: 1000; sys.argv = sys.argv[1:]; "
+               "runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", as_user, str(EMUCLUSTER), "--hosts", "2", "--", str(PROBE),
+                           "--size-mb", "1", "--iters", "1", "--skip-overlap"], capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "emucluster: not root; running one torchrun with 2 ranks on loopback instead" in out
+    rows = probe_results(out)
+    assert sorted(r["rank"] for r in rows) == [0, 1] and all(r["correct"] for r in rows), out
+
+
 # --- SLURM --------------------------------------------------------------------------------------
 
 JOB = """#!/bin/bash

@@ -1,9 +1,12 @@
 """train.py end to end: learning, gradient accumulation, dry runs, and bad input (resume: test_checkpoint.py, test_ft.py)."""
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
+import checkpoint
 from conftest import SMALL, read_metrics, run_train
 
 
@@ -134,3 +137,79 @@ def test_precision_auto_is_rank_0s_decision_on_every_rank(tmp_path):
     from conftest import spawn
     spawn(_precision_of_rank, 2, str(tmp_path))
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["bf16", "bf16"]
+
+
+# --- Bad input on the launch paths (issue 19) ---
+
+def test_a_slurm_job_with_fewer_tasks_than_the_layout_is_one_line(tmp_path, cache_dir):
+    """srun gave 2 tasks to a layout of 4 ranks: task 0 says so in one line, every task exits 2
+    (train.py reads SLURM_NTASKS and SLURM_PROCID itself, as under srun without torchrun)."""
+    slurm = {"SLURM_NTASKS": 2, "SLURM_LOCALID": 0, "SLURM_JOB_ID": 77, "SLURM_JOB_NODELIST": "localhost"}
+    for task, says in ((0, True), (1, False)):
+        proc = run_train(tmp_path, ["parallel=tp2_pp2"], cache_dir, check=False, SLURM_PROCID=task, **slurm)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == int(says), proc.stderr
+        assert not says or ("parallel" in lines[0] and "world size is 2" in lines[0] and "Fix:" in lines[0])
+
+
+@pytest.mark.parametrize("env, ranks", [
+    ({"LOCAL_WORLD_SIZE": "8"}, 8),                                          # torchrun
+    ({"SLURM_TASKS_PER_NODE": "8(x4),2", "SLURM_NODEID": "4"}, 2),           # sbatch's allocation, 5th node
+    ({"SLURM_TASKS_PER_NODE": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, 2),  # inside an srun step
+    ({}, None),
+])
+def test_ranks_on_this_node(monkeypatch, env, ranks):
+    import parallel
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert parallel.ranks_on_this_node() == ranks
+
+
+def test_more_ranks_on_a_node_than_its_gpus_is_one_line(monkeypatch):
+    """8 ranks on a node whose allocation gave 2 GPUs: pick_device would put 4 ranks on each and NCCL
+    fail at the first collective; validate says so first. (No GPU here: torch.cuda answers as on
+    such a node.) srun tasks that each see one GPU of their own (--gpus-per-task) are fine."""
+    import config
+    import parallel
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(config.ConfigError, match=r"hardware.device: 8 ranks on this node but 2 GPUs .*Fix: start at most 2"):
+        config.validate(config.compose([]), world=8)
+    assert parallel.gpu_sharing_problem(8, 1, torchrun=False) is None   # srun --gpus-per-task=1
+    assert parallel.gpu_sharing_problem(8, 8, torchrun=True) is None
+    assert "share a GPU" in parallel.gpu_sharing_problem(4, 2, torchrun=False)
+
+
+def test_ctrl_c_during_the_first_steps_compile_stops_cleanly_and_resumes(tmp_path, cache_dir):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while torch.compile
+    compiles the first step: the step finishes, a checkpoint is written, the run exits 0 marked
+    interrupted, and a rerun resumes from it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import ROOT, train_env
+    # One layer: inductor's first compile on a CPU is tens of seconds of C++ compiler, per kernel.
+    args = SMALL + ["model.n_layers=1", "train.max_steps=3", "precision=fp32", "ft.heartbeat_interval=0.1"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "train.compile=true", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, env=train_env(cache_dir),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    beat, deadline = tmp_path / "heartbeat" / "rank0.json", time.monotonic() + 120
+    while time.monotonic() < deadline and '"phase": "compute"' not in (beat.read_text() if beat.exists() else ""):
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the first step: dynamo traces, inductor compiles
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "stop requested: saving a checkpoint at step 1" in out + err
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["final"]["steps"] == 1
+    step1 = checkpoint.step_dir(tmp_path / "checkpoints", 1)
+    assert checkpoint.problem(step1) is None
+    resumed = run_train(tmp_path, args, cache_dir)  # eager: a checkpoint knows nothing of compilation
+    assert f"resumed from {step1} (step 1)" in resumed.stdout + resumed.stderr
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
