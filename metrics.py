@@ -81,6 +81,8 @@ class RunLog:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if _ends_mid_line(self.run_dir / "metrics.jsonl"):  # a crash mid-write: this run's rows start on a line of their own
+            self.jsonl.write("\n")
         self.record = self._load_previous() | record
         self.record.setdefault("attempts", []).append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                                        "started_unix": time.time(), "status": "running"})
@@ -124,6 +126,14 @@ class RunLog:
                 self.wandb.finish()
             except Exception as err:
                 log.warning("W&B finish failed: %s", err)
+
+
+def _ends_mid_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _start_wandb(cfg, run_dir: Path, record: dict):

@@ -15,7 +15,6 @@ Out defaults to the first dir. Existing files are never overwritten (one line, e
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -30,20 +29,6 @@ from experiments import tables  # noqa: E402
 
 PARTS = (("compute_s", "compute"), ("exposed_comm_s", "exposed comm"), ("bubble_s", "pipeline bubble"))
 WARMUP_STEPS = 3  # skipped in medians, as train.summarize does: the first steps pay for allocation
-
-
-def read_metrics(run_dir: str) -> List[dict]:
-    """metrics.jsonl rows by step. A resumed run logs the steps after its checkpoint again (the last
-    write wins), and a crash can leave a partial last line (skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    rows = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        rows[row.get("step")] = row
-    return [rows[k] for k in sorted(k for k in rows if k is not None)]
 
 
 def median(rows: List[dict], key: str) -> Optional[float]:
@@ -61,7 +46,7 @@ def slug(*parts: str) -> str:
 def loss_figure(runs: Sequence[tables.Run], title: str):
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for run in runs:
-        rows = read_metrics(run.dir)
+        rows = tables.read_metrics(run.dir)
         if not rows or run.batch is None or run.seq_len is None:
             continue
         per_step = run.batch * run.seq_len
@@ -71,7 +56,10 @@ def loss_figure(runs: Sequence[tables.Run], title: str):
         if val:
             ax.plot(*zip(*val), "o", color=line.get_color(), ms=4)
     ax.set(xlabel="tokens seen", ylabel="training loss (dots: val loss)", title=title)
-    ax.legend(fontsize=8)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:  # every run of the group died before logging a step
+        ax.text(0.5, 0.5, "no run logged a step", transform=ax.transAxes, ha="center", color="gray")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -94,7 +82,7 @@ def mfu_figure(records: List[dict], title: str):
 
 def breakdown(rec: dict) -> Tuple[List[Tuple[str, float]], bool]:
     """[(part, seconds)] of one step's median step time, and whether the parts were logged."""
-    rows = read_metrics(rec["dir"])
+    rows = tables.read_metrics(rec["dir"])
     total = median(rows, "step_time") or rec["step_time"]
     parts = [(name, median(rows, key)) for key, name in PARTS]
     parts = [(name, v) for name, v in parts if v is not None]
@@ -180,6 +168,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         runs = tables.load_runs(args.dirs)
+        if runs and not any(run.measured for run in runs):
+            raise tables.SourceError(f"none of the {len(runs)} runs in {', '.join(args.dirs)} has a measurement "
+                                     f"({tables.status_counts(runs)}): nothing to draw. Fix: see why in each "
+                                     f"job's train_rank0.log, then run them again")
         if not plan(runs):
             raise tables.SourceError(f"none of {len(runs)} runs is in a convergence or megascale_ablation study. "
                                      f"Fix: run them with an experiment preset that sets study.name")

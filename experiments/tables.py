@@ -155,6 +155,32 @@ def _gpus_in(label: str) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
+def read_metrics(run_dir) -> List[dict]:
+    """metrics.jsonl rows by step. A resumed run logs the steps after its checkpoint again (the last
+    write wins). A line that does not parse (a crash's partial last line, a bad copy) is skipped,
+    and said on stderr: the table or figure is drawn from the rest."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows, bad = {}, []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines() if path.exists() else [], 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad.append(number)
+            continue
+        if isinstance(row, dict):
+            rows[row.get("step")] = row
+    if bad:
+        print(f"{path}: skipped {len(bad)} unreadable line(s) ({', '.join(map(str, bad[:5]))})", file=sys.stderr)
+    return [rows[k] for k in sorted(k for k in rows if isinstance(k, int))]
+
+
+def status_counts(runs: Sequence[Run]) -> str:
+    counts: Dict[str, int] = {}
+    for run in runs:
+        counts[run.status] = counts.get(run.status, 0) + 1
+    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+
+
 def load_runs(dirs: Iterable) -> List[Run]:
     runs = []
     for root in map(Path, dirs):

@@ -209,3 +209,42 @@ def test_step_time_breakdown_parts_or_total(ablation_dir):
     assert logged and [n for n, _ in parts] == ["compute", "exposed comm", "pipeline bubble", "other"]
     assert sum(v for _, v in parts) == pytest.approx(0.42)
     assert figures.breakdown(records[0]) == ([("total (no breakdown logged)", 0.5)], False)
+
+
+# --- What crashes leave in run dirs (issue 19's bad inputs) ---
+
+def test_a_corrupt_metrics_line_is_skipped_and_said(tmp_path, capsys):
+    """A crash's partial last line and a garbled one in the middle: tables and figures use the rest,
+    and say on stderr which lines they skipped."""
+    job = tmp_path / "sweep" / "0"
+    write_run(job, ablation_study(0, "baseline (Megatron-LM)"), "ok", final(0.3, 1000, 0.5), rows=curve(0.5))
+    lines = (job / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[3] = "{garbled\n"
+    (job / "metrics.jsonl").write_text("".join(lines) + '{"step": 11, "loss": 2.')
+    assert [r["step"] for r in tables.read_metrics(job)] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
+    assert "skipped 2 unreadable line(s) (4, 11)" in capsys.readouterr().err
+    assert tables.main([str(tmp_path / "sweep")]) == 0
+    assert figures.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "figs")]) == 0
+    assert (tmp_path / "figs" / "loss_megascale_ablation_cpu_loopback.png").exists()
+
+
+def test_a_resumed_run_starts_its_rows_on_a_new_line(tmp_path):
+    """metrics.jsonl after a crash mid-write ends in half a row; the next attempt appends whole ones."""
+    import config
+    import metrics
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 6.0}\n{"step": 2, "lo')
+    log = metrics.RunLog(tmp_path, {}, config.WandbConfig(mode="disabled"))
+    log.step({"step": 2, "loss": 5.5})
+    log.finish("finished", {})
+    assert [r["step"] for r in tables.read_metrics(tmp_path)] == [1, 2]
+
+
+def test_figures_of_a_sweep_whose_jobs_all_crashed_is_one_line(tmp_path, capsys):
+    root = tmp_path / "sweep"
+    for k in range(3):
+        write_dead_job(root / str(k), ablation_study(k, tables.ABLATION_LABELS[k]))
+    write_run(root / "3", ablation_study(3, "+TP overlap"), "failed")
+    assert figures.main([str(root), "--out", str(tmp_path / "figs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none of the 4 runs" in err[0] and "4 failed" in err[0] and "Fix:" in err[0]
+    assert not (tmp_path / "figs").exists()
