@@ -47,12 +47,13 @@ def context():
     return _context
 
 
-def run(args: list, env: dict, nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python train.py *args` (nproc ranks as torchrun would start them when nproc > 1). stdout and
-    stderr are the ranks' own, in rank order; the return code is the first non-zero rank's."""
+def run(args: list, env: dict, nproc: int = 1, timeout: float = 600, script: str = "train.py") -> subprocess.CompletedProcess:
+    """`python <script> *args` (nproc ranks as torchrun would start them when nproc > 1), script
+    relative to the repository. stdout and stderr are the ranks' own, in rank order; the return
+    code is the first non-zero rank's."""
     ctx = context()
     with tempfile.TemporaryDirectory(prefix="forked-") as out:
-        ranks = [ctx.Process(target=_rank, args=(list(args), env, Path(out) / f"rank{r}"), name=f"train-rank{r}")
+        ranks = [ctx.Process(target=_rank, args=(script, list(args), env, Path(out) / f"rank{r}"), name=f"rank{r}")
                  for r, env in enumerate(_rank_envs(env, nproc))]
         for p in ranks:
             p.start()
@@ -65,7 +66,7 @@ def run(args: list, env: dict, nproc: int = 1, timeout: float = 600) -> subproce
         text = lambda stream: "".join((Path(out) / f"rank{r}.{stream}").read_text(errors="replace")
                                       for r in range(nproc) if (Path(out) / f"rank{r}.{stream}").exists())
         stdout, stderr = text("out"), text("err")
-    cmd = ["train.py", *args]
+    cmd = [script, *args]
     if hung:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
     code = next((p.exitcode for p in ranks if p.exitcode), 0)
@@ -84,8 +85,8 @@ def _rank_envs(env: dict, nproc: int) -> list:
     return [{**env, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
 
 
-def _rank(args: list, env: dict, out: Path) -> None:
-    """One rank, in the forked child: train.py's process as `python train.py` would make it."""
+def _rank(script: str, args: list, env: dict, out: Path) -> None:
+    """One rank, in the forked child: the process `python <script>` would make."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
@@ -98,11 +99,12 @@ def _rank(args: list, env: dict, out: Path) -> None:
     import torch
     # OpenMP read OMP_NUM_THREADS when the server loaded it; this rank's value applies from here.
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
-    sys.argv = [str(ROOT / "train.py"), *args]
+    sys.argv = [str(ROOT / script), *args]
+    sys.path.insert(0, str((ROOT / script).parent))  # as python puts the script's folder first
     code = 0
     try:
         import runpy
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        runpy.run_path(str(ROOT / script), run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except BaseException:  # as the interpreter would: the traceback on stderr, exit code 1

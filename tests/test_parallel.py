@@ -2,17 +2,15 @@
 on the same global batch (fp32, within 1e-5 relative), with real gloo ranks under torchrun."""
 import json
 import os
-import subprocess
 from pathlib import Path
-import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint
 
 import checkpoint
-from conftest import (EIGHT_RANKS, EXACT, EXACT_STEPS, ROOT, SMALL, first_good_run, read_metrics, run_train, spawn,
-                      train_env)
+import forked
+from conftest import EIGHT_RANKS, EXACT, EXACT_STEPS, SMALL, first_good_run, read_metrics, run_train, spawn
 
 STEPS = EXACT_STEPS
 
@@ -125,7 +123,6 @@ def _mesh_coordinates(rank, world, port, out):
 def test_rank_coordinates_follow_the_documented_order():
     """The mesh train.py builds (parallel.build_layout), on 4 real gloo ranks without a training run."""
     import socket
-    import forked
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -183,9 +180,7 @@ def test_invalid_layout_is_a_config_error_naming_its_key(overrides, world, key):
 @pytest.mark.parametrize("overrides, world, key", [INVALID_LAYOUTS[0], INVALID_LAYOUTS[4]])
 def test_invalid_layout_is_one_line_before_any_work(overrides, world, key, tmp_path, cache_dir):
     """train.py itself: the one line and exit 2 (two of the layouts; the rest share the path)."""
-    env = train_env(cache_dir, WORLD_SIZE=world)
-    proc = subprocess.run([sys.executable, "train.py", *SMALL, *overrides, f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_train(tmp_path, SMALL + overrides, cache_dir, check=False, WORLD_SIZE=world)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"config error: {key}"), proc.stderr
@@ -310,9 +305,8 @@ def test_dp_overlap_layers_compute_with_this_steps_weights(mode):
     just produced. The probe compares each module's parameters, at its forward, with an
     independent all-gather of the updated shards; shifting every bucket's wait one module late
     (the bug) must be caught, by the probe or by autograd's in-place check on saved weights."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/dp_overlap_probe.py", mode], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = forked.run([mode], dict(os.environ, OMP_NUM_THREADS="1"), nproc=2, timeout=300,
+                      script="tests/dp_overlap_probe.py")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(lines[-1])

@@ -4,16 +4,15 @@ memory. Checked here: it records what a real run posts, op by op and rank by ran
 175B rank in ~2 GiB; NCCL's rules are enforced on what it records, and each defect the review of
 e17bd15 found is caught when put back; bad layouts stop in one line."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import config
+import forked
 import rehearsal
-from conftest import EIGHT_RANKS, ROOT, train_env
+from conftest import EIGHT_RANKS, train_env
 
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled"]
 
@@ -35,7 +34,6 @@ def rehearse_ranks(cfg, ranks: list, world: int, out: Path, pool=None) -> list:
 def pool():
     """Two processes (the 2 cores) that rehearse ranks side by side: a rehearsal is one thread."""
     import concurrent.futures
-    import forked
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=forked.context()) as executor:
         yield executor
 
@@ -75,10 +73,10 @@ def test_a_real_8_rank_run_and_its_rehearsal_post_the_same_collectives(eight_ran
 
 
 def test_a_64_rank_layout_rehearses_its_first_and_last_rank(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "model.n_layers=8", "parallel.tp=4", "parallel.pp=4",
-                           "parallel.vpp=2", "parallel.dp=4", "parallel.microbatches=4", "parallel.zero_stage=1",
-                           "train.batch_size=16", "rehearse.ranks=[0,63]", f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = forked.run([*TINY, "model.n_layers=8", "parallel.tp=4", "parallel.pp=4",
+                      "parallel.vpp=2", "parallel.dp=4", "parallel.microbatches=4", "parallel.zero_stage=1",
+                      "train.batch_size=16", "rehearse.ranks=[0,63]", f"hydra.run.dir={tmp_path}"],
+                      train_env(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "NCCL rules: kept" in proc.stdout
     first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 63))
@@ -97,10 +95,10 @@ def test_a_64_rank_layout_rehearses_its_first_and_last_rank(tmp_path):
 def test_one_175B_rank_rehearses_within_about_2_GiB(tmp_path):
     """Table 2's last row (175B at tp8 pp8 vpp6 over 12,288 GPUs; 8 microbatches here, not 32, to
     keep it short), rank 0, one step: the rank's 2.7e9 parameters are shapes only."""
-    proc = subprocess.run([sys.executable, "train.py", "experiment=strong_scaling", "scale=cluster", "scaling.row=7",
-                           "parallel.microbatches=8", "train.batch_size=1536", "rehearse.world=12288",
-                           "rehearse.steps=1", "rehearse.ranks=[0]", f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, env=train_env(tmp_path), capture_output=True, text=True, timeout=600)
+    proc = forked.run(["experiment=strong_scaling", "scale=cluster", "scaling.row=7",
+                      "parallel.microbatches=8", "train.batch_size=1536", "rehearse.world=12288",
+                      "rehearse.steps=1", "rehearse.ranks=[0]", f"hydra.run.dir={tmp_path}"],
+                      train_env(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rec = json.loads((tmp_path / "rank0.json").read_text())
     assert rec["rss_bytes"] < 2.5 * 2**30, rec["rss_bytes"] / 2**30
@@ -113,9 +111,8 @@ def test_one_175B_rank_rehearses_within_about_2_GiB(tmp_path):
     (["parallel.dp=-1"], "config error: rehearse.world"),
 ])
 def test_an_impossible_paper_layout_is_one_line(overrides, key, tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "experiment=megascale_ablation", "scale=cluster", "rehearse.ranks=[0]",
-                           *overrides, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=train_env(tmp_path),
-                          capture_output=True, text=True, timeout=120)
+    proc = forked.run(["experiment=megascale_ablation", "scale=cluster", "rehearse.ranks=[0]",
+                      *overrides, f"hydra.run.dir={tmp_path}"], train_env(tmp_path), timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(key), proc.stderr
@@ -199,9 +196,8 @@ def fake_sbatch(tmp_path):
 def test_sbatch_submission_rehearses_rank_0_first(fits, fake_sbatch, tmp_path):
     env, calls = fake_sbatch
     extra = [] if fits else ["rehearse.capacity_gib=0.001"]
-    proc = subprocess.run([sys.executable, "experiments/slurm/submit.py", "--nodes", "32", "--gpus-per-node", "8", "--",
-                           *SMALL_CLUSTER, *extra], cwd=ROOT, env=train_env(tmp_path, **env), capture_output=True,
-                          text=True, timeout=300)
+    proc = forked.run(["--nodes", "32", "--gpus-per-node", "8", "--", *SMALL_CLUSTER, *extra],
+                      train_env(tmp_path, **env), timeout=300, script="experiments/slurm/submit.py")
     if fits:
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "train.sbatch" in calls.read_text() and "ablation.step=0" in calls.read_text()
@@ -213,9 +209,8 @@ def test_sbatch_submission_rehearses_rank_0_first(fits, fake_sbatch, tmp_path):
 
 def test_submitit_multirun_rehearses_before_submitting(fake_sbatch, tmp_path):
     env, calls = fake_sbatch
-    proc = subprocess.run([sys.executable, "train.py", "-m", *SMALL_CLUSTER, "rehearse.capacity_gib=0.001",
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=ROOT, env=train_env(tmp_path, **env),
-                          capture_output=True, text=True, timeout=300)
+    proc = forked.run(["-m", *SMALL_CLUSTER, "rehearse.capacity_gib=0.001",
+                      f"hydra.sweep.dir={tmp_path / 'sweep'}"], train_env(tmp_path, **env), timeout=300)
     assert proc.returncode == 2 and not calls.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("precheck failed"), proc.stderr
