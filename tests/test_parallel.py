@@ -1,5 +1,6 @@
 """3D parallelism against one process: every layout must give the same losses and final weights
-on the same global batch (fp32, within 1e-5 relative), with real gloo ranks under torchrun."""
+on the same global batch (fp32, within 1e-5 relative), with real gloo ranks (forked as torchrun would
+start them: tests/forked.py; the CI stress pass launches the 8-rank and pp2 vpp2 layouts with torchrun)."""
 import json
 import os
 from pathlib import Path
