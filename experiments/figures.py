@@ -66,17 +66,24 @@ def loss_figure(runs: Sequence[tables.Run], title: str):
 
 
 def mfu_figure(records: List[dict], title: str):
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    """MFU per step with its 95% interval (tables' windows); a step without a measurement, or whose
+    switch had nothing to act on (n/a), has its status where the bar would be, and n/a's reason below."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
     xs = range(len(records))
     for x, rec in zip(xs, records):
         if rec["mfu"] is None:
             _status(ax, x, rec["status"])
         else:
-            ax.bar(x, 100 * rec["mfu"], color="C0")
-            ax.text(x, 100 * rec["mfu"], f"{100 * rec['mfu']:.1f}", ha="center", va="bottom", fontsize=8)
+            ci = rec.get("mfu_ci95")
+            ax.bar(x, 100 * rec["mfu"], color="C0", yerr=None if ci is None else 100 * ci, capsize=3,
+                   error_kw={"elinewidth": 1})
+            ax.text(x, 100 * (rec["mfu"] + (ci or 0)), f"{100 * rec['mfu']:.1f}", ha="center", va="bottom", fontsize=8)
     _step_axis(ax, records)
-    ax.set(ylabel="MFU (%)", title=title)
-    fig.tight_layout()
+    ax.set(ylabel="MFU (%), 95% interval", title=title)
+    reasons = [f"n/a {r['label']}: {r['na_reason']}" for r in records if r.get("na_reason")]
+    fig.tight_layout(rect=(0, 0.035 * len(reasons), 1, 1))
+    for k, line in enumerate(reasons):
+        fig.text(0.01, 0.035 * (len(reasons) - k - 1) + 0.01, line, fontsize=7, color="gray")
     return fig
 
 

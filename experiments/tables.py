@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments import intervals, switches  # noqa: E402
+
 # The cumulative steps of Table 3, in order; the single definition (perfmodel_cli.py imports it).
 ABLATION_LABELS: Tuple[str, ...] = (
     "baseline (Megatron-LM)", "+PTB", "+SWA", "+TP overlap", "+PP overlap", "+DP overlap",
@@ -92,6 +95,8 @@ class Run:
     seq_len: Optional[int] = None
     started: str = ""     # the last attempt's start time: the newest of duplicate runs wins
     without: List[int] = field(default_factory=list)  # earlier ablation steps this row lacks (pending)
+    config: dict = field(default_factory=dict)   # run.json's resolved config
+    layout: dict = field(default_factory=dict)   # run.json's layout as built (sizes, every rank's coordinates)
 
     @property
     def measured(self) -> bool:
@@ -146,7 +151,7 @@ def run_from_record(record: dict, status: str, where: str) -> Run:
                scale=study.get("scale") or "unknown", fabric=study.get("fabric") or "unknown", status=status,
                final=record.get("final") or {}, world=record.get("world_size") or _gpus_in(label),
                batch=train.get("batch_size"), seq_len=train.get("seq_len"), started=attempts[-1].get("started", ""),
-               without=list(study.get("without") or []))
+               without=list(study.get("without") or []), config=cfg, layout=record.get("layout") or {})
 
 
 def _gpus_in(label: str) -> Optional[int]:
@@ -295,40 +300,65 @@ def _ablation_group(key: Tuple[str, str], runs: List[Run]) -> Table:
     best = best_per_step(runs)
     expected = list(range(len(ABLATION_LABELS)))
     order = expected + [k for k in best if k not in expected]  # off-list steps (or none) go last
-    cells, records, previous = [], [], None  # previous: (row index, label, MFU) of the last measured step
-    for i, k in enumerate(order):
+    rows = []  # (label, run, the step's n/a reason, its fabric note)
+    for k in order:
         run = best.get(k)
         label = ABLATION_LABELS[k] if k in expected else (run.label or f"step {k}")
-        row, rec = _ablation_row(label, run, previous, adjacent=previous is not None and previous[0] == i - 1)
+        step = k if k in expected else (run.step if run else None)
+        measured = run is not None and run.measured
+        why = switches.inert(step, run.config, run.layout) if measured else None
+        where = switches.fabric_note(step, run.fabric, run.layout) if measured and not why else None
+        rows.append((label, run, why, where))
+    markers, footnotes = switches.footnotes([f"n/a: {why}" if why else where for _, _, why, where in rows])
+    cells, records, previous = [], [], None  # previous: (row index, label, MFU, window samples) of the last measured step
+    for i, ((label, run, why, where), marker) in enumerate(zip(rows, markers)):
+        row, rec = _ablation_row(label, run, why, previous, adjacent=previous is not None and previous[0] == i - 1)
+        samples = rec.pop("_samples", None)
+        row[0] += f" {marker}" if marker else ""
         cells.append(row)
         records.append({"study": "megascale_ablation", "scale": key[0], "fabric": key[1],
-                        "step": k if k in expected else run.step, "label": label, **rec})
+                        "step": order[i] if order[i] in expected else (run.step if run else None), "label": label,
+                        **rec, "na_reason": why, "fabric_note": where})
         if rec["mfu"] is not None:
-            previous = (i, label, rec["mfu"])
+            previous = (i, label, rec["mfu"], samples)
     title = _title("Table 3 ablation (megascale_ablation)", key, [r["status"] for r in records])
-    notes = ["ΔMFU: MFU points against the previous step with a measurement. "
-             "Exposed comm: median per step, n/a where the run did not log it."]
+    notes = [f"MFU: median over the steps after the first {intervals.WARMUP_STEPS}, ± its 95% interval from "
+             f"{intervals.WINDOWS} windows of those steps. ΔMFU: MFU points against the previous step with a "
+             f"measurement, ± the 95% interval of the difference (Welch); \"noise\" marks a change whose interval "
+             f"holds zero. n/a: the step's switch has nothing to act on in this layout, so the row is not a "
+             f"measurement of it. Exposed comm: median per step, n/a where the run did not log it."]
     if "pending" in [r["status"] for r in records]:
         notes.append("pending: the step's switch has not landed yet; the later steps ran without it (their rows say so).")
-    return Table(title, ["step", "MFU", "ΔMFU", "tokens/s", "step time", "exposed comm"], cells, records, notes)
+    return Table(title, ["step", "MFU", "ΔMFU", "tokens/s", "step time", "exposed comm"], cells, records,
+                 notes + footnotes)
 
 
-def _ablation_row(label: str, run: Optional[Run], previous, adjacent: bool) -> Tuple[List[str], dict]:
+def _ablation_row(label: str, run: Optional[Run], why: Optional[str], previous, adjacent: bool) -> Tuple[List[str], dict]:
     """One step's cells and CSV record. ΔMFU names the step it compares with when steps in between
-    have no measurement, so a gap is never folded silently into one step's gain."""
-    status = run.status if run else "missing"
-    rec = {"status": status, "mfu": None, "delta_mfu": None, "delta_vs": None, "tokens_per_s": None,
-           "step_time": None, "exposed_comm_s": None, "world_size": getattr(run, "world", None),
-           "batch": getattr(run, "batch", None), "dir": getattr(run, "dir", None)}
-    if run is None or not run.measured:
-        return [label, _empty(status), "", "", "", ""], rec
+    have no measurement (or nothing to act on), so a gap is never folded silently into one step's gain."""
+    status = "n/a" if why and run is not None and run.measured else (run.status if run else "missing")
+    rec = {"status": status, "mfu": None, "mfu_ci95": None, "delta_mfu": None, "delta_ci95": None,
+           "within_noise": None, "delta_vs": None, "tokens_per_s": None, "step_time": None, "exposed_comm_s": None,
+           "world_size": getattr(run, "world", None), "batch": getattr(run, "batch", None),
+           "dir": getattr(run, "dir", None)}
+    if run is None or not run.measured or why:
+        return [_name(label, run), _empty(status), "", "", "", ""], rec
     f = run.final
-    delta = None if previous is None else f["mfu"] - previous[2]
-    rec.update(mfu=f["mfu"], delta_mfu=delta, delta_vs=None if previous is None else previous[1],
+    samples = intervals.window_samples([r["mfu"] for r in read_metrics(run.dir) if r.get("mfu") is not None])
+    rec.update(mfu=f["mfu"], mfu_ci95=intervals.half_width(samples) if samples else None, _samples=samples,
                tokens_per_s=f["tokens_per_s"], step_time=f["step_time"], exposed_comm_s=f.get("exposed_comm_s"))
-    shown = pct(delta, True) + ("" if previous is None or adjacent else f" (vs {previous[1].split(' (')[0]})")
+    shown = ""
+    if previous is not None:
+        delta = f["mfu"] - previous[2]
+        half = intervals.difference_half_width(previous[3], samples) if samples and previous[3] else None
+        rec.update(delta_mfu=delta, delta_vs=previous[1], delta_ci95=half,
+                   within_noise=None if half is None else abs(delta) <= half)
+        shown = pct(delta, True) + (f" ± {100 * half:.1f}" if half is not None else " ± ? (too few steps)")
+        shown += " (noise)" if rec["within_noise"] else ""
+        shown += "" if adjacent else f" (vs {previous[1].split(' (')[0]})"
     comm = f.get("exposed_comm_s")
-    return [_name(label, run), pct(f["mfu"]), shown, f"{f['tokens_per_s']:,.0f}", seconds(f["step_time"]),
+    mfu = pct(f["mfu"]) + (f" ± {100 * rec['mfu_ci95']:.1f}" if rec["mfu_ci95"] is not None else "")
+    return [_name(label, run), mfu, shown, f"{f['tokens_per_s']:,.0f}", seconds(f["step_time"]),
             "n/a" if comm is None else seconds(comm)], rec
 
 
@@ -369,20 +399,24 @@ def convergence(runs: Sequence[Run]) -> List[Table]:
 
 def _convergence_group(key: Tuple[str, str], runs: List[Run]) -> Table:
     cells, records = [], []
-    for r in runs:
+    # A variant whose name promises a window (ptb_swa) with nothing for the window to act on says so.
+    why = {r.dir: switches.window_inert(r.config) for r in runs if "swa" in (r.label or "") and r.config}
+    markers, notes = switches.footnotes([f"n/a for SWA: {why[r.dir]}" if why.get(r.dir) else None for r in runs])
+    for r, marker in zip(runs, markers):
         f, label = r.final, r.label or Path(r.dir).name
         val = f.get("val_loss")
         rec = {"study": "convergence", "scale": key[0], "fabric": key[1], "label": label, "status": r.status,
-               "tokens": None, "loss": None, "val_loss": None, "dir": r.dir}
+               "tokens": None, "loss": None, "val_loss": None, "swa_na_reason": why.get(r.dir), "dir": r.dir}
+        shown = label + (f" {marker}" if marker else "")
         if not r.measured:
-            cells.append([label, _empty(r.status), "", ""])
+            cells.append([shown, _empty(r.status), "", ""])
         else:
             rec.update(tokens=r.tokens, loss=f["loss"], val_loss=val)
-            cells.append([_name(label, r), count(r.tokens), f"{f['loss']:.3f}",
+            cells.append([_name(shown, r), count(r.tokens), f"{f['loss']:.3f}",
                           "n/a" if val is None else f"{val:.3f}"])
         records.append(rec)
     title = _title("Convergence (convergence)", key, [r["status"] for r in records])
-    return Table(title, ["variant", "tokens seen", "final loss", "val loss"], cells, records)
+    return Table(title, ["variant", "tokens seen", "final loss", "val loss"], cells, records, notes)
 
 
 BUILDERS = {"megascale_ablation": ablation, "strong_scaling": scaling, "convergence": convergence}

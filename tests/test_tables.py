@@ -3,6 +3,7 @@ missing / failed / pending rows, the files, refusal to overwrite, and the offlin
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 
@@ -19,19 +20,31 @@ def final(mfu: float, tokens_per_s: float, step_time: float, **extra) -> dict:
             "tflops_per_device": 0.1, "mfu": mfu, "memory_gib": 1.0, **extra}
 
 
-def curve(step_time: float, parts: bool = False) -> list:
-    rows = [{"step": s, "loss": 6.0 - 0.3 * s, "step_time": step_time} for s in range(1, 11)]
+# Per-step MFU around a run's value: after 3 warm-up steps, 5 windows of 3 steps whose medians are
+# the value -0.2, -0.1, 0, +0.1, +0.2 points. So a run's 95% interval is t(4) * SE = 2.776 * 0.0707 =
+# ±0.2 points, and two such runs' difference has ±0.2 too (Welch: df 8, t 2.306, SE 0.1).
+WIGGLE = [0.0] * 3 + [d for d in (-0.002, -0.001, 0.0, 0.001, 0.002) for _ in range(3)]
+
+
+def curve(step_time: float, parts: bool = False, mfu: float | None = None, steps: int = 18) -> list:
+    rows = [{"step": s, "loss": 6.0 - 0.3 * s, "step_time": step_time} for s in range(1, steps + 1)]
     rows[-1]["val_loss"] = 3.2
     for r in rows if parts else []:
         r.update(compute_s=0.6 * step_time, exposed_comm_s=0.1 * step_time, bubble_s=0.1 * step_time)
+    for r, d in zip(rows, WIGGLE) if mfu is not None else ():
+        r["mfu"] = mfu + d
     return rows
 
 
 def write_run(job: Path, study: dict, status: str, result: dict | None = None, world: int = 1, batch: int = 8,
-              rows: list = (), started: str = "2025-01-01T00:00:00") -> None:
+              rows: list = (), started: str = "2025-01-01T00:00:00", config: dict | None = None,
+              layout: dict | None = None) -> None:
     job.mkdir(parents=True)
-    record = {"config": {"train": {"batch_size": batch, "seq_len": 16}, "study": study}, "study": study,
-              "status": status, "world_size": world, "attempts": [{"started": started, "status": status}]}
+    record = {"config": {"train": {"batch_size": batch, "seq_len": 16}, "study": study, **(config or {})},
+              "study": study, "status": status, "world_size": world,
+              "attempts": [{"started": started, "status": status}]}
+    if layout:
+        record["layout"] = layout
     if result:
         record["final"] = result
     (job / "run.json").write_text(json.dumps(record))
@@ -54,15 +67,20 @@ def ablation_dir(tmp_path) -> Path:
     """Steps 0-8 with: two ok, a job that died (2), a pending one (3), a missing one (4), train.py's
     "finished" (7, run without the pending step 3) and "interrupted" (8), a later failed rerun of step 1, and a run with no study."""
     root = tmp_path / "ablation"
-    write_run(root / "0", ablation_study(0, "baseline (Megatron-LM)"), "ok", final(0.30, 1000, 0.5), rows=curve(0.5))
+    write_run(root / "0", ablation_study(0, "baseline (Megatron-LM)"), "ok", final(0.30, 1000, 0.5),
+              rows=curve(0.5, mfu=0.30))
     write_run(root / "1", ablation_study(1, "+PTB"), "ok", final(0.35, 1200, 0.42, exposed_comm_s=0.05),
-              rows=curve(0.42, parts=True))
+              rows=curve(0.42, parts=True, mfu=0.35))
     write_dead_job(root / "2", ablation_study(2, "+SWA"))
     write_run(root / "3", ablation_study(3, "+TP overlap"), "pending")
-    write_run(root / "4", ablation_study(5, "+DP overlap"), "ok", final(0.40, 1400, 0.36, exposed_comm_s=0.02))
-    write_run(root / "5", ablation_study(6, "+efficient operators"), "ok", final(0.42, 1500, 1 / 3))
-    write_run(root / "6", ablation_study(7, "+misc (data pipeline)", without=[3]), "finished", final(0.43, 1520, 0.33))
-    write_run(root / "7", ablation_study(8, "+LAMB (batch x3)"), "interrupted", final(0.50, 4000, 0.5), batch=24)
+    write_run(root / "4", ablation_study(5, "+DP overlap"), "ok", final(0.40, 1400, 0.36, exposed_comm_s=0.02),
+              rows=curve(0.36, mfu=0.40))
+    write_run(root / "5", ablation_study(6, "+efficient operators"), "ok", final(0.42, 1500, 1 / 3),
+              rows=curve(0.33, mfu=0.42))
+    write_run(root / "6", ablation_study(7, "+misc (data pipeline)", without=[3]), "finished", final(0.4204, 1520, 0.33),
+              rows=curve(0.33, mfu=0.4204))  # +0.04 points: inside the noise
+    write_run(root / "7", ablation_study(8, "+LAMB (batch x3)"), "interrupted", final(0.50, 4000, 0.5), batch=24,
+              rows=curve(0.5, mfu=0.50, steps=10))  # stopped after 10 steps: too few for windows
     write_run(root / "8", ablation_study(1, "+PTB"), "failed", started="2025-01-02T00:00:00")
     write_run(root / "9", {}, "ok", final(0.1, 1, 1.0))
     (root / "multirun.yaml").write_text("hydra: {}\n")
@@ -96,17 +114,20 @@ Table 3 ablation (megascale_ablation): scale cpu, fabric loopback (5 ok, 1 faile
 
 | step | MFU | ΔMFU | tokens/s | step time | exposed comm |
 |---|---|---|---|---|---|
-| baseline (Megatron-LM) | 30.0% |  | 1,000 | 0.5 s | n/a |
-| +PTB | 35.0% | +5.0 | 1,200 | 0.42 s | 0.05 s |
+| baseline (Megatron-LM) | 30.0% ± 0.2 |  | 1,000 | 0.5 s | n/a |
+| +PTB | 35.0% ± 0.2 | +5.0 ± 0.2 | 1,200 | 0.42 s | 0.05 s |
 | +SWA | failed |  |  |  |  |
 | +TP overlap | pending |  |  |  |  |
 | +PP overlap | missing |  |  |  |  |
-| +DP overlap | 40.0% | +5.0 (vs +PTB) | 1,400 | 0.36 s | 0.02 s |
-| +efficient operators | 42.0% | +2.0 | 1,500 | 0.333 s | n/a |
-| +misc (data pipeline) (without step 3) | 43.0% | +1.0 | 1,520 | 0.33 s | n/a |
-| +LAMB (batch x3) (stopped) | 50.0% | +7.0 | 4,000 | 0.5 s | n/a |
+| +DP overlap | 40.0% ± 0.2 | +5.0 ± 0.2 (vs +PTB) | 1,400 | 0.36 s | 0.02 s |
+| +efficient operators | 42.0% ± 0.2 | +2.0 ± 0.2 | 1,500 | 0.333 s | n/a |
+| +misc (data pipeline) (without step 3) | 42.0% ± 0.2 | +0.0 ± 0.2 (noise) | 1,520 | 0.33 s | n/a |
+| +LAMB (batch x3) (stopped) | 50.0% | +8.0 ± ? (too few steps) | 4,000 | 0.5 s | n/a |
 
-ΔMFU: MFU points against the previous step with a measurement. Exposed comm: median per step, n/a where the run did not log it.
+MFU: median over the steps after the first 3, ± its 95% interval from 5 windows of those steps. ΔMFU: MFU points \
+against the previous step with a measurement, ± the 95% interval of the difference (Welch); "noise" marks a change \
+whose interval holds zero. n/a: the step's switch has nothing to act on in this layout, so the row is not a \
+measurement of it. Exposed comm: median per step, n/a where the run did not log it.
 
 pending: the step's switch has not landed yet; the later steps ran without it (their rows say so)."""
 
@@ -217,7 +238,7 @@ def test_a_corrupt_metrics_line_is_skipped_and_said(tmp_path, capsys):
     """A crash's partial last line and a garbled one in the middle: tables and figures use the rest,
     and say on stderr which lines they skipped."""
     job = tmp_path / "sweep" / "0"
-    write_run(job, ablation_study(0, "baseline (Megatron-LM)"), "ok", final(0.3, 1000, 0.5), rows=curve(0.5))
+    write_run(job, ablation_study(0, "baseline (Megatron-LM)"), "ok", final(0.3, 1000, 0.5), rows=curve(0.5, steps=10))
     lines = (job / "metrics.jsonl").read_text().splitlines(keepends=True)
     lines[3] = "{garbled\n"
     (job / "metrics.jsonl").write_text("".join(lines) + '{"step": 11, "loss": 2.')
@@ -248,3 +269,67 @@ def test_figures_of_a_sweep_whose_jobs_all_crashed_is_one_line(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "none of the 4 runs" in err[0] and "4 failed" in err[0] and "Fix:" in err[0]
     assert not (tmp_path / "figs").exists()
+
+
+# --- What each step's switch acts on in the run's layout, and over which fabric (issue 24) ---
+
+def mesh(tp: int, pp: int, dp: int) -> dict:
+    """run.json's layout for order [dp, pp, tp] (TP on consecutive ranks)."""
+    ranks = [{"rank": (d * pp + p) * tp + t, "dp": d, "pp": p, "tp": t}
+             for d in range(dp) for p in range(pp) for t in range(tp)]
+    return {"tp_size": tp, "pp_size": pp, "dp_size": dp, "ranks": ranks}
+
+
+def layout_sweep(root: Path, fabric: str, tp: int, pp: int, dp: int, window: int, seq: int = 256) -> Path:
+    """The 9 steps of an ablation on one layout, each 1 point above the last."""
+    for k in range(9):
+        study = {**ablation_study(k, tables.ABLATION_LABELS[k]), "fabric": fabric}
+        config = {"train": {"batch_size": 8, "seq_len": seq}, "parallel": {"tp": tp, "pp": pp, "dp": dp},
+                  "model": {"attention": {"window": window if k >= 2 else None}}, "study": study}
+        write_run(root / str(k), study, "ok", final(0.10 + 0.01 * k, 1000, 0.5), world=tp * pp * dp,
+                  rows=curve(0.5, mfu=0.10 + 0.01 * k), config=config, layout=mesh(tp, pp, dp))
+    return root
+
+
+def test_a_switch_with_nothing_to_act_on_is_na_with_its_reason(tmp_path):
+    """tp2 on 2 loopback ranks with a window as long as the sequence: SWA, PP overlap and DP overlap
+    have nothing to act on. Their rows are n/a, never a number, in the table, CSV and LaTeX; the
+    next measured step's ΔMFU says which step it is against; the TP rows say TP ran over loopback."""
+    root = layout_sweep(tmp_path / "lo", "loopback", tp=2, pp=1, dp=1, window=256)
+    table = tables.ablation(tables.load_runs([root]))[0]
+    cells = {row[0].split(" (")[0]: row for row in table.cells}
+    for step in ("+SWA", "+PP overlap", "+DP overlap"):
+        assert cells[step][1:] == ["n/a", "", "", "", ""], cells[step]
+    assert cells["+TP overlap"][2] == "+2.0 ± 0.2 (vs +PTB)"
+    assert cells["+efficient operators"][2] == "+3.0 ± 0.2 (vs +TP overlap)"  # steps 4, 5: n/a
+    notes = "\n".join(table.notes)
+    assert "(b) n/a: SWA: window 256 >= seq_len 256: every key is inside it" in notes
+    assert "n/a: PP overlap: pp = 1 in this layout, no pipeline sends to overlap" in notes
+    assert "n/a: DP overlap: dp = 1 in this layout" in notes
+    assert "(a) TP runs over loopback: gloo's copies and sums take the same CPU cores as the compute" in notes
+    assert cells["+PTB"][0] == "+PTB (a)" and "(a)" in [c[0] for c in table.cells if c[0].startswith("+TP")][0]
+    records = {r["label"]: r for r in table.records}
+    assert records["+PP overlap"]["status"] == "n/a" and records["+PP overlap"]["mfu"] is None
+    assert records["+PP overlap"]["na_reason"].startswith("PP overlap: pp = 1")
+    rows = list(csv.DictReader(io.StringIO(tables.to_csv([table]))))
+    assert [r["status"] for r in rows].count("n/a") == 3 and all(r["mfu"] == "" for r in rows if r["status"] == "n/a")
+    assert r"+PP overlap (c) & n/a &" in table.latex()
+    # figures: an n/a step has its reason's word where its bar would be, no bar
+    assert figures.main([str(root), "--out", str(tmp_path / "figs")]) == 0
+
+
+def test_each_row_says_over_which_fabric_its_switch_communicates(tmp_path):
+    """4 emulated hosts of 2 ranks at tp2 pp2 dp2 (MegaScale's placement: TP inside a host, PP and DP
+    across hosts): the TP rows say TP ran over a host's loopback, the PP and DP rows that their
+    bytes crossed the emulated links; every step has something to act on."""
+    root = layout_sweep(tmp_path / "emu", "emulated:4x2@250mbit", tp=2, pp=2, dp=2, window=64)
+    table = tables.ablation(tables.load_runs([root]))[0]
+    assert all(r["status"] == "ok" and r["mfu"] is not None for r in table.records[:6])
+    notes = "\n".join(table.notes)
+    assert "(a) TP runs over loopback inside a host" in notes
+    assert "(b) PP crosses the emulated 250mbit links between hosts" in notes
+    assert "(c) DP crosses the emulated 250mbit links between hosts" in notes
+    labels = [row[0] for row in table.cells[:6]]
+    assert labels == ["baseline (Megatron-LM)", "+PTB (a)", "+SWA", "+TP overlap (a)", "+PP overlap (b)",
+                      "+DP overlap (c)"]
+    assert [row[2] for row in table.cells[1:6]] == ["+1.0 ± 0.2"] * 5
