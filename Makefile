@@ -29,12 +29,13 @@ gpu: $(STAMP)
 	$(BIN)/python -m pip install --no-build-isolation -r $(VENV)/gpu-requirements.txt
 
 # The main job: MegaScale's Table 3 at CPU scale. The 9 cumulative steps as one Hydra multirun,
-# each with a progress bar, then the table (Markdown here; CSV and LaTeX beside the runs) and the
-# figures. W&B runs offline (wandb/ in each job's dir; `wandb sync` uploads).
-# Where root allows, on the emulated cluster (experiments/emucluster.py): 2 hosts x 2 ranks, TP
-# inside a host over its loopback, DP across throttled links ($(DEMO_LINK)), so communication costs
-# what it would between hosts (20 steps per job: 4 ranks share the 2 cores). Otherwise tp2 on 2
-# gloo ranks over this machine's loopback. The table says which fabric each run used.
+# then the table (Markdown here; CSV and LaTeX beside the runs) and the figures. W&B runs offline
+# (wandb/ in each job's dir; `wandb sync` uploads). The layout is tp2 pp2 dp2 on 8 ranks
+# (conf/study_scale/megascale_ablation_cpu.yaml). Where root allows, on the emulated cluster
+# (experiments/emucluster.py): 4 hosts of 2 ranks, TP inside a host over its loopback, PP and DP
+# across throttled links ($(DEMO_LINK)), so their communication costs wire time as between GPU
+# hosts. Otherwise 8 gloo ranks over this machine's loopback. The table names the fabric, and
+# each row the fabric its switch's bytes crossed.
 # := expands once, so every command sees one dir (no comment after a value: make keeps its spaces)
 NOW := $(shell date +%Y-%m-%d_%H-%M-%S)
 SWEEP ?= multirun/ablation-$(NOW)
@@ -42,9 +43,9 @@ DEMO_LINK ?= 250mbit
 ABLATION = train.py -m experiment=megascale_ablation 'ablation.step=range(0,9)' logging.wandb.mode=offline hydra.sweep.dir=$(SWEEP)
 demo: $(STAMP)
 	if $(BIN)/python experiments/emucluster.py --check; then \
-		$(BIN)/python experiments/emucluster.py --hosts 2 --ranks-per-host 2 --bandwidth $(DEMO_LINK) -- $(ABLATION) train.max_steps=20; \
+		$(BIN)/python experiments/emucluster.py --hosts 4 --ranks-per-host 2 --bandwidth $(DEMO_LINK) -- $(ABLATION); \
 	else \
-		$(BIN)/torchrun --standalone --nproc_per_node 2 $(ABLATION); \
+		$(BIN)/torchrun --standalone --nproc_per_node 8 $(ABLATION); \
 	fi
 	$(BIN)/python experiments/tables.py $(SWEEP)
 	$(BIN)/python experiments/figures.py $(SWEEP)

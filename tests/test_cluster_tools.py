@@ -317,7 +317,7 @@ def test_submitit_multirun_runs_each_job_as_slurm_tasks(local_slurm, tmp_path, c
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGAREPRO_CACHE=str(cache_dir), HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm", "experiment=megascale_ablation",
-         "ablation.step=0,1", *TINY, "train.max_steps=4", "checkpoint.interval=0",
+         "ablation.step=0,1", *TINY, "parallel.pp=1", "parallel.dp=1", "train.max_steps=4", "checkpoint.interval=0",
          "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",
          "hydra.launcher.timeout_min=10", "hydra.launcher.partition=debug",
          "++hydra.launcher.additional_parameters={overcommit: true}", f"hydra.sweep.dir={sweep}"],

@@ -126,12 +126,13 @@ def test_torchrun_multirun_gives_measured_and_pending_rows(tmp_path, cache_dir):
     would be) is recorded as pending, and tables.py shows both."""
     sweep = tmp_path / "sweep"
     run_train(tmp_path / "unused", ["-m", "experiment=megascale_ablation", "ablation.step=1,3", "ablation.pending=[3]"] + SMALL +
-              ["train.max_steps=5", f"hydra.sweep.dir={sweep}"], cache_dir, nproc=2)
+              ["parallel.pp=1", "parallel.dp=1", "train.max_steps=5", f"hydra.sweep.dir={sweep}"], cache_dir, nproc=2)
     runs = {r.step: r for r in tables.load_runs([sweep])}
     assert runs[1].status == "ok" and runs[1].world == 2 and runs[1].final["mfu"] > 0
     assert runs[3].status == "pending" and runs[3].final == {}
     text = tables.ablation_table(list(runs.values()))
-    assert "| +TP overlap | pending |" in text and "| +PTB | " in text and "| baseline (Megatron-LM) | missing |" in text
+    assert "| +TP overlap | pending |" in text and "| +PTB (a) | " in text and "| baseline (Megatron-LM) | missing |" in text
+    assert "(a) TP runs over loopback" in text  # where PTB's halved TP collectives went
 
 
 @pytest.mark.parametrize("argv", [

@@ -270,8 +270,8 @@ def test_ablation_steps_are_the_studys_own_configs(cluster_ablation):
 
 
 def test_cpu_ablation_and_scaling_predict_the_cpu_studies(tmp_path, monkeypatch, capsys):
-    """At scale=cpu the studies are the ones `make demo` / `make scaling` run (tp2 on 2 ranks; 1, 2
-    and 4 ranks), on hardware=cpu_local (here from a cache file, not measured)."""
+    """At scale=cpu the studies are the ones `make demo` / `make scaling` run (tp2 pp2 dp2 on 8 ranks;
+    1, 2 and 4 ranks), on hardware=cpu_local (here from a cache file, not measured)."""
     monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
     measured = {"peak_tflops": 0.004, "peak_tflops_fp32": 0.08, "gemm_half_dim": 40.0, "gemm_efficiency": 1.0,
                 "memory_GBps": 8.0, "op_overhead_us": 6.0, "flash_efficiency": 0.9, "intra_host_GBps": 1.2,
@@ -280,7 +280,7 @@ def test_cpu_ablation_and_scaling_predict_the_cpu_studies(tmp_path, monkeypatch,
     results = cli.ablation(scale="cpu")
     for step, (_, cfg, pred) in enumerate(results):
         assert cfg.hardware.name == "cpu_local" and cfg.ablation.step == step
-        assert pred.layout.gpus == 2 and pred.layout.tp == 2 and 0 < pred.step_s < 1e3
+        assert (pred.layout.gpus, pred.layout.tp, pred.layout.pp, pred.layout.dp) == (8, 2, 2, 2) and 0 < pred.step_s < 1e3
     # bf16 is slower than fp32 on this (AVX2) CPU: precision=auto would run fp32; the study fixes fp32
     assert pm.resolve_config(cli.compose(["hardware=cpu_local"]), pm.resolve_hardware(results[0][1].hardware)).precision == "fp32"
     assert cli.main(["experiment=strong_scaling", "scale=cpu"]) == 0
