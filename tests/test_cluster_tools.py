@@ -329,4 +329,4 @@ def test_submitit_multirun_runs_each_job_as_slurm_tasks(local_slurm, tmp_path, c
     assert sorted(runs) == [0, 1], list(sweep.rglob("*"))
     for run in runs.values():
         assert run.status == "ok" and run.world == 2 and run.final["steps"] == 4, run
-    assert "| +PTB |" in tables.ablation_table(list(runs.values()))
+    assert "| +PTB (a) |" in tables.ablation_table(list(runs.values()))  # (a): TP ran over loopback
