@@ -136,14 +136,23 @@ class ScalingConfig:
 
 @dataclass
 class ConvergenceConfig:
-    """Fig. 10's variants (conf/experiment/convergence.yaml): baseline, ptb_swa (PTB + SWA at the
-    baseline's batch) and lamb_4x (LAMB at 4x the batch, a quarter of the steps: equal tokens)."""
+    """Fig. 10 and the batch study around it (conf/experiment/convergence.yaml). variant: the
+    model, baseline or ptb_swa (PTB + SWA); lamb_4x names the paper's setting, LAMB at k=4. The
+    batch study sweeps optimizer x k (the batch multiple, at equal tokens: batch*k sequences for
+    steps/k steps) x lr_mult (the sweep around optim.batch_scaled_lr's rate) x train.seed;
+    experiments/batch_study.py runs it and reads it."""
     variant: str = "baseline"
     window: int = 512
-    batch: int = 16
-    steps: int = 1000
-    lamb_batch: int = 64          # 4 x batch
-    lamb_steps: int = 250         # steps / 4: the same tokens
+    batch: int = 16               # sequences per step at k=1
+    steps: int = 1000             # steps at k=1; steps/k at k
+    optimizer: str = "adamw"      # adamw | lamb
+    k: int = 1                    # batch multiple
+    lr_mult: float = 1.0          # times the rule's rate for this k
+    adamw_lr: float = 2e-3        # peak rates at k=1
+    lamb_lr: float = 2e-3
+    warmup_tokens: int = 81920    # the warm-up in tokens, the same at every k (20 steps of 16 x 256)
+    evals: int = 10               # held-out evaluations per run, at the same tokens for every k
+    eval_sequences: int = 32      # the held-out set, the same sequences for every k
 
 
 @dataclass
@@ -204,6 +213,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("ablation_study", ablation_study)
         # ${pick:key,{k1: v1, k2: v2},default}: a study variant's value of a setting
         OmegaConf.register_new_resolver("pick", lambda key, table, default: table.get(key, default))
+        # ${convergence:lr}: what a convergence job trains with (convergence_setting)
+        OmegaConf.register_new_resolver("convergence", convergence_setting)
         # ${scaling_row:batch}: a value of the strong-scaling row scaling.row picks
         OmegaConf.register_new_resolver("scaling_row", lambda key, *, _root_: _root_.scaling.rows[_root_.scaling.row][key])
 
@@ -223,6 +234,30 @@ def ablation_study(what: str, *, _root_) -> Any:
     if what == "pending":
         return a.step in a.pending
     return [k for k in a.pending if k < a.step]
+
+
+def convergence_setting(what: str, base: Any = None, *, _root_) -> Any:
+    """${convergence:optimizer|k|batch_size|max_steps|lr|warmup_steps|eval_interval|eval_batches|label}, and
+    ${convergence:times_k,N}: the values a convergence job trains with. Every k sees the same
+    tokens; the rate follows optim.batch_scaled_lr and the warm-up is fixed in tokens."""
+    import optim
+    # Hydra resolves these once while merging the experiment's YAML alone (to see whether a value
+    # is None), where the schema's defaults are not there yet: hence the defaults here.
+    c = ConvergenceConfig(**{k: v for k, v in OmegaConf.to_container(_root_.convergence).items()
+                             if k in ConvergenceConfig.__dataclass_fields__})
+    seq_len = OmegaConf.select(_root_, "train.seq_len", default=TrainConfig.seq_len)
+    optimizer, k = ("lamb", 4) if c.variant == "lamb_4x" else (c.optimizer, c.k)
+    if what == "lr":
+        return optim.batch_scaled_lr({"adamw": c.adamw_lr, "lamb": c.lamb_lr}[optimizer], k) * c.lr_mult
+    if what == "label":  # Fig. 10's names for its three runs; the batch study's cells otherwise
+        if (c.optimizer, c.k, c.lr_mult) == ("adamw", 1, 1.0):
+            return c.variant
+        return f"{optimizer} k={k} lr x{c.lr_mult:g}" + ("" if c.variant in ("baseline", "lamb_4x") else f" {c.variant}")
+    return {"optimizer": optimizer, "k": k, "batch_size": c.batch * k, "max_steps": c.steps // k,
+            "times_k": None if base is None else int(base) * k,
+            "warmup_steps": optim.warmup_steps_for_tokens(c.warmup_tokens, c.batch * k * seq_len),
+            "eval_interval": max(1, c.steps // k // c.evals),
+            "eval_batches": max(1, c.eval_sequences // (c.batch * k))}[what]
 
 
 def world_size() -> int:
@@ -299,6 +334,12 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
         if not (Path(cfg.resume) / MANIFEST).is_file():
             raise ConfigError("resume", f"{cfg.resume} is not a complete checkpoint (no {MANIFEST})",
                               "give a checkpoints/step_* folder, or resume=auto|none")
+    if cfg.study.name == "convergence":
+        c, k = cfg.convergence, cfg.convergence.k if cfg.convergence.variant != "lamb_4x" else 4
+        if c.steps % k or (c.steps // k) % c.evals:
+            raise ConfigError("convergence.steps", f"{c.steps} steps at k={k} are not {c.evals} evaluations at the "
+                              f"token counts of k=1's", f"choose steps divisible by k x convergence.evals "
+                              f"({k * c.evals})")
     if not 0 <= cfg.ablation.step <= 8:
         raise ConfigError("ablation.step", f"{cfg.ablation.step} is not a step of Table 3",
                           "use 0 (baseline) to 8 (+LAMB), or the multirun ablation.step=range(0,9)")

@@ -311,6 +311,21 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def batch_scaled_lr(lr: float, k: float) -> float:
+    """The peak learning rate at k times the batch that `lr` was chosen at: square-root scaling,
+    for LAMB and AdamW alike. LAMB: the rule of You et al. 2019 ("Large Batch Optimization for Deep
+    Learning", ICLR'20) for its BERT runs, the learning rate growing with the square root of the
+    batch and the warm-up fixed in epochs, i.e. in tokens (warmup_steps_for_tokens). AdamW: the
+    square-root rule is the one for adaptive optimizers (Malladi et al. 2022, "On the SDEs and
+    Scaling Rules for Adaptive Gradient Algorithms"); linear scaling (Goyal et al. 2017) is SGD's."""
+    return lr * math.sqrt(k)
+
+
+def warmup_steps_for_tokens(tokens: int, tokens_per_step: int) -> int:
+    """Warm-up counted in tokens, as steps of this batch: a k-times batch warms up in k-times fewer steps."""
+    return max(1, round(tokens / tokens_per_step))
+
+
 def build_scheduler(optimizer, cfg: OptimConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     # A partial, not a lambda or a callable object: LambdaLR's state_dict then stores no schedule
     # parameters, so a resumed run follows its own (possibly changed) config, not the checkpoint's.

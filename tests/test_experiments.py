@@ -151,3 +151,29 @@ def test_a_submitit_job_whose_layout_needs_other_ranks_fails_preflight(capsys):
                           "hydra.launcher.nodes=2"])
     assert stop.value.code == 2
     assert "world size is 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_the_batch_study_scales_rate_and_warm_up_by_its_rule(optimizer):
+    """At k times the batch: k times the sequences for 1/k of the steps (equal tokens), the rate
+    times sqrt(k) (optim.batch_scaled_lr) times the sweep's multiple, the warm-up the same tokens,
+    and the held-out set the same sequences, evaluated at the same token counts."""
+    from experiments import batch_study
+    cfgs = {k: config.compose(["experiment=convergence", *batch_study.SCALE, f"convergence.optimizer={optimizer}",
+                               f"convergence.k={k}", "convergence.lr_mult=0.5"]) for k in batch_study.KS}
+    one = cfgs[1]
+    for k, cfg in cfgs.items():
+        tokens = cfg.train.batch_size * cfg.train.seq_len
+        assert (cfg.optim.name, cfg.train.batch_size, cfg.train.max_steps) == (optimizer, k * one.train.batch_size,
+                                                                               one.train.max_steps // k)
+        assert cfg.train.lr == pytest.approx(0.5 * k ** 0.5 * getattr(one.convergence, f"{optimizer}_lr"))
+        assert abs(cfg.optim.warmup_steps * tokens - cfg.convergence.warmup_tokens) <= tokens / 2  # to the nearest step
+        assert cfg.train.eval_interval * k == one.train.eval_interval
+        assert cfg.train.eval_batches * cfg.train.batch_size == one.train.eval_batches * one.train.batch_size
+        assert cfg.study.label == f"{optimizer} k={k} lr x0.5"
+    assert config.compose(["experiment=convergence", "convergence.variant=lamb_4x"]).optim.name == "lamb"
+
+
+def test_a_convergence_run_whose_evaluations_miss_k1s_token_counts_is_refused():
+    with pytest.raises(config.ConfigError, match=r"convergence.steps: .* k=8"):
+        config.validate(config.compose(["experiment=convergence", "convergence.k=8"]), world=1)   # 600 / 8 = 75 steps
