@@ -40,6 +40,16 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX); elsewhere torch emulates it,
+    and a bf16 matmul runs far slower than an fp32 one."""
+    try:
+        flags = next(l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 # Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity). Matched by substring of the
 # CUDA device name, longest key first, so "H100" does not shadow "H100 PCIe".
 DEVICE_PEAK_TFLOPS = {

@@ -1,0 +1,213 @@
+"""One device's training step against the simplest peer: nanoGPT's model.py beside ours, at the same
+shapes, dtype and thread count, in one process, alternating, eager and compiled.
+
+    git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT       # the user fetches it; none of its code is ours
+    python experiments/bench_step.py --nanogpt /tmp/nanoGPT
+    python experiments/bench_step.py --nanogpt /tmp/nanoGPT --shape small --dtype fp32
+    python experiments/bench_step.py --nanogpt /tmp/nanoGPT --compile both --rounds 5
+
+The contenders, each timed for --steps steps per round after --warmup untimed ones, rounds
+alternating so that load from elsewhere falls on all of them:
+  nanogpt     its GPT and its configure_optimizers' AdamW on random tokens: forward, loss,
+              backward, clip to 1.0, step, zero_grad (its train.py's loop without the data)
+  ours        the step train.py runs (parallel.train_step: forward, loss, backward, clip, AdamW
+              step, scheduler), one process, on random tokens
+  ours+loop   train.py's whole loop, in process (train.train): real data from the corpus, the
+              loss and grad norm read back, metrics.jsonl, the heartbeat; step time from
+              metrics.jsonl. What a user measures.
+and what differs by design, each timed as its own contender when asked (--variants):
+  ours@256    vocab 256 instead of 257 (nanoGPT's vocab is free; byte-level data needs 257)
+  ours-rope   rotary positions replaced by none (nanoGPT adds learned positions instead)
+Throughput is tokens/s (batch * seq / median step time). The CPU model and whether it computes
+bf16 natively (AVX512-BF16, AMX) are printed first: a CPU that emulates bf16 runs it ~100x slower
+than fp32, so there the bf16 rows say so rather than take hours. A speed-up holds for that CPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import config  # noqa: E402
+import machine  # noqa: E402
+import optim  # noqa: E402
+import parallel  # noqa: E402
+from model import GPT  # noqa: E402
+
+SHAPES = {  # the issue's shapes (nanoGPT's Shakespeare-char config at batch 8), and conf/model/small.yaml
+    "issue": dict(n_layers=6, d_model=384, n_heads=6, batch=8, seq=256),
+    "small": None,
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def shape_of(name: str) -> dict:
+    if SHAPES[name] is not None:
+        return SHAPES[name]
+    m = config.compose([f"model={name}"]).model
+    return dict(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, batch=8, seq=256)
+
+
+def our_overrides(shape: dict, dtype: str, vocab: int = 257, compiled: bool = False) -> list:
+    return ["model=tiny", f"model.n_layers={shape['n_layers']}", f"model.d_model={shape['d_model']}",
+            f"model.n_heads={shape['n_heads']}", "model.bias=false", f"model.vocab_size={vocab}",
+            "data.tokenizer=bytes", f"train.batch_size={shape['batch']}", f"train.seq_len={shape['seq']}",
+            f"precision={dtype}", f"train.compile={str(compiled).lower()}", "logging.wandb.mode=disabled",
+            "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0", "logging.interval=100000",
+            "hardware.peak_tflops=1", "ft.straggler_interval=0"]
+
+
+# --- The contenders: each a function running n steps and returning their times ---
+
+def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool):
+    spec = importlib.util.spec_from_file_location("nanogpt_model", path / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        spec.loader.exec_module(module)
+        model = module.GPT(module.GPTConfig(block_size=shape["seq"], vocab_size=257, n_layer=shape["n_layers"],
+                                            n_head=shape["n_heads"], n_embd=shape["d_model"], dropout=0.0, bias=False))
+        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    if compiled:
+        model = torch.compile(model)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g)
+    y = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g)
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+
+    def step() -> None:
+        with autocast:
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope: bool = True):
+    cfg = config.compose(our_overrides(shape, dtype, vocab, compiled))
+    device = torch.device("cpu")
+    layout = parallel.build_layout(cfg.parallel, 0, 1, device)
+    with torch.device("meta"):
+        model = GPT(cfg.model, cfg.kernels)
+    if not rope:
+        import model as model_module
+        model_module.apply_rope = lambda x, cos, sin: x
+    engine = parallel.build(model, layout, cfg.parallel, fused=cfg.kernels.fused, dtype=DTYPES[dtype], device=device,
+                            seed=cfg.train.seed)
+    if compiled:
+        engine.compile()
+    opt = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr, norm_group=engine.norm_group)
+    scheduler = optim.build_scheduler(opt, cfg.optim, 10 ** 6)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g)
+    y = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g)
+
+    def step() -> None:
+        loss, grad_norm = parallel.train_step(engine, opt, x, y, cfg, DTYPES[dtype])
+        scheduler.step()
+        torch.stack([loss.detach(), grad_norm]).tolist()  # train.py's one host read per step
+    return step
+
+
+def timed(step, n: int, warmup: int) -> list:
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def our_loop_times(shape: dict, dtype: str, compiled: bool, n: int, warmup: int) -> list:
+    """train.py's loop in this process (train.train), its step times from metrics.jsonl."""
+    import train
+    cfg = config.compose(our_overrides(shape, dtype, 257, compiled) + [f"train.max_steps={warmup + n}"])
+    with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(open(os.devnull, "w")):
+        train.train(cfg, Path(run_dir))
+        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time"] for r in rows[warmup:]]
+
+
+# --- Running and the table ---
+
+def bench(args) -> list:
+    shape = shape_of(args.shape)
+    tokens = shape["batch"] * shape["seq"]
+    rows = []
+    for dtype in args.dtype.split(","):
+        if dtype == "bf16" and not machine.native_bf16():
+            rows.append({"dtype": dtype, "mode": "-", "note": "this CPU emulates bf16 (no AVX512-BF16 or AMX): not timed"})
+            continue
+        for compiled in {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]:
+            contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], compiled),
+                          "ours": our_stepper(shape, dtype, compiled)}
+            if "vocab" in args.variants:
+                contenders["ours@256"] = our_stepper(shape, dtype, compiled, vocab=256)
+            if "rope" in args.variants:
+                contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
+            times = {name: [] for name in [*contenders, "ours+loop"]}
+            for _ in range(args.rounds):
+                for name, step in contenders.items():
+                    times[name] += timed(step, args.steps, args.warmup)
+                times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup)
+            base = tokens / statistics.median(times["nanogpt"])
+            for name, t in times.items():
+                rate = tokens / statistics.median(t)
+                rows.append({"dtype": dtype, "mode": "compiled" if compiled else "eager", "contender": name,
+                             "tokens_per_s": rate, "vs_nanogpt": rate / base, "steps": len(t)})
+    return rows
+
+
+def table(rows: list, args) -> str:
+    shape = shape_of(args.shape)
+    head = (f"{machine.cpu_model()} | bf16 native: {machine.native_bf16()} | threads {torch.get_num_threads()} | "
+            f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab 257, no bias; median of "
+            f"{args.rounds} rounds x {args.steps} steps\n")
+    lines = ["| dtype | mode | contender | tokens/s | vs nanoGPT |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "note" in r:
+            lines.append(f"| {r['dtype']} | - | {r['note']} | | |")
+        else:
+            lines.append(f"| {r['dtype']} | {r['mode']} | {r['contender']} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['vs_nanogpt']:.2f}x |")
+    return head + "\n" + "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nanogpt", type=Path, required=True, help="a checkout of karpathy/nanoGPT (its model.py)")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="issue")
+    p.add_argument("--dtype", default="fp32,bf16", help="fp32, bf16 or both (comma-separated)")
+    p.add_argument("--compile", choices=("eager", "compiled", "both"), default="both")
+    p.add_argument("--variants", default="", help="also time what differs by design: vocab, rope (comma-separated)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the cores)")
+    args = p.parse_args(argv)
+    if not (args.nanogpt / "model.py").is_file():
+        print(f"bench_step: --nanogpt {args.nanogpt} has no model.py. Fix: git clone https://github.com/karpathy/nanoGPT "
+              f"and give its path", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(table(bench(args), args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
