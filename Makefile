@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo ablation train scaling convergence test test-fast venv gpu slurm-up slurm-down clean
+.PHONY: demo ablation train scaling convergence batch-study test test-fast venv gpu slurm-up slurm-down clean
 
 # The project is a flat set of scripts run from this folder, so only its dependencies are
 # installed (pinned in pyproject.toml; torch==2.13.0 is the CPU or CUDA build the host provides),
@@ -75,6 +75,13 @@ convergence: $(STAMP)
 		hydra.sweep.dir=$(CONVERGENCE)
 	$(BIN)/python experiments/tables.py $(CONVERGENCE)
 	$(BIN)/python experiments/figures.py $(CONVERGENCE)
+
+# Fig. 10's batch study: AdamW and LAMB at k = 1, 2, 3, 4, 8 times the batch at equal tokens, a
+# learning-rate sweep per cell, then three seeds at each cell's best rate; its table and figures
+# (experiments/batch_study.py; about 40 minutes on 2 cores).
+BATCH_STUDY ?= multirun/batch-study-$(NOW)
+batch-study: $(STAMP)
+	$(BIN)/python experiments/batch_study.py run --out $(BATCH_STUDY)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
