@@ -5,6 +5,7 @@ things get counted.
     .venv/bin/python experiments/stress.py                        # every case, N=30, one CPU hog
     .venv/bin/python experiments/stress.py --cases ci --n 3       # the pass CI runs (tests/test_stress.py)
     .venv/bin/python experiments/stress.py --cases pp2_vpp2,resume_pp2_vpp2 --n 50 --hog 2
+    .venv/bin/python experiments/stress.py --out stress/<time>     # go on with a run that was cut off
 
 The cases are the tests' own commands, taken from them so the two never drift: every layout of
 tests/test_parallel.py (each overlap switch and the data pipeline among them) and the saves and
@@ -19,7 +20,9 @@ cores, as on a loaded CI machine. Counted per case:
   stray    runs with stderr lines that are not the run's own log lines (warnings, C++ aborts,
            tracebacks: a clean run prints nothing else there)
 The table is appended to experiments/results/stress.md (with the command, commit and CPU) and
-every run's record to <out>/runs.jsonl.
+every run's record to <out>/runs.jsonl. All cases at N=30 take hours on 2 cores; given an --out that
+already holds a runs.jsonl, the harness counts the runs recorded there and makes only the missing ones
+(a machine restart then costs one run, not the whole study).
 """
 from __future__ import annotations
 
@@ -173,16 +176,41 @@ class Hog:
 
 
 def stress(names: list, n: int, hog: int, timeout: float, out: Path, cache: Path, progress=print) -> dict:
-    """Every case in `names`, n runs each, beside `hog` busy processes: {name: Tally}."""
-    setups: dict = {}
+    """Every case in `names`, n runs each, beside `hog` busy processes: {name: Tally}. Runs already
+    recorded in out/runs.jsonl count and are not made again."""
+    setups, recorded = {}, recorded_runs(out)
     with Hog(hog):
-        return {name: stress_case(name, n, timeout, out, cache, setups, progress) for name in names}
+        return {name: stress_case(name, n, timeout, out, cache, setups, progress, recorded.get(name, []))
+                for name in names}
 
 
-def stress_case(name: str, n: int, timeout: float, out: Path, cache: Path, setups: dict, progress=print) -> Tally:
-    """n runs of one case in out/<name>/<i>, after the run it resumes from (once, kept in setups)."""
+def recorded_runs(out: Path) -> dict:
+    """name -> the records of out/runs.jsonl for that case, in run order (a run cut off mid-way left
+    no record and is made again)."""
+    found: dict = {}
+    log = out / "runs.jsonl"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        record = json.loads(line)
+        found.setdefault(record["case"], {})[record["i"]] = record
+    return {name: [by_index[i] for i in sorted(by_index)] for name, by_index in found.items()}
+
+
+def stress_case(name: str, n: int, timeout: float, out: Path, cache: Path, setups: dict, progress=print,
+                recorded: list = ()) -> Tally:
+    """n runs of one case in out/<name>/<i>, after the run it resumes from (once, kept in setups);
+    the `recorded` runs (from an earlier, cut-off invocation) count first."""
     case, tally = cases()[name], Tally()
     out.mkdir(parents=True, exist_ok=True)
+    recorded = list(recorded)[:n]
+    for record in recorded:
+        tally.add(record)
+        tally.dirs.append(Path(record["run_dir"]))
+        if record["rc"] == 0:
+            tally.good.append(Path(record["run_dir"]))
+    if len(recorded) == n:
+        return tally
+    if case.needs and case.needs not in setups and checkpoint.complete_checkpoints(out / case.needs / "checkpoints"):
+        setups[case.needs] = out / case.needs  # made by the cut-off invocation
     if case.needs and case.needs not in setups:
         setup_dir = out / case.needs
         setup_dir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +219,7 @@ def stress_case(name: str, n: int, timeout: float, out: Path, cache: Path, setup
             raise RuntimeError(f"stress: the setup run {case.needs} failed ({record['rc']}): see {setup_dir}")
         setups[case.needs] = setup_dir
     with (out / "runs.jsonl").open("a") as log:
-        for i in range(n):
+        for i in range(len(recorded), n):
             run_dir = out / name / f"{i:03d}"
             run_dir.mkdir(parents=True, exist_ok=True)
             record = {"case": name, "i": i, **run_once(case, run_dir, setups.get(case.needs), cache, timeout)}

@@ -1,6 +1,7 @@
 """The CI stress pass (issue 19): the riskiest cases of experiments/stress.py, CI_STRESS_RUNS runs
 each beside a CPU hog. A rank that aborts after "done", a hang, a stray warning or a run that does
 not repeat bitwise fails CI here rather than at random on a fresh machine."""
+import json
 import sys
 
 import pytest
@@ -36,3 +37,21 @@ def test_the_tally_counts_what_went_wrong():
     tally.add({**good, "rc": -9, "hung": True})
     assert (tally.runs, tally.failed, tally.hung, tally.signal, tally.differ, tally.stray) == (4, 2, 1, 1, 1, 1)
     assert tally.bad() == 2 + 1 + 1
+
+
+def test_a_cut_off_stress_run_goes_on_where_it_stopped(tmp_path, monkeypatch):
+    """Given an --out whose runs.jsonl holds some runs, only the missing ones are made, and the
+    recorded ones count in the tally (a run cut off mid-way left no record and is made again)."""
+    good = {"rc": 0, "hung": False, "signals": [], "stray": [], "seconds": 1.0, "losses": [[6.0, None]],
+            "weights_sha256": "a"}
+    records = [{"case": "single", "i": 1, "run_dir": str(tmp_path / "single/001"), **good},
+               {"case": "single", "i": 0, "run_dir": str(tmp_path / "single/000"), **good, "weights_sha256": "b"},
+               {"case": "dp2_zero1", "i": 0, "run_dir": str(tmp_path / "dp2_zero1/000"), **good}]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    made = []
+    monkeypatch.setattr(stress, "run_once", lambda case, run_dir, *a: made.append(run_dir) or dict(good))
+    tallies = stress.stress(["single", "dp2_zero1"], 2, 0, 60, tmp_path, tmp_path, progress=lambda line: None)
+    assert made == [tmp_path / "dp2_zero1" / "001"]
+    assert (tallies["single"].runs, tallies["single"].differ) == (2, 1)  # run 0 is the reference
+    assert (tallies["dp2_zero1"].runs, tallies["dp2_zero1"].differ) == (2, 0)
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 4
