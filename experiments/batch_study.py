@@ -6,9 +6,12 @@ rule's rate (optim.batch_scaled_lr) and three seeds at each cell's best rate.
     python experiments/batch_study.py run [--out DIR] [-- more train.py overrides]
     python experiments/batch_study.py report DIR              # the table and figures again
 
-`run` is two Hydra multiruns of experiment=convergence: the sweep (optimizer x k x lr_mult, seed
-1337), then the seeds 1338 and 1339 at each cell's best rate (lowest final validation loss of
-the sweep). Add hydra/launcher=submitit_slurm (and its settings) after `--` to run them on SLURM.
+`run` is Hydra multiruns of experiment=convergence: the sweep (optimizer x k x lr_mult, seed 1337);
+then, for each cell whose best rate is the lowest or highest it tried, the next factor of 2 beyond
+it (at most twice), so that a reported rate is bracketed; then the seeds 1338 and 1339 at each
+cell's best rate (lowest final validation loss at seed 1337). Each phase runs only what the --out
+dir does not hold yet, so `run --out DIR` again goes on with a study that was cut off. Add
+hydra/launcher=submitit_slurm (and its settings) after `--` to run them on SLURM.
 `report` writes batch_study.md (appended), .csv and the figures into DIR.
 
 The scale: a 2-layer, 128-wide model on the embedded corpus (4,096-token BPE), sequences of 128,
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import statistics
 import subprocess
@@ -40,6 +44,10 @@ from experiments import intervals, tables  # noqa: E402
 OPTIMIZERS = ("adamw", "lamb")
 KS = (1, 2, 3, 4, 8)
 LR_MULTS = (0.5, 1.0, 2.0)
+# A cell whose best rate is at the end of what it tried gets the next factor of 2 beyond it, up to
+# twice: a best rate at the sweep's edge is not yet the best rate.
+MAX_EXTENSIONS = 2
+MIN_MULT, MAX_MULT = LR_MULTS[0] / 4, LR_MULTS[-1] * 4
 SEEDS = (1337, 1338, 1339)   # the sweep runs the first; the best rate of each cell gets the others
 SCALE = ["model=tiny", "model.n_layers=2", "model.d_model=128", "model.n_heads=4", "train.seq_len=128",
          "convergence.batch=8", "convergence.steps=384", "convergence.warmup_tokens=32768", "convergence.evals=8",
@@ -59,13 +67,64 @@ def multirun(overrides: List[str], sweep_dir: Path, extra: List[str]) -> None:
 
 
 def run(out: Path, extra: List[str]) -> None:
-    multirun([f"convergence.optimizer={','.join(OPTIMIZERS)}", f"convergence.k={','.join(map(str, KS))}",
-              f"convergence.lr_mult={','.join(f'{m:g}' for m in LR_MULTS)}", f"train.seed={SEEDS[0]}"],
-             out / "sweep", extra)
-    best = best_rates(cells(tables.load_runs([out / "sweep"])))
-    for (optimizer, k), mult in sorted(best.items()):
-        multirun([f"convergence.optimizer={optimizer}", f"convergence.k={k}", f"convergence.lr_mult={mult:g}",
-                  f"train.seed={','.join(map(str, SEEDS[1:]))}"], out / f"seeds_{optimizer}_k{k}", extra)
+    """The sweep, then the rate bracketed where a cell's best is at the edge of what it tried, then
+    the seeds at each cell's best. Each phase runs only what out does not hold yet (into a new
+    folder, never over another run), so a study cut off goes on where it stopped."""
+    if not cells_in(out):
+        multirun([f"convergence.optimizer={','.join(OPTIMIZERS)}", f"convergence.k={','.join(map(str, KS))}",
+                  f"convergence.lr_mult={','.join(f'{m:g}' for m in LR_MULTS)}", f"train.seed={SEEDS[0]}"],
+                 new_dir(out, "sweep"), extra)
+    found = cells_in(out)
+    missing: Dict[Tuple[str, float], List[int]] = {}
+    for optimizer, k, mult in itertools.product(OPTIMIZERS, KS, LR_MULTS):
+        if SEEDS[0] not in found.get((optimizer, k), {}).get(mult, {}):
+            missing.setdefault((optimizer, mult), []).append(k)
+    run_groups(out, "sweep", missing, extra)
+    for _ in range(MAX_EXTENSIONS):
+        wanted = beyond_the_edge(cells_in(out))
+        if not wanted:
+            break
+        run_groups(out, "edge", wanted, extra)
+    found = cells_in(out)
+    for (optimizer, k), mult in sorted(best_rates(found).items()):
+        seeds = [seed for seed in SEEDS[1:] if seed not in found[(optimizer, k)][mult]]
+        if seeds:
+            multirun([f"convergence.optimizer={optimizer}", f"convergence.k={k}", f"convergence.lr_mult={mult:g}",
+                      f"train.seed={','.join(map(str, seeds))}"], new_dir(out, f"seeds_{optimizer}_k{k}_x{mult:g}"), extra)
+
+
+def run_groups(out: Path, phase: str, wanted: Dict[Tuple[str, float], List[int]], extra: List[str]) -> None:
+    """One multirun per (optimizer, lr_mult) over its ks, at the sweep's seed."""
+    for (optimizer, mult), ks in sorted(wanted.items()):
+        multirun([f"convergence.optimizer={optimizer}", f"convergence.k={','.join(map(str, ks))}",
+                  f"convergence.lr_mult={mult:g}", f"train.seed={SEEDS[0]}"],
+                 new_dir(out, f"{phase}_{optimizer}_x{mult:g}"), extra)
+
+
+def new_dir(out: Path, name: str) -> Path:
+    """out/name, or out/name-2, -3, ... where it exists: a multirun never writes over earlier jobs."""
+    path, n = out / name, 1
+    while path.exists():
+        n += 1
+        path = out / f"{name}-{n}"
+    return path
+
+
+def cells_in(out: Path) -> Dict[Cell, Dict[float, Dict[int, tables.Run]]]:
+    return cells(tables.load_runs(sorted(d for d in out.iterdir() if d.is_dir()))) if out.is_dir() else {}
+
+
+def beyond_the_edge(found) -> Dict[Tuple[str, float], List[int]]:
+    """{(optimizer, lr_mult): [k, ...]}: the next rate (half or double) for each cell whose best rate
+    is the lowest or highest it has tried, so that every reported rate is bracketed by a worse one
+    on each side (or MAX_EXTENSIONS steps past the sweep say it was not)."""
+    wanted: Dict[Tuple[str, float], List[int]] = {}
+    for (optimizer, k), mult in best_rates(found).items():
+        tried = [m for m, runs in found[(optimizer, k)].items() if SEEDS[0] in runs]
+        step = 0.5 if mult == min(tried) else 2.0 if mult == max(tried) else None
+        if step is not None and MIN_MULT <= mult * step <= MAX_MULT:
+            wanted.setdefault((optimizer, mult * step), []).append(k)
+    return wanted
 
 
 # --- Reading ---
@@ -106,7 +165,7 @@ def table(found) -> Tuple[str, List[dict]]:
     best = best_rates(found)
     reference = ("adamw", 1)
     ref = val_losses(found, reference, best[reference]) if reference in best else None
-    lines = ["| optimizer | k | batch x steps | lr (x rule) | sweep val loss at x0.5 / x1 / x2 | val loss, seeds | "
+    lines = ["| optimizer | k | batch x steps | lr (x rule) | val loss by rate tried (x rule: loss) | val loss, seeds | "
              "vs own k=1 | vs AdamW k=1 | matches AdamW k=1? |", "|---|---|---|---|---|---|---|---|---|"]
     records = []
     for cell in sorted(best, key=lambda c: (OPTIMIZERS.index(c[0]), c[1])):
@@ -114,13 +173,13 @@ def table(found) -> Tuple[str, List[dict]]:
         mult = best[cell]
         losses = val_losses(found, cell, mult)
         run = found[cell][mult][SEEDS[0]]
-        sweep = " / ".join(f"{found[cell][m][SEEDS[0]].final['val_loss']:.3f}" if SEEDS[0] in found[cell].get(m, {})
-                           else "-" for m in LR_MULTS)
+        tried = sorted(m for m, runs in found[cell].items() if SEEDS[0] in runs)
+        sweep = " / ".join(f"x{m:g}: {found[cell][m][SEEDS[0]].final['val_loss']:.3f}" for m in tried)
         own = val_losses(found, (optimizer, 1), best[(optimizer, 1)]) if (optimizer, 1) in best else None
         vs_own, vs_ref = compare(losses, own), compare(losses, ref)
         verdict = "" if vs_ref is None or cell == reference else (
             "yes (within seed noise)" if abs(vs_ref[0]) <= vs_ref[1] else ("better" if vs_ref[0] < 0 else "no"))
-        edge = " (edge)" if mult in (LR_MULTS[0], LR_MULTS[-1]) else ""
+        edge = " (edge)" if mult in (tried[0], tried[-1]) else ""
         lines.append(f"| {optimizer} | {k} | {run.batch} x {run.final['steps']} | {run.config['train']['lr']:.2e} "
                      f"(x{mult:g}){edge} | {sweep} | {spread(losses)} | {fmt(vs_own, cell == (optimizer, 1))} | "
                      f"{fmt(vs_ref, cell == reference)} | {verdict} |")
@@ -223,7 +282,7 @@ def report(dirs: List[Path], out: Path) -> int:
     title = (f"\n## Batch study, {datetime.datetime.now():%Y-%m-%d %H:%M}: final validation loss at equal tokens "
              f"({len(runs)} runs; {' '.join(SCALE)})\n\n")
     notes = ("\nlr: the rule's rate for k (square root, optim.batch_scaled_lr) times the sweep's best multiple "
-             "(edge: at the end of the sweep). val loss: mean ± sd over seeds at that rate. vs own k=1 and vs AdamW "
+             "(edge: still the lowest or highest rate tried, after 2 factors of 2 beyond the sweep). val loss: mean ± sd over seeds at that rate. vs own k=1 and vs AdamW "
              "k=1: the difference of means ± its 95% interval (Welch); a matching cell's interval holds zero.\n")
     print(title + text + notes)
     with open(out / "batch_study.md", "a") as f:  # appended, never overwritten

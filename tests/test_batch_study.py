@@ -3,7 +3,9 @@ seeds' spread, the comparison with AdamW at k=1 within seed noise, and the files
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,7 @@ def test_each_cells_best_rate_and_its_seeds_decide(study, capsys):
     assert rows[("lamb", 8)]["matches_adamw_k1"] == "no" and rows[("lamb", 8)]["vs_adamw_k1"] == pytest.approx(0.30)
     assert rows[("adamw", 1)]["matches_adamw_k1"] == ""   # the reference itself
     assert rows[("lamb", 4)]["seeds"] == 3 and rows[("lamb", 4)]["val_loss_mean"] == pytest.approx(5.01)
-    assert "| lamb | 4 | 32 x 12 | 8.00e-03 (x2) (edge) | 5.400 / 5.150 / 5.010 | 5.010 ± 0.010 (3) |" in text
+    assert "| lamb | 4 | 32 x 12 | 8.00e-03 (x2) (edge) | x0.5: 5.400 / x1: 5.150 / x2: 5.010 | 5.010 ± 0.010 (3) |" in text
 
 
 def test_report_appends_its_table_and_writes_the_figures_once(study, capsys):
@@ -66,3 +68,35 @@ def test_report_appends_its_table_and_writes_the_figures_once(study, capsys):
     assert batch_study.main(["report", str(study)]) == 2     # the CSV and figures are never overwritten
     assert (study / "batch_study.md").read_text().count("## Batch study") == 1   # and a refusal writes nothing
     assert batch_study.main(["report", str(study / "nothing")]) == 2
+
+
+def test_run_brackets_each_best_rate_then_seeds_it_and_goes_on_where_it_stopped(tmp_path, monkeypatch):
+    """run() with the training replaced by a loss surface: AdamW's best rate is x1 at every k (inside
+    the sweep); LAMB's is x0.25 (one factor of 2 below the sweep), and at k=8 below x0.125 (past the
+    two extensions allowed, so it stays at the edge). Then the seeds go to each cell's best, and a
+    second run() finds everything done and runs nothing."""
+    def loss(optimizer, k, mult):
+        best = 1.0 if optimizer == "adamw" else 0.25 if k < 8 else 0.01
+        return 5.0 + 0.1 * k + abs(math.log2(mult / best))
+
+    launched = []
+
+    def fake_multirun(overrides, sweep_dir, extra):
+        values = dict(o.split("=", 1) for o in overrides)
+        combos = itertools.product(values["convergence.optimizer"].split(","), values["convergence.k"].split(","),
+                                   values["convergence.lr_mult"].split(","), values["train.seed"].split(","))
+        launched.append(sweep_dir.name)
+        for n, (optimizer, k, mult, seed) in enumerate(combos):
+            write(sweep_dir / str(n), optimizer, int(k), float(mult), int(seed), loss(optimizer, int(k), float(mult)))
+    monkeypatch.setattr(batch_study, "multirun", fake_multirun)
+    batch_study.run(tmp_path, [])
+    found = batch_study.cells_in(tmp_path)
+    best = batch_study.best_rates(found)
+    assert {k: best[("adamw", k)] for k in batch_study.KS} == dict.fromkeys(batch_study.KS, 1.0)
+    assert {k: best[("lamb", k)] for k in batch_study.KS} == {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25, 8: 0.125}
+    assert launched[:4] == ["sweep", "edge_lamb_x0.25", "edge_lamb_x0.125", "seeds_adamw_k1_x1"]
+    assert sorted(found[("lamb", 8)]) == [0.125, 0.25, 0.5, 1.0, 2.0]          # two steps past the sweep, no more
+    assert all(set(found[cell][mult]) == set(batch_study.SEEDS) for cell, mult in best.items())
+    launched.clear()
+    batch_study.run(tmp_path, [])
+    assert launched == []
