@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,11 +210,13 @@ def stress_case(name: str, n: int, timeout: float, out: Path, cache: Path, setup
             tally.good.append(Path(record["run_dir"]))
     if len(recorded) == n:
         return tally
-    if case.needs and case.needs not in setups and checkpoint.complete_checkpoints(out / case.needs / "checkpoints"):
-        setups[case.needs] = out / case.needs  # made by the cut-off invocation
+    if case.needs and case.needs not in setups and checkpoint.complete_checkpoints(out / case.needs / "setup" / "checkpoints"):
+        setups[case.needs] = out / case.needs / "setup"  # made by the cut-off invocation
     if case.needs and case.needs not in setups:
-        setup_dir = out / case.needs
-        setup_dir.mkdir(parents=True, exist_ok=True)
+        setup_dir = out / case.needs / "setup"
+        if setup_dir.exists():  # cut off before it saved
+            shutil.rmtree(setup_dir)
+        setup_dir.mkdir(parents=True)
         record = run_once(cases()[case.needs], setup_dir, None, cache, timeout)
         if record["rc"] != 0:
             raise RuntimeError(f"stress: the setup run {case.needs} failed ({record['rc']}): see {setup_dir}")
@@ -221,7 +224,9 @@ def stress_case(name: str, n: int, timeout: float, out: Path, cache: Path, setup
     with (out / "runs.jsonl").open("a") as log:
         for i in range(len(recorded), n):
             run_dir = out / name / f"{i:03d}"
-            run_dir.mkdir(parents=True, exist_ok=True)
+            if run_dir.exists():  # a run cut off before its record: its metrics and checkpoints must not carry over
+                shutil.rmtree(run_dir)
+            run_dir.mkdir(parents=True)
             record = {"case": name, "i": i, **run_once(case, run_dir, setups.get(case.needs), cache, timeout)}
             tally.add(record)
             tally.dirs.append(run_dir)

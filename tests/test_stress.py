@@ -48,10 +48,13 @@ def test_a_cut_off_stress_run_goes_on_where_it_stopped(tmp_path, monkeypatch):
                {"case": "single", "i": 0, "run_dir": str(tmp_path / "single/000"), **good, "weights_sha256": "b"},
                {"case": "dp2_zero1", "i": 0, "run_dir": str(tmp_path / "dp2_zero1/000"), **good}]
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    stale = tmp_path / "dp2_zero1" / "001" / "metrics.jsonl"   # the cut-off run's: must not carry over
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"step": 1, "loss": 9.0}\n')
     made = []
     monkeypatch.setattr(stress, "run_once", lambda case, run_dir, *a: made.append(run_dir) or dict(good))
     tallies = stress.stress(["single", "dp2_zero1"], 2, 0, 60, tmp_path, tmp_path, progress=lambda line: None)
-    assert made == [tmp_path / "dp2_zero1" / "001"]
+    assert made == [tmp_path / "dp2_zero1" / "001"] and not stale.exists()
     assert (tallies["single"].runs, tallies["single"].differ) == (2, 1)  # run 0 is the reference
     assert (tallies["dp2_zero1"].runs, tallies["dp2_zero1"].differ) == (2, 0)
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 4
