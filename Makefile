@@ -78,7 +78,7 @@ convergence: $(STAMP)
 
 # Fig. 10's batch study: AdamW and LAMB at k = 1, 2, 3, 4, 8 times the batch at equal tokens, a
 # learning-rate sweep per cell, then three seeds at each cell's best rate; its table and figures
-# (experiments/batch_study.py; about 40 minutes on 2 cores).
+# (experiments/batch_study.py; about an hour on 2 cores).
 BATCH_STUDY ?= multirun/batch-study-$(NOW)
 batch-study: $(STAMP)
 	$(BIN)/python experiments/batch_study.py run --out $(BATCH_STUDY)
