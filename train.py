@@ -406,7 +406,7 @@ def dry_run(cfg: config.Config) -> float:
     print(f"model {cfg.model.name}: {n:,} parameters ({n / 1e9:.2f}B), N (matmul) = {matmul_params(cfg.model):,}")
     print(f"FLOPs per token (6N + 12·L·h·T, T={cfg.train.seq_len}): {fpt:.4e}")
     print(f"FLOPs per step (batch {cfg.train.batch_size}): {fpt * cfg.train.batch_size * cfg.train.seq_len:.4e}")
-    world = p.tp * p.pp * max(1, p.dp)
+    world = p.tp * p.pp * p.dp if p.dp > 0 else config.world_size()  # dp -1: derived from the world, as validate derives it
     lay = perfmodel.layout_of(cfg, world)
     measured = rehearsal.remembered(cfg, world)
     for last in (False, True):

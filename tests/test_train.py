@@ -213,3 +213,16 @@ def test_ctrl_c_during_the_first_steps_compile_stops_cleanly_and_resumes(tmp_pat
     resumed = run_train(tmp_path, args, cache_dir)  # eager: a checkpoint knows nothing of compilation
     assert f"resumed from {step1} (step 1)" in resumed.stdout + resumed.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_a_dry_run_with_derived_dp_sizes_the_world_it_is_given(monkeypatch, capsys):
+    """parallel.dp=-1 takes dp from the world (WORLD_SIZE or SLURM_NTASKS): validation did, and the
+    dry run's memory must be for that dp too (it was for dp 1: the whole batch on one replica)."""
+    import config
+    import train
+    monkeypatch.setenv("WORLD_SIZE", "128")
+    cfg = config.compose(["experiment=convergence", "scale=cluster", "dry_run=true", "parallel.dp=-1"])
+    config.validate(cfg)
+    train.dry_run(cfg)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "pipeline rank" in line]
+    assert lines and all("tp=8 pp=8 dp=2 " in line for line in lines), lines
