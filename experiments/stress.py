@@ -191,7 +191,10 @@ def recorded_runs(out: Path) -> dict:
     found: dict = {}
     log = out / "runs.jsonl"
     for line in log.read_text().splitlines() if log.exists() else []:
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the line being written when the harness was killed: made again
+            continue
         found.setdefault(record["case"], {})[record["i"]] = record
     return {name: [by_index[i] for i in sorted(by_index)] for name, by_index in found.items()}
 
