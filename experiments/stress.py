@@ -224,7 +224,10 @@ def stress_case(name: str, n: int, timeout: float, out: Path, cache: Path, setup
         if record["rc"] != 0:
             raise RuntimeError(f"stress: the setup run {case.needs} failed ({record['rc']}): see {setup_dir}")
         setups[case.needs] = setup_dir
-    with (out / "runs.jsonl").open("a") as log:
+    with (out / "runs.jsonl").open("a+") as log:
+        log.seek(0)
+        if log.read()[-1:] not in ("", "\n"):  # a torn last line: the next record starts a line of its own
+            log.write("\n")
         for i in range(len(recorded), n):
             run_dir = out / name / f"{i:03d}"
             if run_dir.exists():  # a run cut off before its record: its metrics and checkpoints must not carry over

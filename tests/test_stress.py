@@ -48,7 +48,7 @@ def test_a_cut_off_stress_run_goes_on_where_it_stopped(tmp_path, monkeypatch):
                {"case": "single", "i": 0, "run_dir": str(tmp_path / "single/000"), **good, "weights_sha256": "b"},
                {"case": "dp2_zero1", "i": 0, "run_dir": str(tmp_path / "dp2_zero1/000"), **good}]
     torn = json.dumps({"case": "dp2_zero1", "i": 1, **good})[:40]   # killed while writing run 1's record
-    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + torn + "\n")
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + torn)
     stale = tmp_path / "dp2_zero1" / "001" / "metrics.jsonl"   # the cut-off run's: must not carry over
     stale.parent.mkdir(parents=True)
     stale.write_text('{"step": 1, "loss": 9.0}\n')
@@ -59,3 +59,4 @@ def test_a_cut_off_stress_run_goes_on_where_it_stopped(tmp_path, monkeypatch):
     assert (tallies["single"].runs, tallies["single"].differ) == (2, 1)  # run 0 is the reference
     assert (tallies["dp2_zero1"].runs, tallies["dp2_zero1"].differ) == (2, 0)
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 5
+    assert set(stress.recorded_runs(tmp_path)) == {"single", "dp2_zero1"} and len(stress.recorded_runs(tmp_path)["dp2_zero1"]) == 2
