@@ -13,12 +13,35 @@ import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (make test) each worker's runs get its share of the cores: OpenMP threads that
+# outnumber the free cores wait on each other at every barrier (one 26 s test took 290 s).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    import torch
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # The tiny model on a 1.5 MB slice of the stdlib corpus with a 512-token BPE: seconds per run.
 SMALL = ["model=tiny", "model.vocab_size=512", "data.bpe_vocab_size=512", "data.max_bytes=1500000",
          "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled", "logging.progress=false",
          "train.eval_interval=0", "logging.interval=1000", "hardware.peak_tflops=1"]
 # (hardware.peak_tflops: MFU over a given peak, not a measured one: a second of rank 0's start-up
 # in every run; test_tiny_model_learns_on_the_embedded_corpus keeps the measurement.)
+
+
+# `make test` runs the suite on every core (pytest-xdist, --dist loadgroup). Many tests wait (on
+# SLURM, on a hang timeout, on torchrun's restarts) or use one core, so a second worker fills the
+# gaps. A module stays on one worker, so its module-scoped fixtures run once; the modules that
+# share the CI stress pass's runs (the session fixture ci_stress) share a worker, so each run happens
+# once. Without -n (one module, a debugger) the marks do nothing.
+SHARE_THE_STRESS_PASS = {"test_stress", "test_parallel", "test_checkpoint", "test_rehearsal"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__ if item.module else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("stress_pass" if module in SHARE_THE_STRESS_PASS else module))
 
 
 @pytest.fixture(scope="session")
