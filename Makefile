@@ -84,10 +84,10 @@ batch-study: $(STAMP)
 	$(BIN)/python experiments/batch_study.py run --out $(BATCH_STUDY)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --dist loadgroup
+	$(BIN)/python -m pytest -n auto
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n auto --dist loadgroup -m "not slurm"
+	$(BIN)/python -m pytest -n auto -m "not slurm"
 
 slurm-up:
 	experiments/slurm/local_cluster.sh start

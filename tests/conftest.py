@@ -29,19 +29,22 @@ SMALL = ["model=tiny", "model.vocab_size=512", "data.bpe_vocab_size=512", "data.
 # in every run; test_tiny_model_learns_on_the_embedded_corpus keeps the measurement.)
 
 
-# `make test` runs the suite on every core (pytest-xdist, --dist loadgroup). Many tests wait (on
-# SLURM, on a hang timeout, on torchrun's restarts) or use one core, so a second worker fills the
-# gaps. A module stays on one worker, so its module-scoped fixtures run once; the modules that
-# share the CI stress pass's runs (the session fixture ci_stress) share a worker, so each run happens
-# once. Without -n (one module, a debugger) the marks do nothing.
+# `make test` runs the suite on every core (pytest-xdist). Many tests wait (on SLURM, on a hang
+# timeout, on torchrun's restarts) or use one core, so a second worker fills the gaps. A module
+# stays on one worker, so its module-scoped fixtures run once; the modules that share the CI stress
+# pass's runs (the session fixture ci_stress) share a worker, so each run happens once. (xdist's own
+# --dist loadgroup marks do nothing under pytest 9, whose node ids it can no longer suffix.)
 SHARE_THE_STRESS_PASS = {"test_stress", "test_parallel", "test_checkpoint", "test_rehearsal"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
-def pytest_collection_modifyitems(items):
-    for item in items:
-        module = item.module.__name__ if item.module else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("stress_pass" if module in SHARE_THE_STRESS_PASS else module))
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+            return "stress_pass" if module in SHARE_THE_STRESS_PASS else module
+    return ByModule(config, log)
 
 
 @pytest.fixture(scope="session")
