@@ -5,6 +5,7 @@ shapes, dtype and thread count, in one process, alternating, eager and compiled.
     python experiments/bench_step.py --nanogpt /tmp/nanoGPT
     python experiments/bench_step.py --nanogpt /tmp/nanoGPT --shape small --dtype fp32
     python experiments/bench_step.py --nanogpt /tmp/nanoGPT --compile both --rounds 5
+    python experiments/bench_step.py --nanogpt /tmp/nanoGPT --profile --dtype fp32   # the ops of each step
 
 The contenders, each timed for --steps steps per round after --warmup untimed ones, rounds
 alternating so that load from elsewhere falls on all of them:
@@ -142,6 +143,24 @@ def our_loop_times(shape: dict, dtype: str, compiled: bool, n: int, warmup: int)
     return [r["step_time"] for r in rows[warmup:]]
 
 
+def profile_tables(args, rows: int = 12) -> str:
+    """torch.profiler's table by op (self CPU time) of each contender's steady steps, eager: where
+    ours spends what nanoGPT does not."""
+    from torch.profiler import ProfilerActivity, profile
+    shape, out = shape_of(args.shape), []
+    dtype = args.dtype.split(",")[0]
+    contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], False),
+                  "ours": our_stepper(shape, dtype, False)}
+    for name, step in contenders.items():
+        timed(step, 0, args.warmup)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            timed(step, args.steps, 0)
+        per_step = sum(e.self_cpu_time_total for e in prof.key_averages()) / args.steps / 1e3
+        out.append(f"### {name} ({dtype}, eager): {per_step:,.0f} ms of CPU time per step, by op\n\n"
+                   + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    return "\n\n".join(out)
+
+
 # --- Running and the table ---
 
 def bench(args) -> list:
@@ -198,6 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the cores)")
+    p.add_argument("--profile", action="store_true", help="instead of timing: torch.profiler's table by op of "
+                   "nanoGPT's and our step (eager, the first --dtype)")
     args = p.parse_args(argv)
     if not (args.nanogpt / "model.py").is_file():
         print(f"bench_step: --nanogpt {args.nanogpt} has no model.py. Fix: git clone https://github.com/karpathy/nanoGPT "
@@ -205,7 +226,7 @@ def main(argv=None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(table(bench(args), args))
+    print(profile_tables(args) if args.profile else table(bench(args), args))
     return 0
 
 
