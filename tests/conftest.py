@@ -31,12 +31,10 @@ SMALL = ["model=tiny", "model.vocab_size=512", "data.bpe_vocab_size=512", "data.
 
 # `make test` runs the suite on every core (pytest-xdist). Many tests wait (on SLURM, on a hang
 # timeout, on torchrun's restarts) or use one core, so a second worker fills the gaps. A module
-# stays on one worker, so its module-scoped fixtures run once; modules that share a session
-# fixture's runs share a worker, so each run happens once: the CI stress pass's (ci_stress) and the
-# 8-rank run's (eight_rank_run). (xdist's own --dist loadgroup marks do nothing under pytest 9,
-# whose node ids it can no longer suffix.)
-SHARED_RUNS = {"test_stress": "stress_pass", "test_checkpoint": "stress_pass",
-               "test_parallel": "eight_rank_run", "test_rehearsal": "eight_rank_run"}
+# stays on one worker, so its module-scoped fixtures run once; the modules that share the CI stress
+# pass's runs (the session fixture ci_stress) share a worker, so each run happens once. (xdist's own
+# --dist loadgroup marks do nothing under pytest 9, whose node ids it can no longer suffix.)
+SHARE_THE_STRESS_PASS = {"test_stress", "test_parallel", "test_checkpoint", "test_rehearsal"}
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -45,7 +43,7 @@ def pytest_xdist_make_scheduler(config, log):
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-            return SHARED_RUNS.get(module, module)
+            return "stress_pass" if module in SHARE_THE_STRESS_PASS else module
     return ByModule(config, log)
 
 
@@ -83,9 +81,8 @@ def run_train(run_dir: Path, args: list, cache: Path, nproc: int = 1, check: boo
 
 
 # The 8-rank layout with every overlap on: test_parallel checks that it equals one process, and
-# test_rehearsal that its rehearsal posts the collectives it posted (rehearse.record). One real
-# torchrun launch serves both (8 ranks starting Python on 2 cores is the suite's dearest run; real,
-# so that each rank has its own hash seed, as under any launcher).
+# test_rehearsal that its rehearsal posts the collectives it posted (rehearse.record). It is one of
+# the CI stress pass's cases, whose first run serves both (8 ranks on 2 cores is the suite's dearest run).
 EIGHT_RANKS = ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1",
                "parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"]
 EXACT_STEPS = 3
@@ -97,8 +94,8 @@ CI_STRESS_RUNS = 3
 @pytest.fixture(scope="session")
 def ci_stress(tmp_path_factory, cache_dir):
     """The CI stress pass (experiments/stress.py; issue 19): a case's CI_STRESS_RUNS runs beside one
-    CPU hog, on its first request, as stress.Tally. The first run of resume_pp2_vpp2 also serves
-    test_checkpoint, which checks its result against the uninterrupted run."""
+    CPU hog, on its first request, as stress.Tally. Its first run also serves the tests that check
+    that case's result (one process's losses and weights), so the pass costs two runs a case."""
     sys.path.insert(0, str(ROOT / "experiments"))
     import stress
     out, setups, tallies = tmp_path_factory.mktemp("stress"), {}, {}
@@ -119,11 +116,9 @@ def first_good_run(tally) -> Path:
 
 
 @pytest.fixture(scope="session")
-def eight_rank_run(tmp_path_factory, cache_dir) -> Path:
+def eight_rank_run(ci_stress) -> Path:
     """The run dir of EXACT at tp2 pp2 dp2 with every overlap on, its collectives recorded."""
-    run_dir = tmp_path_factory.mktemp("eight_ranks")
-    run_train(run_dir, EXACT + EIGHT_RANKS + ["rehearse.record=true"], cache_dir, nproc=8, launch="real")
-    return run_dir
+    return first_good_run(ci_stress("tp2_pp2_dp2_overlap"))
 
 
 def read_metrics(run_dir: Path) -> list:

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint
 
 import checkpoint
 import forked
-from conftest import EIGHT_RANKS, EXACT, EXACT_STEPS, SMALL, read_metrics, run_train, spawn
+from conftest import EIGHT_RANKS, EXACT, EXACT_STEPS, SMALL, first_good_run, read_metrics, run_train, spawn
 
 STEPS = EXACT_STEPS
 
@@ -31,12 +31,14 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "pp2_vpp2_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"]),
     "dp2_zero2_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
     # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
-    "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # one real torchrun launch (conftest.eight_rank_run)
+    "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # the CI stress pass's run (conftest.eight_rank_run)
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
     # background prefetch must hand every rank the very batches it would have read itself.
     "tp2_recompute_full_megascale_data": (2, ["parallel.tp=2", "train.recompute=full", "data.pipeline=megascale"]),
     "recompute_selective_megascale_data": (1, ["train.recompute=selective", "data.pipeline=megascale"]),
 }
+
+STRESSED = {"pp2_vpp2_overlap"}  # layouts whose run here is the first of the CI stress pass's
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,8 @@ def test_layout_equals_single_process(name, reference, tmp_path, cache_dir, requ
     ranks, overrides = LAYOUTS[name]
     if overrides is EIGHT_RANKS:
         tmp_path = request.getfixturevalue("eight_rank_run")
+    elif name in STRESSED:  # the CI stress pass runs it anyway (tests/test_stress.py)
+        tmp_path = first_good_run(request.getfixturevalue("ci_stress")(name))
     else:
         run_train(tmp_path, EXACT + overrides, cache_dir, nproc=ranks)
     ref_rows, ref_weights = reference
