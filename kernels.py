@@ -205,7 +205,7 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
 
     q_mid = q[:, :, head:mid_end].reshape(B * H, n_mid, block, D)
     out = F.scaled_dot_product_attention(q_mid, windows(kf), windows(vf), attn_mask=mask, dropout_p=dropout)
-    outs.append(out.view(B, H, n_mid * block, D))
+    outs.append(out.reshape(B, H, n_mid * block, D))  # a view on CPU; CUDA's SDPA may lay it out otherwise
 
     if mid_end < T:  # the last, partial block: the top rows and leftmost columns of the same mask
         n_tail = T - mid_end
