@@ -573,6 +573,7 @@ class ParallelModel:
         precision=bf16: Megatron's mixed precision, with fp32 master weights in zero.py, so no
         microbatch casts the weights again)."""
         self.layout, self.cfg, self.fused = layout, cfg, fused
+        self._microbatch_loss = self._eager_microbatch_loss  # compile() may swap in a compiled one
         on_meta = next(model.parameters()).is_meta
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Split first: the TP and recompute forwards bind to the modules each chunk really holds.
@@ -618,11 +619,22 @@ class ParallelModel:
                 modules.append((tail, blocks[-1].register_forward_hook))
         return modules
 
-    def compile(self, **options) -> None:
-        """torch.compile every chunk in place (nn.Module.compile), so the pipeline, the DP hooks
-        and the checkpoint's parameter names keep the very modules they were given."""
+    def compile(self, **options) -> str:
+        """train.compile=true. Without pipeline or TP stages: one graph of the microbatch's forward
+        and loss (so inductor fuses the head's GEMM output into the cross-entropy, and AOTAutograd
+        compiles their backward with it). Otherwise every chunk in place (nn.Module.compile), the
+        loss eager: the pipeline schedule calls the chunks, and TP's vocab-parallel loss holds
+        collectives. Either way the modules stay those the DP hooks and the checkpoint's parameter
+        names were given. Returns what was compiled, for the log line."""
+        if self.pipeline is None and self.layout.tp == 1:
+            self._microbatch_loss = torch.compile(self._eager_microbatch_loss, **options)
+            return "forward, loss and backward, one graph"
         for chunk in self.chunks:
             chunk.compile(**options)
+        return "each chunk's forward and backward (the loss eager)"
+
+    def _eager_microbatch_loss(self, x, y):
+        return self.loss_fn(self.chunks[0](x), y)
 
     def named_model_parameters(self) -> list:
         seen, named = set(), []
@@ -654,10 +666,9 @@ class ParallelModel:
         if self.pipeline is not None:
             return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
         total = torch.zeros((), device=inputs.device)
-        model = self.chunks[0]
         for x, y in zip(xs, ys):
             with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward):
-                loss = self.loss_fn(model(x), y) / len(xs)
+                loss = self._microbatch_loss(x, y) / len(xs)
             if backward:
                 loss.backward()
             total += loss.detach()

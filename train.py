@@ -107,7 +107,9 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
                             dtype=autocast_dtype, device=device, seed=cfg.train.seed)
     if cfg.train.compile:
-        engine.compile()
+        compiled = engine.compile()
+        if rank == 0:
+            log.info("train.compile=true: torch.compile of %s", compiled)
     optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                       norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)

@@ -222,6 +222,31 @@ def test_compiled_chunks_run_in_the_pipeline(tmp_path):
         assert got["loss"][0] == pytest.approx(got["loss"][1], rel=1e-6) and got["grad_diff"] < 1e-6
 
 
+def test_one_stage_compiles_forward_and_loss_as_one_graph():
+    """train.compile=true on one stage without TP: the loss is in the compiled graph with the
+    forward (one graph, no break), and the step computes what the eager step does."""
+    import parallel
+    from model import GPT, ModelConfig
+    cfg = parallel.ParallelConfig(microbatches=2)
+    layout = parallel.build_layout(cfg, 0, 1, torch.device("cpu"))
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    graphs, found = [], {}
+    for compiled in (False, True):
+        model = GPT(ModelConfig(n_layers=2, n_heads=4, d_model=64, vocab_size=128))
+        model.init_weights(0)
+        engine = parallel.build(model, layout, cfg)
+        if compiled:  # a backend that keeps the graph and runs it as traced: no inductor compile time
+            torch._dynamo.reset()
+            assert "one graph" in engine.compile(backend=lambda gm, _: graphs.append(gm) or gm.forward)
+        loss = engine.forward_backward(tokens[:, :-1], tokens[:, 1:], torch.float32)
+        found[compiled] = (loss.item(), torch.cat([b.grads for b in engine.zero.buckets]))
+    assert len(graphs) == 1, f"{len(graphs)} graphs: a graph break"
+    ops = {str(node.target) for node in graphs[0].graph.nodes}
+    assert any("cross_entropy" in op or "log_softmax" in op or "logsumexp" in op for op in ops), ops
+    assert found[True][0] == pytest.approx(found[False][0], rel=1e-6)
+    assert (found[True][1] - found[False][1]).abs().max().item() < 1e-6
+
+
 def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir: str) -> None:
     import collections
     import torch.distributed as dist
