@@ -128,7 +128,8 @@ def fused_ops(args, dtype):
     leaf = lambda *shape: torch.randn(*shape, dtype=dtype, device=args.device).requires_grad_()
     norm = nn.LayerNorm(h).to(args.device, dtype)
     x, delta, pre_gelu, bias = leaf(B, T, h), leaf(B, T, h), leaf(B, T, 4 * h), leaf(4 * h)
-    logits, targets = leaf(B * T // 8, args.vocab), torch.randint(0, args.vocab, (B * T // 8,), device=args.device)
+    rows = getattr(args, "logit_rows", None) or B * T // 8  # bench_step: every token's logits
+    logits, targets = leaf(rows, args.vocab), torch.randint(0, args.vocab, (rows,), device=args.device)
     params = list(norm.parameters())
 
     def ln(fused):
@@ -155,7 +156,7 @@ def fused_ops(args, dtype):
         return forward_backward(lambda z: kernels.cross_entropy(z, targets, fused), [logits])
 
     return {"LayerNorm, compiled (unused)": ln_compiled, "LN+residual": add_ln, "bias+GeLU (4h)": gelu, "LN+GeLU": ln_gelu,
-            f"cross-entropy ({B * T // 8}x{args.vocab})": ce}
+            f"cross-entropy ({rows}x{args.vocab})": ce}
 
 
 def fused_values(args) -> list:

@@ -6,6 +6,7 @@ shapes, dtype and thread count, in one process, alternating, eager and compiled.
     python experiments/bench_step.py --nanogpt /tmp/nanoGPT --shape small --dtype fp32
     python experiments/bench_step.py --nanogpt /tmp/nanoGPT --compile both --rounds 5
     python experiments/bench_step.py --nanogpt /tmp/nanoGPT --profile --dtype fp32   # the ops of each step
+    python experiments/bench_step.py --nanogpt /tmp/nanoGPT --ops --dtype fp32       # kernels.fused vs bandwidth
 
 The contenders, each timed for --steps steps per round after --warmup untimed ones, rounds
 alternating so that load from elsewhere falls on all of them:
@@ -161,6 +162,61 @@ def profile_tables(args, rows: int = 12) -> str:
     return "\n\n".join(out)
 
 
+# --- kernels.fused at the step's shapes, against the memory-bandwidth bound ---
+
+# The least traffic each op's forward + backward can have, in activations of the op's input size
+# (each input read once and each output written once per pass; parameters, the saved mean and
+# rstd, and dbias's reduction are a row's worth or less, left out):
+#   LN+residual   fwd x, delta -> sum, y (4); bwd dy, dsum, sum -> dx = ddelta (4)
+#   bias+GeLU     fwd x -> y (2); bwd dy, x -> dx (3), on the 4h-wide activation
+#   LN+GeLU       the two above on the MLP's input, each on its own
+#   cross-entropy fwd logits (1); bwd logits -> dlogits (2)
+TRAFFIC = {"LN+residual": lambda n, h, rv: 8 * n * h, "bias+GeLU (4h)": lambda n, h, rv: 5 * n * 4 * h,
+           "LN+GeLU": lambda n, h, rv: 5 * n * h + 5 * n * 4 * h, "cross-entropy": lambda n, h, rv: 3 * rv}
+
+
+def stream_GBps(reps: int = 20) -> float:
+    """This CPU's memory bandwidth as torch sees it: the best copy of a 256 MiB fp32 buffer (read
+    and written), on torch's threads."""
+    x = torch.empty(2 ** 26)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        y.copy_(x)
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.numel() * 4 / best / 1e9
+
+
+def ops_table(args) -> str:
+    """kernels.fused=true's ops (experiments/bench_kernels.py's closures) at the step's activation
+    shapes, eager and fused, each against bytes moved / measured bandwidth."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_kernels
+    shape, dtype = shape_of(args.shape), args.dtype.split(",")[0]
+    if dtype == "bf16" and not machine.native_bf16():
+        return "bf16: this CPU emulates it (no AVX512-BF16 or AMX): not timed; --dtype fp32"
+    B, T, h, vocab = shape["batch"], shape["seq"], shape["d_model"], 257
+    ops_args = argparse.Namespace(shape=f"{B},{T},{h}", vocab=vocab, device="cpu", logit_rows=B * T)
+    element = torch.finfo(DTYPES[dtype]).bits // 8
+    gbps = stream_GBps()
+    lines = [f"{machine.cpu_model()} | threads {torch.get_num_threads()} | {dtype} | activations [{B}, {T}, {h}] | "
+             f"stream bandwidth {gbps:.1f} GB/s (a 256 MiB copy) | median of {args.rounds * args.steps} runs\n",
+             "| op | eager ms | fused ms | speed-up | least bytes moved | bound ms | fused / bound | eager / bound |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, make in bench_kernels.fused_ops(ops_args, DTYPES[dtype]).items():
+        key = next((k for k in TRAFFIC if name.startswith(k)), None)
+        if key is None:  # the lone LayerNorm that fused=true leaves to ATen
+            continue
+        (eager, _), (fused, _) = bench_kernels.timed_together([make(False), make(True)], args.rounds * args.steps,
+                                                             args.warmup, time.perf_counter)
+        moved = TRAFFIC[key](B * T, h, B * T * vocab) * element
+        bound = moved / (gbps * 1e9)
+        lines.append(f"| {name} | {eager * 1e3:.2f} | {fused * 1e3:.2f} | {eager / fused:.2f}x | {moved / 1e6:.1f} MB | "
+                     f"{bound * 1e3:.2f} | {fused / bound:.1f}x | {eager / bound:.1f}x |")
+    return "\n".join(lines)
+
+
 # --- Running and the table ---
 
 def bench(args) -> list:
@@ -217,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the cores)")
+    p.add_argument("--ops", action="store_true", help="instead: kernels.fused's ops at the step's shapes, eager and "
+                   "fused, each against its memory-bandwidth bound (bytes moved / measured bandwidth)")
     p.add_argument("--profile", action="store_true", help="instead of timing: torch.profiler's table by op of "
                    "nanoGPT's and our step (eager, the first --dtype)")
     args = p.parse_args(argv)
@@ -226,7 +284,7 @@ def main(argv=None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(profile_tables(args) if args.profile else table(bench(args), args))
+    print(ops_table(args) if args.ops else profile_tables(args) if args.profile else table(bench(args), args))
     return 0
 
 
