@@ -127,7 +127,9 @@ def outcome(run_dir: Path) -> dict:
     for name, tensor in sorted(checkpoint.consolidate_model(final).items()):
         digest.update(name.encode())
         digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return {"losses": [(r["loss"], r.get("val_loss")) for r in rows], "final_step": final.name,
+    # lists, not tuples: a record read back from runs.jsonl (a study resumed in another process)
+    # must compare equal to one made here
+    return {"losses": [[r["loss"], r.get("val_loss")] for r in rows], "final_step": final.name,
             "weights_sha256": digest.hexdigest()}
 
 
@@ -152,7 +154,8 @@ class Tally:
         self.stray += bool(record["stray"])
         self.seconds.append(record["seconds"])
         if record["rc"] == 0:
-            mine = (record["losses"], record["weights_sha256"])
+            # as JSON holds it: a record made here and one read back from runs.jsonl compare alike
+            mine = (json.loads(json.dumps(record["losses"])), record["weights_sha256"])
             if self.reference is None:
                 self.reference = {"losses": mine[0], "weights_sha256": mine[1]}
             self.differ += mine != (self.reference["losses"], self.reference["weights_sha256"])

@@ -53,7 +53,9 @@ def test_a_cut_off_stress_run_goes_on_where_it_stopped(tmp_path, monkeypatch):
     stale.parent.mkdir(parents=True)
     stale.write_text('{"step": 1, "loss": 9.0}\n')
     made = []
-    monkeypatch.setattr(stress, "run_once", lambda case, run_dir, *a: made.append(run_dir) or dict(good))
+    # a run made now holds tuples where the records read back hold lists: still the same losses
+    made_now = {**good, "losses": [(6.0, None)]}
+    monkeypatch.setattr(stress, "run_once", lambda case, run_dir, *a: made.append(run_dir) or dict(made_now))
     tallies = stress.stress(["single", "dp2_zero1"], 2, 0, 60, tmp_path, tmp_path, progress=lambda line: None)
     assert made == [tmp_path / "dp2_zero1" / "001"] and not stale.exists()
     assert (tallies["single"].runs, tallies["single"].differ) == (2, 1)  # run 0 is the reference
