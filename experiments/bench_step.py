@@ -52,6 +52,7 @@ SHAPES = {  # the issue's shapes (nanoGPT's Shakespeare-char config at batch 8),
     "small": None,
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEVICE = torch.device("cpu")  # --device: cuda times the same contenders on a GPU
 
 
 def shape_of(name: str) -> dict:
@@ -67,7 +68,7 @@ def our_overrides(shape: dict, dtype: str, vocab: int = 257, compiled: bool = Fa
             "data.tokenizer=bytes", f"train.batch_size={shape['batch']}", f"train.seq_len={shape['seq']}",
             f"precision={dtype}", f"train.compile={str(compiled).lower()}", "logging.wandb.mode=disabled",
             "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0", "logging.interval=100000",
-            "hardware.peak_tflops=1", "ft.straggler_interval=0"]
+            "hardware.peak_tflops=1", "ft.straggler_interval=0", f"hardware.device={DEVICE.type}"]
 
 
 # --- The contenders: each a function running n steps and returning their times ---
@@ -79,13 +80,14 @@ def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool)
         spec.loader.exec_module(module)
         model = module.GPT(module.GPTConfig(block_size=shape["seq"], vocab_size=257, n_layer=shape["n_layers"],
                                             n_head=shape["n_heads"], n_embd=shape["d_model"], dropout=0.0, bias=False))
-        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+        model.to(DEVICE)
+        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), DEVICE.type)
     if compiled:
         model = torch.compile(model)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g)
-    y = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g)
-    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    x = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
+    y = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
+    autocast = torch.autocast(DEVICE.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step() -> None:
         with autocast:
@@ -99,7 +101,7 @@ def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool)
 
 def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope: bool = True):
     cfg = config.compose(our_overrides(shape, dtype, vocab, compiled))
-    device = torch.device("cpu")
+    device = DEVICE
     layout = parallel.build_layout(cfg.parallel, 0, 1, device)
     with torch.device("meta"):
         model = GPT(cfg.model, cfg.kernels)
@@ -113,8 +115,8 @@ def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope:
     opt = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr, norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(opt, cfg.optim, 10 ** 6)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g)
-    y = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g)
+    x = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g).to(device)
+    y = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g).to(device)
 
     def step() -> None:
         loss, grad_norm = parallel.train_step(engine, opt, x, y, cfg, DTYPES[dtype])
@@ -126,10 +128,14 @@ def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope:
 def timed(step, n: int, warmup: int) -> list:
     for _ in range(warmup):
         step()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
         step()
+        if DEVICE.type == "cuda":  # nanoGPT's step reads nothing back: wait for its kernels
+            torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return out
 
@@ -224,7 +230,7 @@ def bench(args) -> list:
     tokens = shape["batch"] * shape["seq"]
     rows = []
     for dtype in args.dtype.split(","):
-        if dtype == "bf16" and not machine.native_bf16():
+        if dtype == "bf16" and DEVICE.type == "cpu" and not machine.native_bf16():
             rows.append({"dtype": dtype, "mode": "-", "note": "this CPU emulates bf16 (no AVX512-BF16 or AMX): not timed"})
             continue
         for compiled in {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]:
@@ -249,7 +255,8 @@ def bench(args) -> list:
 
 def table(rows: list, args) -> str:
     shape = shape_of(args.shape)
-    head = (f"{machine.cpu_model()} | bf16 native: {machine.native_bf16()} | threads {torch.get_num_threads()} | "
+    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else f"bf16 native: {machine.native_bf16()}"
+    head = (f"{machine.cpu_model()} | {where} | threads {torch.get_num_threads()} | "
             f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab 257, no bias; median of "
             f"{args.rounds} rounds x {args.steps} steps\n")
     lines = ["| dtype | mode | contender | tokens/s | vs nanoGPT |", "|---|---|---|---|---|"]
@@ -272,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the cores)")
     p.add_argument("--ops", action="store_true", help="instead: kernels.fused's ops at the step's shapes, eager and "
                    "fused, each against its memory-bandwidth bound (bytes moved / measured bandwidth)")
@@ -284,6 +292,8 @@ def main(argv=None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     print(ops_table(args) if args.ops else profile_tables(args) if args.profile else table(bench(args), args))
     return 0
 
