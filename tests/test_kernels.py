@@ -164,6 +164,18 @@ def test_flash_attn_without_a_window_is_refused_in_one_line_and_auto_falls_back(
         kernels.flash_attn_problem.cache_clear()
 
 
+def test_whether_flash_attn_can_run_is_a_constant_to_torch_compile():
+    """kernels.attention=auto asks at every layer; on CUDA in bf16 (where the question is reached)
+    tracing its import of flash_attn broke the graph inside the blocks' loop and sent the whole
+    compiled step back to eager. fullgraph=True fails on any break; the cache is cleared so that
+    the compiled call is the one that imports."""
+    expected = kernels.flash_attn_importable()
+    kernels.flash_attn_problem.cache_clear()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 3 if kernels.flash_attn_importable() else x - 1, fullgraph=True, backend="eager")
+    assert fn(torch.ones(2)).tolist() == ([3.0, 3.0] if expected else [0.0, 0.0])
+
+
 def test_the_gpu_extra_pins_the_range_the_code_checks():
     import tomllib
     extra = tomllib.load(open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb"))
