@@ -173,6 +173,8 @@ def test_train_py_on_one_gpu_follows_the_cpu_run_and_resumes(precision, switches
     assert losses == pytest.approx(cpu_run, rel=DRIFT[precision]), f"GPU {losses}\nCPU {cpu_run}"
     record = json.loads((straight / "run.json").read_text())
     assert record["status"] == "finished" and record["device"].startswith("cuda") and record["precision"] == precision
+    if "train.compile=true" in switches:  # the step as one graph: a break sends it back to eager (flash-attn's import did)
+        assert record["final"]["compiled_graphs"] == 1, record["final"]["compiled_graphs"]
     resumed = tmp_path / "resumed"
     run_train(resumed, args + [f"resume={checkpoint.step_dir(straight / 'checkpoints', 6)}"], cache_dir, launch="real")
     assert [r["loss"] for r in read_metrics(resumed)] == pytest.approx(losses[6:], rel=DRIFT[precision] / 3)
