@@ -165,13 +165,10 @@ class Tally:
 
 
 class Hog:
-    """`count` processes spinning on a core each, for as long as the stress runs. nice: their
-    niceness (0: an equal share of the cores; 19: only what nothing else wants, as in the test suite,
-    whose other xdist worker loads the machine already and must not be starved by the hog)."""
+    """`count` processes spinning on a core each, for as long as the stress runs."""
 
-    def __init__(self, count: int, nice: int = 0):
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                       preexec_fn=(lambda: os.nice(nice)) if nice else None) for _ in range(count)]
+    def __init__(self, count: int):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
     def __enter__(self):
         return self

@@ -89,11 +89,6 @@ EXACT_STEPS = 3
 EXACT = SMALL + [f"train.max_steps={EXACT_STEPS}", "precision=fp32", f"checkpoint.interval={EXACT_STEPS}",
                  "train.eval_interval=3"]
 CI_STRESS_RUNS = 3
-# The pass's hog spins at the lowest priority: the suite's other worker keeps the cores busy beside
-# the pass already, and a hog with an equal share took a core's worth of time from both for the
-# ~400 s the pass runs. It still takes every cycle the pass and that worker leave idle, so the pass
-# never runs on a quiet machine. (The N=30 study, experiments/stress.py, spins at full priority.)
-CI_HOG_NICE = 19
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +102,7 @@ def ci_stress(tmp_path_factory, cache_dir):
 
     def run(name: str):
         if name not in tallies:
-            with stress.Hog(1, nice=CI_HOG_NICE):
+            with stress.Hog(1):
                 tallies[name] = stress.stress_case(name, CI_STRESS_RUNS, 600, out, cache_dir, setups, progress=print)
         return tallies[name]
     run.setups = setups
