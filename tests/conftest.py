@@ -9,7 +9,33 @@ from pathlib import Path
 
 import pytest
 
-import forked
+
+def import_triton_for_its_interpreter() -> None:
+    """Import triton, if installed, with TRITON_INTERPRET=1 set, so that tests/test_kernels.py can
+    run the Triton kernels in its interpreter on CPU: triton wraps its own library functions (tl.sum
+    and the like) for the interpreter only if the variable is set when triton.language is first
+    imported. That has to happen here, before any test module is collected: importing kernels
+    imports torch._dynamo (torch.compiler.assume_constant_result), and torch._dynamo imports
+    triton, so any module that imports kernels before test_kernels would import it unwrapped.
+    The variable is unset again at once, so no test, nor a process one starts, sees it. Not on a
+    CUDA host, whose tests (tests/test_cuda.py) launch the compiled kernels."""
+    if "triton" in sys.modules:
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+
+
+import_triton_for_its_interpreter()
+
+import forked  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

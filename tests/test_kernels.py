@@ -316,25 +316,9 @@ def test_model_with_every_fast_path_equals_eager_model():
 
 # --- Triton kernels (kernels.fused=triton), run by Triton's interpreter on CPU ---
 
-def import_triton_for_its_interpreter() -> bool:
-    """Import triton, if installed, with TRITON_INTERPRET=1 set, as the interpreter needs: triton
-    wraps its own library functions (tl.sum and the like) when triton.language is imported, and
-    only so wrapped do they run in the interpreter. The variable is unset again at once, so no
-    other test, nor a process one starts, sees it. False if triton is not installed."""
-    if "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            import triton.language  # noqa: F401
-        except ImportError:
-            pass
-        finally:
-            del os.environ["TRITON_INTERPRET"]
-    return kernels.triton_importable()
-
-
 T_ROWS = (2, 5)  # the interpreter runs each row's program in Python: few rows, so that it takes seconds
 
-needs_triton = pytest.mark.skipif(not import_triton_for_its_interpreter(),
+needs_triton = pytest.mark.skipif(not kernels.triton_importable(),
                                   reason="triton is not installed (the optional extra: pip install '.[triton]')")
 
 
@@ -352,8 +336,10 @@ def triton_interpreter(monkeypatch):
     from triton.runtime import interpreter
 
     if not isinstance(tl.sum, interpreter.InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module?); "
-                    "run tests/test_kernels.py on its own")
+        if torch.cuda.is_available():
+            pytest.skip("on a CUDA host triton is imported compiled; tests/test_cuda.py launches these kernels")
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: tests/conftest.py imports it first, "
+                    "for the interpreter; what imported it before?")
     cast = interpreter.InterpreterBuilder.cast_impl
 
     def cast_to_nearest(self, src, dst_type):
