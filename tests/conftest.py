@@ -57,20 +57,34 @@ SMALL = ["model=tiny", "model.vocab_size=512", "data.bpe_vocab_size=512", "data.
 
 # `make test` runs the suite on every core (pytest-xdist). Many tests wait (on SLURM, on a hang
 # timeout, on torchrun's restarts) or use one core, so a second worker fills the gaps. A module
-# stays on one worker, so its module-scoped fixtures run once; the modules that share the CI stress
-# pass's runs (the session fixture ci_stress) share a worker, so each run happens once. (xdist's own
+# stays on one worker, so its module-scoped fixtures run once. The CI stress pass's runs (the
+# session fixture ci_stress) also serve other modules' tests, so each case and every module that
+# reads it share a worker, and each run happens once; the cases come in two such groups, so that
+# no worker holds all of the pass (660 of the suite's ~1,600 worker-seconds). (xdist's own
 # --dist loadgroup marks do nothing under pytest 9, whose node ids it can no longer suffix.)
-SHARE_THE_STRESS_PASS = {"test_stress", "test_parallel", "test_checkpoint", "test_rehearsal"}
+STRESS_GROUPS = {  # group: (the modules that read its cases' runs, its cases)
+    "stress_resume": ({"test_checkpoint"}, {"resume_pp2_vpp2", "async_tp2_dp2"}),
+    "stress_overlap": ({"test_parallel", "test_rehearsal"}, {"tp2_pp2_dp2_overlap", "pp2_vpp2_overlap"}),
+}
+
+
+def scope_of(nodeid: str) -> str:
+    """The xdist scope of a test: its stress group, else its module."""
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    case = nodeid.rsplit("[", 1)[-1].rstrip("]") if module == "test_stress" and "[" in nodeid else None
+    for group, (modules, cases) in STRESS_GROUPS.items():
+        if module in modules or case in cases:
+            return group
+    return module
 
 
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByModule(LoadScopeScheduling):
+    class ByScope(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-            return "stress_pass" if module in SHARE_THE_STRESS_PASS else module
-    return ByModule(config, log)
+            return scope_of(nodeid)
+    return ByScope(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -62,3 +62,19 @@ def test_a_cut_off_stress_run_goes_on_where_it_stopped(tmp_path, monkeypatch):
     assert (tallies["dp2_zero1"].runs, tallies["dp2_zero1"].differ) == (2, 0)
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 5
     assert set(stress.recorded_runs(tmp_path)) == {"single", "dp2_zero1"} and len(stress.recorded_runs(tmp_path)["dp2_zero1"]) == 2
+
+
+def test_each_ci_case_runs_on_the_worker_of_the_modules_that_read_it():
+    """conftest.STRESS_GROUPS puts each case of the pass, and the modules that read its first run,
+    in one xdist scope: a case split from its readers would run twice, on two workers."""
+    from conftest import STRESS_GROUPS, scope_of
+    grouped = [case for _, cases in STRESS_GROUPS.values() for case in cases]
+    assert sorted(grouped) == sorted(stress.CI_CASES)
+    stress_test = "tests/test_stress.py::test_the_riskiest_cases_exit_cleanly_and_repeat_bitwise"
+    readers = {"resume_pp2_vpp2": "tests/test_checkpoint.py::test_resume_at_the_same_layout_is_bitwise",
+               "tp2_pp2_dp2_overlap": "tests/test_rehearsal.py::test_a_real_8_rank_run_and_its_rehearsal_post_"
+                                      "the_same_collectives",
+               "pp2_vpp2_overlap": "tests/test_parallel.py::test_layout_equals_single_process[pp2_vpp2_overlap]"}
+    for case, reader in readers.items():
+        assert scope_of(f"{stress_test}[{case}]") == scope_of(reader) != scope_of("tests/test_model.py::test_x")
+    assert len({scope_of(f"{stress_test}[{case}]") for case in stress.CI_CASES}) == len(STRESS_GROUPS)
