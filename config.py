@@ -205,7 +205,9 @@ def _process_start_time(pid: int) -> Optional[datetime.datetime]:
 def register() -> None:
     """Register the schema with Hydra and the resolvers the YAML uses. Idempotent."""
     from hydra.core.config_store import ConfigStore
-    ConfigStore.instance().store(name="schema", node=Config)
+    store = ConfigStore.instance()
+    if "schema.yaml" not in store.repo:  # storing converts the schema anew: 0.1 s a compose
+        store.store(name="schema", node=Config)
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("ablation"):
