@@ -283,6 +283,81 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
 
 # --- Fused elementwise operators and the loss ---
 #
+# --- Attention's inputs: the heads of the QKV projection, q and k rotated (RoPE) ---
+
+def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """[B, T, 3*d] projections, rows grouped (head, q|k|v, head_dim) -> q, k, v, each [B, H, T, D],
+    q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
+    reference) with the fp32 cos/sin tables [T, D] rounded to qkv's dtype.
+
+    Written out rather than left to autograd: on this step's shapes eager autograd spent ~13% of
+    the layer's elementwise time here. Its rotation builds the rotated copy with a neg, a cat and
+    two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
+    gradients and copies them back into the projection's layout. Here each of q and k is a mul
+    and two half-width multiply-adds each way, and the backward writes the gradients straight
+    into the projection's layout. Inside a compiled model the plain ops go to inductor instead."""
+    if torch.compiler.is_compiling():
+        return _heads_then_rope(qkv, head_dim, cos, sin)
+    return _HeadsWithRope.apply(qkv, head_dim, cos, sin)
+
+
+def _heads(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[B, T, 3*d] -> [B, T, H, 3, D] (a view): the head count comes from the tensor, so under TP
+    a rank's slice of the heads works alike."""
+    B, T, _ = qkv.shape
+    return qkv.view(B, T, -1, 3, head_dim)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The reference rotation of x [..., T, D] by the tables [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+def _heads_then_rope(qkv, head_dim, cos, sin):
+    """heads_with_rope's reference: plain ops, autograd's backward."""
+    q, k, v = _heads(qkv, head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _rotate(x, cos, sin, out, sign: float = 1.0):
+    """out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), written into out. With
+    sign=-1 the inverse rotation, which is also the backward of the forward one: its Jacobian is
+    an orthogonal block matrix, so the gradient is the transposed (inverse) rotation of the
+    upstream gradient."""
+    half = x.shape[-1] // 2
+    torch.mul(x, cos, out=out)
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-sign)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:], value=sign)
+    return out
+
+
+class _HeadsWithRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, head_dim, cos, sin):
+        heads = _heads(qkv, head_dim)
+        q, k, v = heads.permute(3, 0, 2, 1, 4).unbind(0)
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+        ctx.save_for_backward(cos, sin)
+        ctx.shape = heads.shape
+        # Laid out [B, T, H, D] in memory, as the projection and flash-attn have it (a view swaps H and T)
+        B, T, H, _, D = heads.shape
+        rotated = [_rotate(x, cos, sin, x.new_empty(B, T, H, D).transpose(1, 2)) for x in (q, k)]
+        return (*rotated, v)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        grad = torch.empty(ctx.shape, dtype=cos.dtype, device=cos.device)
+        slots = grad.permute(3, 0, 2, 1, 4).unbind(0)  # views into the projection's layout
+        for d, slot in zip((dq, dk), slots):  # (an output left unused gets zeros: autograd's default)
+            _rotate(d, cos, sin, slot, sign=-1.0)
+        slots[2].copy_(dv)
+        B, T = ctx.shape[:2]
+        return grad.view(B, T, -1), None, None, None
+
+
 # Each eager function below is the reference AND the source of its fused version: the fused path
 # is the same code compiled by inductor, so the two can only differ by rounding. They take
 # tensors (weights, bias), not modules, so one compiled graph serves every layer: a module

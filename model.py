@@ -81,12 +81,6 @@ def _rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[tor
 _cached_rope_tables = functools.lru_cache(maxsize=16)(_rope_tables)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
@@ -107,10 +101,9 @@ class Attention(nn.Module):
         """[B, T, 3*d] projections -> [B, T, d] attention output before the output projection: the
         only part that needs the whole sequence (TP overlap chunks the token-wise rest)."""
         B, T, _ = qkv.shape
-        # The head count comes from the weight, not the config: under TP this rank holds a slice.
-        q, k, v = qkv.view(B, T, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # The head count comes from qkv, not the config: under TP this rank holds a slice.
+        q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin)  # kernels.apply_rope on q and k
         return self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
 
     def core(self, q, k, v):

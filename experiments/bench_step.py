@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -42,10 +43,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
+import kernels  # noqa: E402
 import machine  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
-from model import GPT  # noqa: E402
+from model import GPT, Attention  # noqa: E402
 
 SHAPES = {  # the issue's shapes (nanoGPT's Shakespeare-char config at batch 8), and conf/model/small.yaml
     "issue": dict(n_layers=6, d_model=384, n_heads=6, batch=8, seq=256),
@@ -105,11 +107,11 @@ def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope:
     layout = parallel.build_layout(cfg.parallel, 0, 1, device)
     with torch.device("meta"):
         model = GPT(cfg.model, cfg.kernels)
-    if not rope:
-        import model as model_module
-        model_module.apply_rope = lambda x, cos, sin: x
     engine = parallel.build(model, layout, cfg.parallel, fused=cfg.kernels.fused, dtype=DTYPES[dtype], device=device,
                             seed=cfg.train.seed)
+    if not rope:  # this model's attention unrotated; an instance's patch, so the other contenders keep theirs
+        for module in (m for chunk in engine.chunks for m in chunk.modules() if isinstance(m, Attention)):
+            module.mix = functools.partial(mix_without_rope, module)
     if compiled:
         engine.compile()
     opt = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr, norm_group=engine.norm_group)
@@ -123,6 +125,13 @@ def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope:
         scheduler.step()
         torch.stack([loss.detach(), grad_norm]).tolist()  # train.py's one host read per step
     return step
+
+
+def mix_without_rope(attention: Attention, qkv: torch.Tensor) -> torch.Tensor:
+    """model.Attention.mix without the rotation: what RoPE costs (nanoGPT learns position embeddings)."""
+    B, T, _ = qkv.shape
+    q, k, v = kernels._heads(qkv, attention.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+    return attention.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
 
 
 def timed(step, n: int, warmup: int) -> list:

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from model import rope_tables
 
 BLOCK = 16                      # small blocks, so short sequences still have head, middle and tail
 T_ODD, T_EVEN = 77, 64          # 77: a last partial block; 64: whole blocks only
@@ -236,6 +237,34 @@ def check_same(fn_eager, fn_fused, inputs, norm=None):
         err_eager, err_fused = (e.double() - want).abs().max(), (f.double() - want).abs().max()
         floor = 1e-5 * max(1.0, want.abs().max().item())
         assert err_fused <= 2 * err_eager + floor, f"tensor {i}: fused error {err_fused:.3g}, eager {err_eager:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_with_rope_equals_the_plain_ops(dtype):
+    """q and k rotated, v, and the projection's gradient, against the plain ops and autograd's
+    backward of them. 5 heads, as a TP rank's slice may hold: the count comes from the tensor."""
+    B, T, H, D = 2, 12, 5, 8
+    cos, sin = rope_tables(T, D, 10000.0, "cpu")
+    check_same(lambda x: kernels._heads_then_rope(x, D, cos, sin), lambda x: kernels.heads_with_rope(x, D, cos, sin),
+               [leaf(B, T, 3 * H * D, dtype=dtype)])
+
+
+def test_heads_with_rope_rotates_q_and_k_only():
+    """Against the definition itself: position t's q and k turned by the angles t * theta^(-2i/D),
+    v untouched, in the projection's (head, q|k|v, head_dim) layout."""
+    B, T, H, D = 1, 6, 2, 4
+    cos, sin = rope_tables(T, D, 10000.0, "cpu")
+    x = torch.randn(B, T, 3 * H * D)
+    q, k, v = kernels.heads_with_rope(x, D, cos, sin)
+    heads = x.view(B, T, H, 3, D)
+    for t in range(T):
+        angle = t * 10000.0 ** (-torch.arange(0, D, 2) / D)
+        c, s = torch.cos(angle), torch.sin(angle)
+        for got, i in ((q, 0), (k, 1)):
+            a, b = heads[0, t, :, i, :D // 2], heads[0, t, :, i, D // 2:]
+            want = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+            torch.testing.assert_close(got[0, :, t], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v[0, :, t], heads[0, t, :, 2])
 
 
 def layer_norm_module(bias: bool, dtype):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import kernels
-from model import GPT, AttentionConfig, ModelConfig, apply_rope, flops_per_token, matmul_params, rope_tables
+from kernels import apply_rope
+from model import GPT, AttentionConfig, ModelConfig, flops_per_token, matmul_params, rope_tables
 
 
 def tiny(**overrides) -> ModelConfig:
