@@ -22,6 +22,10 @@ parameters. Megatron-LM's distributed optimizer is the model:
   fp32 master copies; after the step each rank casts its pieces into its range of the bf16
   buffer, and the all-gather moves bf16. With fp32 parameters the pieces are views into the
   parameter buffer itself: no copy at all.
+- One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the
+  gradients stay where autograd puts them (param.grad, which the optimizer reads), as in plain
+  PyTorch. Copying them into the buffer, then zeroing it, cost ~10 ms of a 1.4 s step at the
+  issue-22 shape (experiments/bench_step.py).
 Nothing here holds a full-size copy of the gradients or parameters besides the buffers.
 """
 from __future__ import annotations
@@ -90,6 +94,9 @@ class ZeroDataParallel:
         # the layout's process groups would outlive the run (a multirun would keep every job's
         # model) and be torn down only during interpreter finalization, where gloo's worker threads
         # abort the process ("terminate called without an active exception").
+        self.autograd_keeps_grads = layout.dp == 1 and layout.tp == 1 and stage == 0 and not self.mixed
+        if self.autograd_keeps_grads:  # the optimizer's pieces are the parameters, their .grad autograd's
+            return
         owner = weakref.ref(self)
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(lambda param, i=i: owner()._accumulate(i, param))
@@ -180,7 +187,8 @@ class ZeroDataParallel:
         work, out = self.reducing.pop(b)
         if work is not None:
             timed_wait(work, out.device)
-        out.div_(self.layout.dp)
+        if self.layout.dp > 1:
+            out.div_(self.layout.dp)
         bucket = self.buckets[b]
         if self.stage == 2:  # the full buffer goes; this rank's range stays
             out, bucket.grads = out.clone(), None
@@ -197,6 +205,8 @@ class ZeroDataParallel:
 
     def reduce_gradients(self) -> None:
         """After backward: launch what the hooks have not, then wait for every bucket."""
+        if self.autograd_keeps_grads:
+            return
         for b in range(len(self.buckets)):
             if b not in self.reducing:
                 self._launch_reduction(b)
