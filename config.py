@@ -41,7 +41,9 @@ class TrainConfig:
     eval_interval: int = 100      # steps between held-out evaluations; 0 disables
     eval_batches: int = 4
     recompute: str = "none"       # none | selective | full activation recomputation
-    compile: bool = False         # torch.compile the whole model
+    # torch.compile the model: true, false, or null (auto, the default): compiled on CUDA, eager on
+    # CPU, the faster of the two where each was measured (README, "The train step against nanoGPT")
+    compile: Optional[bool] = None
     gc_interval: int = 100        # Python's GC off during steps, run on every rank each N steps; 0: Python's own
 
 
