@@ -283,8 +283,9 @@ def compile_choice(setting, device: torch.device) -> tuple:
     """(whether to torch.compile, the log line saying why). train.compile=true or false is obeyed;
     null, the default, picks the faster of the two where each was measured, with
     experiments/bench_step.py: on CUDA compiled (an H200 at the issue-22 shape in fp32: 270k tok/s
-    against eager's 191k), on CPU eager (this project's AMD EPYC: inductor's step ran at 0.87x of
-    eager, and nanoGPT's at 0.93x of its own eager: README, "The train step against nanoGPT")."""
+    against eager's 191k), on CPU eager (this project's AMD EPYC: compiled steps no faster, 0.87x of
+    eager at 40bc0f2 and 1.02x at 4f7cf25, within the noise, and compiling costs start-up time:
+    README, "The train step against nanoGPT")."""
     if setting is not None:
         return setting, f"train.compile={str(setting).lower()}"
     if device.type == "cuda":
