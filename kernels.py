@@ -281,8 +281,6 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
     raise ValueError(f"unknown attention impl {impl!r}; use one of {ATTENTION_IMPLS}")
 
 
-# --- Fused elementwise operators and the loss ---
-#
 # --- Attention's inputs: the heads of the QKV projection, q and k rotated (RoPE) ---
 
 def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
@@ -290,8 +288,8 @@ def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
     reference) with the fp32 cos/sin tables [T, D] rounded to qkv's dtype.
 
-    Written out rather than left to autograd: on this step's shapes eager autograd spent ~13% of
-    the layer's elementwise time here. Its rotation builds the rotated copy with a neg, a cat and
+    Written out rather than left to autograd (issue 22: one layer at its shape, fp32, forward and
+    backward, took 7.5 ms here against autograd's 14-18.6 ms). Autograd's rotation builds the rotated copy with a neg, a cat and
     two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
     gradients and copies them back into the projection's layout. Here each of q and k is a mul
     and two half-width multiply-adds each way, and the backward writes the gradients straight
@@ -358,6 +356,8 @@ class _HeadsWithRope(torch.autograd.Function):
         return grad.view(B, T, -1), None, None, None
 
 
+# --- Fused elementwise operators and the loss ---
+#
 # Each eager function below is the reference AND the source of its fused version: the fused path
 # is the same code compiled by inductor, so the two can only differ by rounding. They take
 # tensors (weights, bias), not modules, so one compiled graph serves every layer: a module
