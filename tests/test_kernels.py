@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+import kernels_triton
 from model import rope_tables
 
 BLOCK = 16                      # small blocks, so short sequences still have head, middle and tail
@@ -379,10 +380,10 @@ def triton_interpreter(monkeypatch):
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_to_nearest)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels._triton_kernels.cache_clear()
+    kernels_triton.jit_kernels.cache_clear()
     yield
-    assert kernels._triton_kernels.cache_info().currsize, "the Triton kernels never ran"
-    kernels._triton_kernels.cache_clear()
+    assert kernels_triton.jit_kernels.cache_info().currsize, "the Triton kernels never ran"
+    kernels_triton.jit_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
@@ -426,7 +427,7 @@ def test_triton_bias_gelu(dtype, bias):
 @needs_triton
 def test_triton_cross_entropy(dtype, monkeypatch):
     # Blocks of 64 of a vocab of 200: the online log-sum-exp rescales across blocks and the last is partial.
-    monkeypatch.setattr(kernels, "_vocab_block", lambda V: 64)
+    monkeypatch.setattr(kernels_triton, "_vocab_block", lambda V: 64)
     logits = leaf(*T_ROWS, 200, dtype=dtype, scale=4.0)
     targets = torch.randint(0, 200, T_ROWS, generator=torch.Generator().manual_seed(3))
     check_same(lambda z: kernels.cross_entropy(z, targets), lambda z: kernels.cross_entropy(z, targets, fused="triton"),
@@ -478,8 +479,8 @@ COMPILE_FOR_GPU = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import kernels
-k, f32 = kernels._triton_kernels(), "*fp32"
+import kernels_triton
+k, f32 = kernels_triton.jit_kernels(), "*fp32"
 for t in ("*bf16", "*fp32"):
     for fn, types, consts in [
         (k.layer_norm_fwd, [t, t, f32, f32, t, t, f32, f32, "i32", "fp32"], dict(HAS_DELTA=True, HAS_BIAS=True, BLOCK=1024)),
