@@ -289,9 +289,9 @@ def compile_choice(setting, device: torch.device) -> tuple:
     if setting is not None:
         return setting, f"train.compile={str(setting).lower()}"
     if device.type == "cuda":
-        return True, "train.compile=auto: compiled, the faster on CUDA"
-    return False, (f"train.compile=auto: eager, the faster on {device.type.upper()} (inductor's step measured "
-                   "slower than eager there; train.compile=true compiles anyway)")
+        return True, "train.compile=auto: compiled on CUDA, where it measured faster than eager"
+    return False, (f"train.compile=auto: eager on {device.type.upper()}, where compiled steps measured no faster "
+                   "and compiling costs start-up time (train.compile=true compiles anyway)")
 
 
 # --- Checkpoints ---
