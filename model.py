@@ -57,16 +57,23 @@ class ModelConfig:
     dropout: float = 0.0
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq_len: int, head_dim: int, theta: float, device,
+                max_seq_len: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [T, head_dim] in fp32, GPT-NeoX layout (rotate the two halves).
 
     Built in numpy's fp64 and rounded once. torch's CPU cos/sin (fp32 and fp64 alike) returned a
     different table on their first call in about 1 process in 10 under load, and a run computes
     the table once, so two runs of one config did not write identical checkpoints;
     numpy's are single-threaded and always the same. Cached: every layer of every step asks for the
-    same table (a compiled model computes it in its graph instead)."""
+    same table. Inside torch.compile the table of max_seq_len positions is a constant of the graph,
+    sliced to T: traced instead, the numpy calls became torch's pow, cos and sin fused into the
+    rotation's kernels, evaluated per element of q and k in every layer (issue 22: 218 of a compiled
+    step's 1,340 ms at its shape); and a constant of T itself would break the graph once T turns
+    symbolic (a second sequence length)."""
     if torch.compiler.is_compiling():
-        return _rope_tables(seq_len, head_dim, theta, device)
+        longest = seq_len if isinstance(seq_len, int) and seq_len > (max_seq_len or 0) else max_seq_len
+        cos, sin = _constant_rope_tables(longest, head_dim, theta, device)
+        return cos[:seq_len], sin[:seq_len]
     with torch.inference_mode(False):  # so that a table first made in an eval pass can be saved for backward
         return _cached_rope_tables(seq_len, head_dim, theta, device)
 
@@ -81,12 +88,17 @@ def _rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[tor
 _cached_rope_tables = functools.lru_cache(maxsize=16)(_rope_tables)
 
 
+@torch.compiler.assume_constant_result  # on a plain function: dynamo traces through lru_cache's wrapper
+def _constant_rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return _cached_rope_tables(seq_len, head_dim, theta, device)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_heads
         self.window = cfg.attention.window
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.max_seq_len = cfg.rope_theta, cfg.max_seq_len
         self.impl, self.block_size = ops.attention, ops.attention_block
         self.dropout = cfg.dropout
         # Rows grouped as (head, q|k|v, head_dim), the GPT-NeoX/Megatron layout: a tensor-parallel
@@ -101,7 +113,7 @@ class Attention(nn.Module):
         """[B, T, 3*d] projections -> [B, T, d] attention output before the output projection: the
         only part that needs the whole sequence (TP overlap chunks the token-wise rest)."""
         B, T, _ = qkv.shape
-        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device)
+        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device, self.max_seq_len)
         # The head count comes from qkv, not the config: under TP this rank holds a slice.
         q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin)  # kernels.apply_rope on q and k
         return self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)

@@ -132,6 +132,30 @@ def test_rope_tables_are_the_correctly_rounded_angles():
     assert rope_tables(T, d, theta, "cpu")[0] is cos
 
 
+def test_compiled_model_takes_the_rope_tables_as_constants_in_one_graph_per_length():
+    """Inside torch.compile the tables are the cached numpy-built ones, a constant of the graph:
+    traced, they became pow/cos/sin evaluated per element of q and k in every layer (issue 22:
+    a sixth of a compiled step). A second sequence length (symbolic) still makes one graph, and
+    the compiled forward is the eager one."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layers=2, n_heads=2, d_model=32, vocab_size=64, max_seq_len=64))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=capture)
+    for T in (16, 24):
+        x = torch.randint(0, 64, (2, T))
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    trig = {torch.cos, torch.sin, torch.ops.aten.cos.default, torch.ops.aten.sin.default}
+    assert len(graphs) == 2, f"{len(graphs)} graphs for 2 lengths: a graph break"
+    assert not [n for g in graphs for n in g.graph.nodes if n.target in trig or "cos" in str(n.target)]
+    torch._dynamo.reset()
+
+
 def test_init_is_deterministic_and_scales_residual_projections():
     a, b = GPT(tiny()), GPT(tiny())
     a.init_weights(7)
