@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -64,7 +64,7 @@ class HardwareConfig:
     peak_tflops_fp32: Optional[float] = None
     memory_GBps: Optional[float] = None       # device memory bandwidth (HBM; the host's DRAM on CPU)
     intra_host_latency_us: float = 10.0       # one step of a collective inside a host
-    inter_host_latency_us: float = 20.0       # one step of a collective, or one message, across hosts
+    inter_host_latency_us: Optional[float] = 20.0  # one step of a collective, or one message, across hosts
     op_overhead_us: Optional[float] = 5.0     # per kernel: a GPU launch, or a CPU eager dispatch + autograd
     gemm_half_dim: Optional[float] = 32.0     # a GEMM dim of this size runs at half speed (tiles, waves)
     gemm_efficiency: Optional[float] = None   # fraction of peak a large GEMM reaches
@@ -77,8 +77,11 @@ class HardwareConfig:
     memory_efficiency: float = 0.8            # fraction of memory_GBps a streaming kernel reaches
     intra_host_efficiency: float = 0.75       # collective bus bandwidth / link rate inside a host
     inter_host_efficiency: Optional[float] = None  # the same for large collectives across hosts
-    p2p_efficiency: float = 0.8               # the same for pipeline point-to-point messages
-    overlap_slowdown: float = 0.1             # compute slows by this fraction of the comm it hides
+    p2p_efficiency: Optional[float] = 0.8     # the same for pipeline point-to-point messages
+    # A collective's bus bandwidth relative to all_reduce's where the library's algorithm differs
+    # (measured: gloo's reduce_scatter costs a whole all-reduce, 0.5); NCCL's are alike: empty.
+    collective_efficiency: Dict[str, float] = field(default_factory=dict)
+    overlap_slowdown: Optional[float] = 0.1   # compute slows by this fraction of the comm it hides
     loader_step_s: float = 0.0                # host time the naive data loader adds to every step
     collective_algo: str = "ring"             # ring | tree (hierarchical: inside hosts, then across)
 

@@ -231,3 +231,18 @@ def _gloo_worker(rank: int, port: int, nbytes: int, queue) -> None:
     if rank == 0:
         queue.put(seconds)
     dist.destroy_process_group()
+
+
+def link_calibration(rate_Gbps: float) -> Optional[Dict[str, object]]:
+    """The newest run of experiments/calibrate_comm.py on this CPU over a link of this rate (tc's
+    token bucket on the emulated cluster), or None: {kind: {latency_us, GBps, ...}} under "fits"."""
+    path = cache_dir() / "comm_calibration.jsonl"
+    if not path.exists():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        rate = record.get("rate_GBps")
+        if rate and abs(rate * 8 - rate_Gbps) < 1e-9 * max(rate_Gbps, 1) and record.get("cpu") == cpu_model():
+            found = record
+    return found

@@ -335,6 +335,50 @@ def test_fitted_constants_are_the_optimum_of_the_megatron_column(megatron_175b):
 
 # --- Plan mode, cpu_local and measured runs ---
 
+CPU_MEASURED = {"peak_tflops": 0.8, "peak_tflops_fp32": 0.2, "gemm_half_dim": 16.0, "gemm_efficiency": 1.0,
+                "memory_GBps": 10.0, "op_overhead_us": 20.0, "flash_efficiency": 0.3, "intra_host_GBps": 1.0,
+                "inter_host_Gbps": 16.0, "memory_gib": 8.0,
+                "gemm_half_dim_fp32": 64.0, "gemm_efficiency_fp32": 0.9, "flash_efficiency_fp32": 0.6}
+
+
+def test_emulated_link_is_priced_from_its_calibration_and_shares_the_cores(tmp_path, monkeypatch, tiny):
+    """conf/hardware/emulated_2x2_250mbit: the link's efficiency and latency come from
+    calibrate_comm.py's cached fit at that rate on this CPU (none: a one-line error naming the
+    command); the ring all-reduce across the link then costs what the fit says; every rank of the
+    job shares this machine's peak."""
+    import experiments.calibrate_comm as cal
+    monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
+    (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(),
+                                                          "measured": CPU_MEASURED}))
+    emulated = cli.compose(["hardware=emulated_2x2_250mbit", "hardware.devices_per_host=1"]).hardware
+    with pytest.raises(config.ConfigError, match="calibrate_comm.py --links 250mbit"):
+        pm.resolve_hardware(emulated)
+    # a fit of synthetic gloo times: 300 us per ring step, 25 MB/s (0.8 of 250 mbit/s)
+    steps, fraction = cal.ring_terms("all_reduce", 2)
+    points = [(steps, fraction * b, steps * 300e-6 + fraction * b / 25e6) for b in cal.SIZES]
+    latency, bandwidth = cal.fit(points)
+    assert latency == pytest.approx(300e-6) and bandwidth == pytest.approx(25e6)
+    fits = {"all_reduce": {"latency_us": latency * 1e6, "GBps": bandwidth / 1e9},
+            "reduce_scatter": {"latency_us": 0.0, "GBps": bandwidth / 2e9},   # gloo's: a whole all-reduce
+            "send": {"latency_us": 0.0, "GBps": 0.03}}
+    record = {"link": "250mbit", "rate_GBps": cal.rate_Bps("250mbit") / 1e9, "cpu": machine.cpu_model(), "fits": fits}
+    (tmp_path / "comm_calibration.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(config.ConfigError, match="hardware.overlap_slowdown"):   # a calibration without the probe
+        pm.resolve_hardware(emulated)
+    record["overlap"] = {"overlap_slowdown": 0.25}
+    with open(tmp_path / "comm_calibration.jsonl", "a") as f:  # the newest line of a rate wins
+        f.write(json.dumps(record) + "\n")
+    hw = pm.resolve_hardware(emulated)
+    assert hw.inter_host_efficiency == pytest.approx(0.8) and hw.inter_host_latency_us == pytest.approx(300)
+    assert hw.p2p_efficiency == pytest.approx(0.96) and hw.overlap_slowdown == 0.25
+    cfg = copy.deepcopy(tiny)
+    cfg.hardware, cfg.parallel.dp = hw, 2
+    net = pm.Network(hw, pm.layout_of(cfg, 2))
+    assert net.collective("all_reduce", 4e6, "dp") == pytest.approx(2 * 300e-6 + 4e6 / 25e6)
+    assert net.collective("reduce_scatter", 4e6, "dp") == pytest.approx(300e-6 + 4e6 / 25e6)
+    assert pm.Rates.of(hw, "fp32", 4).flops == pytest.approx(0.2e12 / 4)  # 4 ranks, one machine
+
+
 def test_plan_ranks_valid_layouts_by_mfu():
     cfg = cli.compose(["model=1.3B", "hardware=a100_cluster", "train.seq_len=2048"])
     ranked = cli.plan(cfg, 32, 64)
@@ -348,11 +392,8 @@ def test_plan_ranks_valid_layouts_by_mfu():
 
 def test_cpu_local_reads_its_cache_and_charges_every_op(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
-    measured = {"peak_tflops": 0.8, "peak_tflops_fp32": 0.2, "gemm_half_dim": 16.0, "gemm_efficiency": 1.0,
-                "memory_GBps": 10.0, "op_overhead_us": 20.0, "flash_efficiency": 0.3, "intra_host_GBps": 1.0,
-                "inter_host_Gbps": 16.0, "memory_gib": 8.0,
-                "gemm_half_dim_fp32": 64.0, "gemm_efficiency_fp32": 0.9, "flash_efficiency_fp32": 0.6}
-    (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(), "measured": measured}))
+    (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(),
+                                                          "measured": CPU_MEASURED}))
     hw = pm.resolve_hardware(cli.compose(["hardware=cpu_local"]).hardware)
     assert hw.peak_tflops == 0.8 and hw.op_overhead_us == 20.0 and hw.inter_host_efficiency == 1.0
     r = pm.Rates.of(hw, "bf16", 2)                      # two ranks share the host: half each
