@@ -320,22 +320,31 @@ def runs_in(paths: Sequence[str]) -> List[Path]:
 def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus: Optional[int] = None):
     """Predicted against measured step time of finished runs (run or sweep directories, runs_in):
     each run holds Hydra's .hydra/config.yaml and metrics.jsonl (one JSON object per step, with a
-    step time under one of STEP_TIME_KEYS, and optionally `world_size`). The first fifth of the
-    steps is skipped (warm-up, compilation). Returns [{run, label, measured_s, predicted_s, error}]."""
+    step time under one of STEP_TIME_KEYS), and its world size in run.json (train.py's record) or
+    in the metrics (else the config's layout). The first fifth of the
+    steps is skipped (warm-up, compilation). A run on the emulated cluster is priced on the
+    hardware its config names (conf/hardware/emulated_*, as bench_overlap.py passes it), the
+    others on `hardware`. Returns [{run, label, measured_s, predicted_s, error}]."""
     from omegaconf import OmegaConf
     hw = compose([f"hardware={hardware}"]).hardware
     out = []
     for run in runs_in(run_dirs):
         schema = OmegaConf.structured(config.Config)
         cfg = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(run / ".hydra" / "config.yaml")))
-        cfg.hardware = hw
+        if cfg.hardware.name.startswith("emulated"):  # the run's fabric, today's calibration of it
+            h = cfg.hardware
+            cfg.hardware = compose([f"hardware={h.name}", f"hardware.devices_per_host={h.devices_per_host}",
+                                    f"hardware.inter_host_Gbps={h.inter_host_Gbps}"]).hardware
+        else:
+            cfg.hardware = hw
         lines = [json.loads(l) for l in open(run / "metrics.jsonl") if l.strip()]
         key = next((k for k in STEP_TIME_KEYS if any(k in l for l in lines)), None)
         if key is None:
             raise ValueError(f"{run}/metrics.jsonl has none of {STEP_TIME_KEYS}")
         times = [l[key] for l in lines if key in l]
         measured = statistics.median(times[len(times) // 5:])
-        world = gpus or next((l["world_size"] for l in lines if "world_size" in l), None)
+        record = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
+        world = gpus or record.get("world_size") or next((l["world_size"] for l in lines if "world_size" in l), None)
         predicted = pm.predict(cfg, world).step_s
         label = cfg.study.label if cfg.study.name else run.name
         out.append({"run": str(run), "label": label, "measured_s": measured, "predicted_s": predicted,

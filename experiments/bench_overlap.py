@@ -1,6 +1,6 @@
 """Step time and exposed communication with each overlap off and on, on the emulated cluster.
 
-    sudo .venv/bin/python experiments/bench_overlap.py [--steps 12] [--only tp dp pp] [--loopback]
+    sudo .venv/bin/python experiments/bench_overlap.py [--steps 12] [--only tp dp pp] [--loopback] [--keep DIR]
 
 Each case runs train.py across 2 emulated hosts (experiments/emucluster.py: network namespaces
 joined by a throttled link, 1 rank each), in the layout its overlap needs: TP overlap at tp2
@@ -41,12 +41,22 @@ CASES = {  # name: (link rate, layout overrides, {overlap label: overrides})
 }
 
 
+def hardware(rate: str, loopback: bool) -> list:
+    """The fabric, in the run's own config, for `perfmodel.py validate`: this machine as 2 emulated
+    hosts of 1 rank on links of this rate, or plain loopback (cpu_local)."""
+    if loopback:
+        return ["hardware=cpu_local"]
+    gbit = float(rate.removesuffix("gbit")) if rate.endswith("gbit") else float(rate.removesuffix("mbit")) / 1000
+    return ["hardware=emulated_2x2_250mbit", "hardware.devices_per_host=1", f"hardware.inter_host_Gbps={gbit:g}"]
+
+
 def run(case: str, label: str, steps: int, loopback: bool, workdir: Path) -> dict:
     rate, layout, variants = CASES[case]
-    run_dir = workdir / f"{case}_{label}"
+    run_dir = workdir / f"{case}_{label}{'_loopback' if loopback else ''}"
     fabric = ["--loopback", "--ranks-per-host", "2"] if loopback else ["--ranks-per-host", "1", "--bandwidth", rate]
     cmd = [sys.executable, "experiments/emucluster.py", "--hosts", "1" if loopback else "2", *fabric, "--timeout", "900",
-           "--", "train.py", *COMMON, *layout, *variants[label], f"train.max_steps={steps}", f"hydra.run.dir={run_dir}"]
+           "--", "train.py", *COMMON, *hardware(rate, loopback), *layout, *variants[label], f"train.max_steps={steps}",
+           f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     row = {"case": case, "overlap": label, "fabric": "loopback" if loopback else f"2 hosts, {rate} links",
            "steps": steps, "when": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -79,13 +89,15 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--loopback", action="store_true", help="plain loopback, one host, for contrast")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep each case's run dir under DIR (for `perfmodel.py validate DIR`)")
     args = parser.parse_args()
     results = []
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.only:
             for label in CASES[case][2]:
-                results.append(run(case, label, args.steps, args.loopback, Path(tmp)))
+                results.append(run(case, label, args.steps, args.loopback, args.keep or Path(tmp)))
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
                 with RESULTS.open("a") as f:
                     f.write(json.dumps(results[-1]) + "\n")
