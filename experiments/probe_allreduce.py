@@ -85,15 +85,19 @@ def compute(n: int) -> None:
         b.mul_(0.01)  # keep the values bounded
 
 
-def timed(fn, iters: int, warmup: int) -> float:
-    times = []
+def timed_in_turn(modes: dict, iters: int, warmup: int) -> dict:
+    """Median ms of each mode, the modes run in turn within every iteration rather than one block
+    after another: this shared machine's speed drifts within a minute, and the overlap's gain is
+    the difference of three of these times (blocks gave 'overlapped' faster than the GEMMs alone)."""
+    times = {name: [] for name in modes}
     for i in range(warmup + iters):
-        dist.barrier()  # every rank starts together, so the slowest rank's lateness is not counted as comm
-        t = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+        for name, fn in modes.items():
+            dist.barrier()  # every rank starts together, so the slowest rank's lateness is not counted as comm
+            t = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append((time.perf_counter() - t) * 1000)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None) -> int:
@@ -130,12 +134,13 @@ def main(argv=None) -> int:
 
     result = {"rank": rank, "world": world, "host": os.environ.get("EMUCLUSTER_HOST", socket.gethostname()),
               "size_mb": args.size_mb, "matmuls": n}
-    extra = timed(bookkeeping, args.iters, args.warmup)
-    result["comm_ms"] = timed(comm, args.iters, args.warmup) - extra
+    modes = {"bookkeeping": bookkeeping, "comm_ms": comm}
     if not args.skip_overlap:
-        result["compute_ms"] = timed(lambda: compute(n), args.iters, args.warmup)
-        result["sequential_ms"] = timed(sequential, args.iters, args.warmup) - extra
-        result["overlapped_ms"] = timed(overlapped, args.iters, args.warmup) - extra
+        modes.update(compute_ms=lambda: compute(n), sequential_ms=sequential, overlapped_ms=overlapped)
+    med = timed_in_turn(modes, args.iters, args.warmup)
+    extra = med.pop("bookkeeping")
+    result.update({k: v - extra if k != "compute_ms" else v for k, v in med.items()})
+    if not args.skip_overlap:
         saved = result["sequential_ms"] - result["overlapped_ms"]
         result["hidden_frac"] = saved / result["comm_ms"] if result["comm_ms"] > 0 else 0.0
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
