@@ -11,7 +11,8 @@ perfmodel.py; this is a second file only to keep each under ~700 lines. Run it a
   python perfmodel.py 530b                                       the 530B model, batch = GPUs
   python perfmodel.py plan scale=cluster gpus=1024 batch=768     layouts ranked by predicted MFU (scale=cluster:
         175B at seq 2048 in bf16 on a100_cluster; without it the embedded defaults, seq 256)
-  python perfmodel.py validate [--remeasure] [RUN_OR_SWEEP_DIR ...]  cpu_local prediction vs measured runs
+  python perfmodel.py validate [--remeasure] [--analytical-only] [--figure=PNG] [RUN_OR_SWEEP_DIR ...]
+        cpu_local prediction vs measured runs: analytical, and each run's rehearsal replayed (replay.py)
   python perfmodel.py [predict] [overrides] [gpus=N] [batch=B]   one config, with its breakdown
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import config
 import machine
 import perfmodel as pm
+import replay
 from errors import ConfigError
 # Table 3's row names and the number formats: one definition, shared with the tables of measured runs.
 from experiments.tables import ABLATION_LABELS, markdown_table, pct, seconds
@@ -317,14 +319,17 @@ def runs_in(paths: Sequence[str]) -> List[Path]:
     return runs
 
 
-def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus: Optional[int] = None):
+def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus: Optional[int] = None,
+                      replayed: bool = True):
     """Predicted against measured step time of finished runs (run or sweep directories, runs_in):
     each run holds Hydra's .hydra/config.yaml and metrics.jsonl (one JSON object per step, with a
     step time under one of STEP_TIME_KEYS), and its world size in run.json (train.py's record) or
     in the metrics (else the config's layout). The first fifth of the
     steps is skipped (warm-up, compilation). A run on the emulated cluster is priced on the
     hardware its config names (conf/hardware/emulated_*, as bench_overlap.py passes it), the
-    others on `hardware`. Returns [{run, label, measured_s, predicted_s, error}]."""
+    others on `hardware`. With `replayed`, each run is also rehearsed (once: <run>/rehearsal/)
+    and its program replayed (replay.py). Returns [{run, label, measured_s, predicted_s, error,
+    measured: {comm_s, bubble_s, compute_s}, replayed: {step_s, ...}, replay_error}]."""
     from omegaconf import OmegaConf
     hw = compose([f"hardware={hardware}"]).hardware
     out = []
@@ -347,9 +352,62 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
         world = gpus or record.get("world_size") or next((l["world_size"] for l in lines if "world_size" in l), None)
         predicted = pm.predict(cfg, world).step_s
         label = cfg.study.label if cfg.study.name else run.name
-        out.append({"run": str(run), "label": label, "measured_s": measured, "predicted_s": predicted,
-                    "error": predicted / measured - 1})
+        row = {"run": str(run), "label": label, "measured_s": measured, "predicted_s": predicted,
+               "error": predicted / measured - 1,
+               "measured": {k: statistics.median(l[key] for l in lines[len(lines) // 5:] if key in l)
+                            for k, key in MEASURED_TERMS.items() if any(key in l for l in lines[len(lines) // 5:])}}
+        if replayed:  # the code's own program: its rehearsal (kept in the run dir), replayed
+            world = world or cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1)
+            records = replay.rehearse(cfg, world, run / "rehearsal")
+            row["replayed"] = replay.predict(records, cfg, pm.resolve_hardware(cfg.hardware), world)
+            row["replay_error"] = row["replayed"]["step_s"] / measured - 1
+        out.append(row)
     return out
+
+
+MEASURED_TERMS = {"comm_s": "exposed_comm_s", "bubble_s": "bubble_s", "compute_s": "compute_s"}  # train.py's keys
+
+
+def validation_table(rows: List[Dict]) -> str:
+    """Measured against analytical and replayed, run by run, with the replay's split of the step."""
+    split = lambda d: " / ".join(f"{d[k]:.2f}" if k in d else "-" for k in MEASURED_TERMS)
+    return markdown_table(
+        ["run", "measured step", "analytical", "error", "replayed", "error",
+         "measured comm / bubble / compute (s)", "replayed comm / bubble / compute (s)"],
+        [[r["label"], seconds(r["measured_s"]), seconds(r["predicted_s"]), pct(r["error"], True) + "%",
+          seconds(r["replayed"]["step_s"]) if "replayed" in r else "-",
+          pct(r["replay_error"], True) + "%" if "replayed" in r else "-",
+          split(r["measured"]), split(r["replayed"]) if "replayed" in r else "-"] for r in rows])
+
+
+def error_summary(rows: List[Dict], key: str) -> str:
+    errors = sorted(abs(r[key]) for r in rows if key in r)
+    return f"median |error| {100 * statistics.median(errors):.1f}%, worst {100 * errors[-1]:.1f}%" if errors else "none"
+
+
+def validation_figure(rows: List[Dict], path: str) -> None:
+    """Predicted against measured step time, both models, with y = x and the ±10% band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 5))
+    measured = [r["measured_s"] for r in rows]
+    top = 1.15 * max(measured + [r["predicted_s"] for r in rows] + [r["replayed"]["step_s"] for r in rows if "replayed" in r])
+    line = [0, top]
+    ax.plot(line, line, color="black", lw=1, label="y = x")
+    ax.fill_between(line, [0.9 * x for x in line], [1.1 * x for x in line], color="grey", alpha=0.2, label="±10%")
+    ax.scatter(measured, [r["predicted_s"] for r in rows], marker="o", label="analytical (perfmodel)")
+    replayed = [r for r in rows if "replayed" in r]
+    if replayed:
+        ax.scatter([r["measured_s"] for r in replayed], [r["replayed"]["step_s"] for r in replayed], marker="x",
+                   label="replayed rehearsal (replay.py)")
+    for r in rows:
+        ax.annotate(r["label"], (r["measured_s"], r.get("replayed", {}).get("step_s", r["predicted_s"])), fontsize=6)
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured step (s)", ylabel="predicted step (s)",
+           title="perfmodel.py validate")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
 
 
 # --- Command line ---
@@ -446,13 +504,14 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
             ["tiny step with AdamW", seconds(result["measured_step_s"]), seconds(result["predicted_step_s"]),
              pct(result["step_error"], True) + "%"]]))
         if overrides:
-            rows = compare_with_runs(overrides)
-            print("\n" + markdown_table(["run", "measured step", "predicted step", "error"], [
-                [r["label"], seconds(r["measured_s"]), seconds(r["predicted_s"]), pct(r["error"], True) + "%"]
-                for r in rows]))
-            errors = sorted(abs(r["error"]) for r in rows)
-            print(f"\n{len(rows)} runs: median |error| {100 * statistics.median(errors):.0f}%, "
-                  f"max {100 * errors[-1]:.0f}%")
+            rows = compare_with_runs(overrides, replayed="--analytical-only" not in flags)
+            print("\n" + validation_table(rows))
+            print(f"\n{len(rows)} runs. Analytical: {error_summary(rows, 'error')}. "
+                  f"Replayed: {error_summary(rows, 'replay_error')}.")
+            figure = next((f.split("=", 1)[1] for f in flags if f.startswith("--figure=")), None)
+            if figure:
+                validation_figure(rows, figure)
+                print(f"figure: {figure}")
     else:
         cfg = compose(overrides)
         gpus = int(own["gpus"]) if "gpus" in own else None

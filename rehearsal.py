@@ -128,6 +128,7 @@ class Recorder:
         self.in_flight = {}  # op index -> weak references to the storages of its tensors, until waited
         self._dims = _dim_names(layout)
         self._saved, self._reading = {}, False
+        self.take_work = None  # the compute since the last event (FlopLedger.segment.take), stamped on each
 
     # patching
 
@@ -153,7 +154,7 @@ class Recorder:
     def named_read(self):
         """The step's one host read (train.py reads loss, stop flag and grad norm at once)."""
         self._reading = True
-        self.events.append({"i": len(self.events), "step": self.step, "op": "host_read", "site": _site()})
+        self._append({"i": len(self.events), "step": self.step, "op": "host_read", "site": _site()})
         try:
             yield
         finally:
@@ -202,7 +203,7 @@ class Recorder:
             event = {"i": index, "step": self.step, "op": "batch", "ops": parts, "site": site, "async": True}
         else:
             event = {"i": index, "step": self.step, **self._describe(op, tensors, group, peer, site), "async": async_op}
-        self.events.append(event)
+        self._append(event)
         self.in_flight[index] = self._posting
         return index
 
@@ -237,7 +238,12 @@ class Recorder:
 
     def waited(self, index: int) -> None:
         self.in_flight.pop(index, None)
-        self.events.append({"i": len(self.events), "step": self.step, "op": "wait", "of": index})
+        self._append({"i": len(self.events), "step": self.step, "op": "wait", "of": index})
+
+    def _append(self, event: dict) -> None:
+        if self.take_work is not None:
+            event["work"] = self.take_work()
+        self.events.append(event)
 
 
 def _op(Op, ev: dict):
@@ -319,6 +325,7 @@ class FlopLedger(TorchDispatchMode):
         self.registry = flop_registry
         self.flops = {"gemm": 0, "attention": 0, "elementwise": 0}
         self.in_attention, self.active = 0, 0
+        self.segment = Segment()  # the work since the last recorded event: what replay.py prices
 
     def __enter__(self):
         self.active += 1
@@ -332,6 +339,9 @@ class FlopLedger(TorchDispatchMode):
         """FLOPs of a kernel this mode cannot see (counted only while the mode is on)."""
         if self.active:
             self.flops[kind] += int(n)
+            if kind == "attention":
+                self.segment.attention += int(n)
+                self.segment.attention_ops += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -341,11 +351,48 @@ class FlopLedger(TorchDispatchMode):
             n = self.registry[packet](*args, **kwargs, out_val=out)
             attention = self.in_attention or packet in BATCHED or "attention" in str(packet)
             self.flops["attention" if attention else "gemm"] += int(n)
-        elif torch.Tag.pointwise in func.tags:
+            self.segment.count(func, args, out, int(n), attention)
+            return out
+        self.segment.count(func, args, out)
+        if torch.Tag.pointwise in func.tags:
             first = out[0] if isinstance(out, (tuple, list)) else out
             if torch.is_tensor(first):
                 self.flops["attention" if self.in_attention else "elementwise"] += first.numel()
         return out
+
+
+class Segment:
+    """The work a rank's compute stream does between two recorded events, in the units replay.py
+    prices: each GEMM's shape (mm and addmm: [M,K] @ [K,N], bytes per element), attention's FLOPs
+    and kernel count, and the bytes every other kernel reads and writes (views and allocations
+    move none) with their count."""
+    GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm)
+    FREE = (torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
+            torch.ops.aten.new_empty_strided, torch.ops.aten.detach, torch.ops.aten.lift_fresh)
+
+    def __init__(self):
+        self.gemms, self.attention, self.attention_ops, self.bytes, self.ops = {}, 0, 0, 0, 0
+
+    def count(self, func, args, out, flops: int = 0, attention: bool = False) -> None:
+        packet = func._overloadpacket
+        if packet in self.GEMMS:
+            a, b = args[-2], args[-1]
+            key = (a.shape[0], b.shape[1], a.shape[1], a.element_size())
+            self.gemms[key] = self.gemms.get(key, 0) + 1
+        elif flops:  # batched matmuls and attention kernels: attention's
+            self.attention += flops
+            self.attention_ops += 1
+        elif not func.is_view and packet not in self.FREE:
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if torch.is_tensor(t)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            self.ops += 1
+
+    def take(self) -> dict:
+        """This segment as JSON, and a fresh one begun."""
+        done = {"gemm": [[*k, n] for k, n in self.gemms.items()], "attention": self.attention,
+                "attention_ops": self.attention_ops, "bytes": self.bytes, "ops": self.ops}
+        self.__init__()
+        return done
 
 
 # --- CUDA's fused attention, stood in for on meta ---
@@ -503,6 +550,7 @@ class _Run:
         self.cfg, self.layout, self.recorder = cfg, layout, recorder
         self.dtype = torch.bfloat16 if cfg.precision in ("bf16", "auto") else torch.float32
         self.flops, self.ledger = FlopLedger(), None
+        recorder.take_work = self.flops.segment.take
         self.first_step, self.saved, self.crash = [], 0, None
 
     def steps(self) -> None:

@@ -11,6 +11,7 @@ import machine
 import model as gpt
 import perfmodel as pm
 import perfmodel_cli as cli
+import replay
 from experiments.tables import ABLATION_LABELS
 
 
@@ -421,6 +422,12 @@ def test_compare_with_runs_reads_hydra_config_and_metrics(tmp_path, tiny):
     predicted = pm.predict(tiny, 1).step_s
     assert result["measured_s"] == 0.5 and result["predicted_s"] == pytest.approx(predicted)
     assert result["error"] == pytest.approx(predicted / 0.5 - 1)
+    # and the run's own program: rehearsed once into the run dir, replayed on the same machine
+    records = json.loads((run / "rehearsal" / "rank0.json").read_text())
+    cfg = copy.deepcopy(tiny)
+    again = replay.predict([records], cfg, pm.resolve_hardware(cli.compose(["hardware=a100_cluster"]).hardware), 1)
+    assert result["replayed"]["step_s"] == pytest.approx(again["step_s"]) and again["step_s"] > 0
+    assert result["replay_error"] == pytest.approx(again["step_s"] / 0.5 - 1)
     assert cli.runs_in([str(tmp_path)]) == [run]                # a multirun sweep dir stands for its jobs
     with pytest.raises(config.ConfigError, match="holds no run"):
         cli.runs_in([str(run / ".hydra")])
