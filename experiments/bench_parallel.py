@@ -1,6 +1,6 @@
 """Step time and tokens/s of each parallel layout on 2 CPU ranks (gloo over loopback).
 
-    .venv/bin/python experiments/bench_parallel.py [--steps 20] [--layouts tp2 pp2 ...] [overrides ...]
+    .venv/bin/python experiments/bench_parallel.py [--steps 20] [--layouts tp2 pp2 ...] [--keep DIR] [overrides ...]
 
 Each layout runs train.py under torchrun on the same model and global batch; the figures are the
 medians over the steps after the first three (warm-up) from the run's own metrics.jsonl. On 2
@@ -48,13 +48,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep each layout's run dir under DIR (for `perfmodel.py validate DIR`)")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every layout")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.layouts:
             ranks, overrides = LAYOUTS[name]
-            results.append(run(name, ranks, overrides, args.steps, args.overrides, Path(tmp)))
+            results.append(run(name, ranks, overrides, args.steps, args.overrides, args.keep or Path(tmp)))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     base = next((r for r in results if "step_time" in r), None)
     print("| layout | ranks | step time (s) | tokens/s | vs single | final loss |")
