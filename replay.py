@@ -65,8 +65,9 @@ class _Rank:
     def __init__(self, record: dict):
         self.rank, self.events = record["rank"], record["comm"]
         self.pos, self.t, self.computed = 0, 0.0, False
-        self.ends: Dict[int, Optional[float]] = {}   # op index -> when it ends (None: peer not posted)
+        self.ends: Dict[int, float] = {}              # op index -> when its transfers end (so far)
         self.parts: Dict[int, list] = {}              # op index -> its transfers (a batch has several)
+        self.unmatched: Dict[int, int] = {}           # op index -> its transfers whose peer has not posted
         self.busy: List[tuple] = []                   # (start, end) of its transfers: the overlap's
         self.streams: Dict[tuple, float] = {}         # stream -> when it is next free
         self.stalls = {"comm": 0.0, "bubble": 0.0}
@@ -101,9 +102,9 @@ class Replay:
             rank.computed = True
         op = ev["op"]
         if op == "wait":
-            end = rank.ends.get(ev["of"])
-            if end is None:
+            if rank.unmatched.get(ev["of"]):
                 return False
+            end = rank.ends.get(ev["of"], rank.t)
             if end > rank.t:
                 kind = "bubble" if any(p["op"] == "recv" for p in rank.parts.get(ev["of"], ())) else "comm"
                 rank.stalls[kind] += end - rank.t
@@ -124,8 +125,7 @@ class Replay:
 
     def _post(self, rank: _Rank, ev: dict) -> None:
         parts = ev["ops"] if ev["op"] == "batch" else [ev]
-        rank.parts[ev["i"]] = parts
-        rank.ends[ev["i"]] = None
+        rank.parts[ev["i"]], rank.unmatched[ev["i"]] = parts, len(parts)
         for part in parts:
             if part["op"] in ("send", "recv"):
                 self._post_p2p(rank, ev["i"], part)
@@ -137,7 +137,8 @@ class Replay:
         end = start + seconds
         rank.streams[stream] = end
         rank.busy.append((start, end))
-        rank.ends[index] = max(rank.ends.get(index) or 0.0, end)
+        rank.ends[index] = max(rank.ends.get(index, 0.0), end)
+        rank.unmatched[index] -= 1
 
     def _post_p2p(self, rank: _Rank, index: int, part: dict) -> None:
         me, peer = rank.rank, part["peer"]
@@ -206,10 +207,12 @@ def stage_ranks(cfg, gpus: int) -> List[int]:
     return [s * stride["pp"] for s in range(lay.pp)]
 
 
-def rehearse(cfg, gpus: int, out: Path) -> List[dict]:
-    """The records of stage_ranks, rehearsed in this process (once: kept in `out`)."""
+def rehearse(cfg, hw, gpus: int, out: Path) -> List[dict]:
+    """The records of stage_ranks, rehearsed in this process (once: kept in `out`), with what
+    `auto` leaves to the machine decided as a run on hw (resolved) decides it: an fp32 run's
+    rehearsal moves fp32 bytes."""
     import rehearsal
-    records = []
+    cfg, records = pm.resolve_config(cfg, hw), []
     for rank in stage_ranks(cfg, gpus):
         path = out / f"rank{rank}.json"
         record = json.loads(path.read_text()) if path.exists() else rehearsal.rehearse_rank(cfg, rank, gpus, out)

@@ -76,6 +76,19 @@ def test_a_receive_waits_for_its_send_and_the_wait_is_the_bubble():
     assert run.step(1) == pytest.approx({"step_s": 2.25, "comm_s": 0.0, "bubble_s": 1.25, "compute_s": 1.0})
 
 
+def test_a_batch_ends_when_its_last_transfer_does():
+    """batch_isend_irecv: a send its peer takes at once and a receive whose sender posts 1 s later;
+    the wait on the batch lasts until the receive is done."""
+    gb = 0.25 * GB
+    middle = program(("batch", {"ops": [{"op": "send", "peer": 1, "bytes": gb}, {"op": "recv", "peer": 2, "bytes": gb}],
+                                "async": True}, 0.0), ("wait", {"of": 0}, 0.0), ("host_read", {}, 0.0))
+    taker = program(("recv", {"peer": 0, "bytes": gb, "async": True}, 0.0), ("wait", {"of": 0}, 0.0), ("host_read", {}, 0.0))
+    late = program(("send", {"peer": 0, "bytes": gb, "async": True}, 1.0), ("wait", {"of": 0}, 0.0), ("host_read", {}, 0.0))
+    run = replayed([{"rank": 0, "comm": middle}, {"rank": 1, "comm": taker}, {"rank": 2, "comm": late}])
+    assert run.ranks[0].step_ends[1] == pytest.approx(1.25)
+    assert run.ranks[1].step_ends[1] == pytest.approx(0.25)
+
+
 def test_a_receive_no_rank_sends_is_named():
     receiver = program(("recv", {"peer": 0, "bytes": GB, "async": True}, 0.0), ("wait", {"of": 0}, 0.0))
     lone_sender = program(("host_read", {}, 0.0))
