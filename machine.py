@@ -4,7 +4,9 @@
   no datasheet peak that torch reaches, so its best measured matmul rate (measured_cpu_peak). The
   same measurement decides precision=auto on a CPU (resolve_precision).
 - The microbenchmarks perfmodel's hardware=cpu_local is made of (local_measurements): matmul rates,
-  DRAM bandwidth, the fixed cost of an op, attention, gloo bandwidth.
+  DRAM bandwidth, the fixed cost of an op, attention, gloo bandwidth. The same, measured before and
+  after a benchmark's run into its dir (calibrate_beside; `python machine.py beside DIR before`),
+  so that perfmodel.py validate prices the run on the machine as it was then.
 
 Both caches live in $MEGAREPRO_CACHE (default ~/.cache/megarepro), keyed by what changes the
 numbers: torch version, CPU model, thread count.
@@ -138,6 +140,32 @@ def local_measurements(remeasure: bool = False) -> Dict[str, float]:
     return measured
 
 
+# --- Measured beside a run: this shared machine's speed drifts (up to 2x over hours) ---
+
+CALIBRATION = "calibration.json"  # in a run (or sweep) dir: measure_local_hardware before and after it
+
+
+def calibrate_beside(run_dir: Path, when: str) -> None:
+    """Adds this machine's measurements now (`when`: before or after) to run_dir's calibration, for
+    perfmodel.py validate to price the run on the machine as it was while the run ran."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / CALIBRATION
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known[when] = measure_local_hardware()
+    atomic_write(path, json.dumps({"key": local_measurements_key(), **known}, indent=1))
+
+
+def calibration_beside(run_dir: Path) -> Optional[Dict[str, float]]:
+    """The mean of the measurements before and after the run (its own dir's, else its sweep's), or None."""
+    for folder in (run_dir, run_dir.parent):
+        path = folder / CALIBRATION
+        if path.exists():
+            known = json.loads(path.read_text())
+            taken = [known[w] for w in ("before", "after") if w in known]
+            return {k: sum(m[k] for m in taken) / len(taken) for k in taken[0]} if taken else None
+    return None
+
+
 def best_time(fn, repeats: int = 5) -> float:
     """The fastest of a few runs after a warm-up: on a shared machine the minimum is the closest to
     what the hardware does unloaded (timeit's rule); the median measures the neighbours too."""
@@ -246,3 +274,12 @@ def link_calibration(rate_Gbps: float) -> Optional[Dict[str, object]]:
         if rate and abs(rate * 8 - rate_Gbps) < 1e-9 * max(rate_Gbps, 1) and record.get("cpu") == cpu_model():
             found = record
     return found
+
+
+if __name__ == "__main__":
+    # python machine.py beside DIR before|after: measure this machine into DIR/calibration.json,
+    # around a sweep that cannot do it per run (make demo's multirun), for perfmodel.py validate
+    import sys
+    if len(sys.argv) != 4 or sys.argv[1] != "beside" or sys.argv[3] not in ("before", "after"):
+        sys.exit("usage: python machine.py beside DIR before|after")
+    calibrate_beside(Path(sys.argv[2]), sys.argv[3])

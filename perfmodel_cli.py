@@ -8,7 +8,8 @@ perfmodel.py; this is a second file only to keep each under ~700 lines. Run it a
         Table 2 predicted, rows from conf/study_scale/strong_scaling_<scale>.yaml; at cluster scale
         the Megatron-LM and MegaScale columns with the paper's beside them
   python perfmodel.py ablation | scaling [scale=...]             the same two, by name
-  python perfmodel.py 530b                                       the 530B model, batch = GPUs
+  python perfmodel.py 530b [--rehearse]                          the 530B model, batch = GPUs (--rehearse: its
+        first and last stage at 2,240 GPUs through rehearsal.py first, so memory per GPU is the rehearsal's)
   python perfmodel.py plan scale=cluster gpus=1024 batch=768     layouts ranked by predicted MFU (scale=cluster:
         175B at seq 2048 in bf16 on a100_cluster; without it the embedded defaults, seq 256)
   python perfmodel.py validate [--remeasure] [--analytical-only] [--figure=PNG] [RUN_OR_SWEEP_DIR ...]
@@ -149,22 +150,51 @@ def strong_scaling(overrides: Sequence[str] = (), scale: str = "cluster"):
             for setting in settings}
 
 
-def predict_530b(gpu_counts: Sequence[int] = (2240, 4480, 11200), overrides: Sequence[str] = ()):
-    """The 530B model of Table 1 at batch = GPUs: {setting: [(gpus, prediction)]}. A setting whose
-    activations overflow the GPU runs with selective recomputation, as Megatron-LM's users turn it
-    on (--recompute-activations, Korthikanti et al. 2022): at 530B its materialized attention,
+def settings_530b(first_gpus: int = 2240, overrides: Sequence[str] = ()) -> Dict[str, config.Config]:
+    """The 530B model of Table 1, both columns: {setting: config}. A setting whose activations
+    overflow the GPU runs with selective recomputation, as Megatron-LM's users turn it on
+    (--recompute-activations, Korthikanti et al. 2022): at 530B its materialized attention,
     dropout masks included, needs ~92 GiB without it. The setting's name then says so."""
     out = {}
     for setting, base in (("Megatron-LM", megatron_config("530B", overrides)),
                           ("MegaScale", megascale_config("530B", overrides))):
         hw = pm.resolve_hardware(base.hardware)
-        if base.train.recompute == "none" and not pm.predict(with_batch(base, gpu_counts[0], gpu_counts[0], 1),
-                                                               gpu_counts[0], hw).memory.fits:
+        if base.train.recompute == "none" and not pm.predict(with_batch(base, first_gpus, first_gpus, 1),
+                                                               first_gpus, hw).memory.fits:
             base = copy.deepcopy(base)
             base.train.recompute = "selective"
-        out[setting] = [(g, pm.predict(with_batch(base, g, g, 1), g, hw)) for g in gpu_counts]
-        out[setting + (" + selective recompute" if base.train.recompute == "selective" else "")] = out.pop(setting)
+        out[setting + (" + selective recompute" if base.train.recompute == "selective" else "")] = base
     return out
+
+
+def predict_530b(gpu_counts: Sequence[int] = (2240, 4480, 11200), overrides: Sequence[str] = ()):
+    """The 530B model at batch = GPUs, each setting of settings_530b: {setting: [(gpus, prediction)]}.
+    Memory per GPU is the rehearsal's where one is remembered (rehearse_530b), else modelled."""
+    out = {}
+    for setting, base in settings_530b(gpu_counts[0], overrides).items():
+        hw = pm.resolve_hardware(base.hardware)
+        out[setting] = [(g, pm.predict(with_batch(base, g, g, 1), g, hw)) for g in gpu_counts]
+    return out
+
+
+def rehearse_530b(gpu_counts: Sequence[int] = (2240,), overrides: Sequence[str] = ()) -> None:
+    """Rehearses the first and the last pipeline stage (one rank each, the fullest under 1F1B and
+    the one with the head) of each 530B setting at each GPU count, unless remembered: then
+    predict_530b's memory is the rehearsal's. ~2 minutes and ~2 GiB of host memory a rank."""
+    import rehearsal
+    import tempfile
+    for base in settings_530b(gpu_counts[0], overrides).values():
+        hw = pm.resolve_hardware(base.hardware)
+        for g in gpu_counts:
+            cfg = pm.resolve_config(with_batch(base, g, g, 1), hw)  # the key predict() looks it up by
+            stages = replay.stage_ranks(cfg, g)
+            missing = [r for r in (stages[0], stages[-1]) if r not in rehearsal.remembered(cfg, g)]
+            with tempfile.TemporaryDirectory() as out:
+                records = [rehearsal.rehearse_rank(cfg, r, g, Path(out)) for r in missing]
+            crashed = [f"rank {rec['rank']}: {rec['crash']}" for rec in records if rec.get("crash")]
+            if crashed:
+                raise RuntimeError(f"the 530B rehearsal at {g} GPUs crashed: {crashed[0]}")
+            rehearsal.remember(cfg, g, records)
 
 
 def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, include_oom: bool = False):
@@ -319,6 +349,43 @@ def runs_in(paths: Sequence[str]) -> List[Path]:
     return runs
 
 
+def fabric_hardware(cfg: config.Config, fabric: str) -> Optional[config.HardwareConfig]:
+    """The emulated cluster a run ran on, with today's calibration of its link: the hardware its
+    config names (bench_overlap.py passes conf/hardware/emulated_*), or the fabric emucluster.py
+    recorded (run.json's study.fabric = emulated:<hosts>x<ranks>@<rate>, as make demo's runs have it)."""
+    h = cfg.hardware
+    if h.name.startswith("emulated"):
+        per_host, gbps = h.devices_per_host, h.inter_host_Gbps
+    elif fabric.startswith("emulated:"):
+        shape, rate = fabric.split(":", 1)[1].split("@")
+        if "/" in rate:
+            raise ConfigError("study.fabric", f"{fabric}: links of several rates", "validate runs on one rate")
+        per_host = int(shape.split("x")[1])
+        gbps = float(rate.removesuffix("mbit")) / 1000 if rate.endswith("mbit") else float(rate.removesuffix("gbit"))
+    else:
+        return None
+    return compose([EMULATED, f"hardware.devices_per_host={per_host}", f"hardware.inter_host_Gbps={gbps}"]).hardware
+
+
+def measured_beside(hw: config.HardwareConfig, run: Path) -> Tuple[config.HardwareConfig, Optional[float]]:
+    """hw with this machine's numbers as measured beside the run (machine.calibrate_beside: before
+    and after it, averaged) where it has them, else as cached; and how far the fp32 GEMM peak
+    moved from before to after (None: no calibration beside)."""
+    found = machine.calibration_beside(run)
+    if found is None:
+        return hw, None
+    hw = copy.copy(hw)
+    for key in pm.MEASURED + pm.MEASURED_FP32:
+        if getattr(hw, key) is None and key in found:
+            setattr(hw, key, found[key])
+    known = json.loads(next(p for p in (run / machine.CALIBRATION, run.parent / machine.CALIBRATION) if p.exists()).read_text())
+    drift = known["after"]["peak_tflops_fp32"] / known["before"]["peak_tflops_fp32"] - 1 if "after" in known and "before" in known else 0.0
+    return hw, drift
+
+
+EMULATED = "hardware=emulated_2x2_250mbit"  # this machine as an emulated cluster; shape and rate are overrides
+
+
 def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus: Optional[int] = None,
                       replayed: bool = True):
     """Predicted against measured step time of finished runs (run or sweep directories, runs_in):
@@ -336,30 +403,27 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
     for run in runs_in(run_dirs):
         schema = OmegaConf.structured(config.Config)
         cfg = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(run / ".hydra" / "config.yaml")))
-        if cfg.hardware.name.startswith("emulated"):  # the run's fabric, today's calibration of it
-            h = cfg.hardware
-            cfg.hardware = compose([f"hardware={h.name}", f"hardware.devices_per_host={h.devices_per_host}",
-                                    f"hardware.inter_host_Gbps={h.inter_host_Gbps}"]).hardware
-        else:
-            cfg.hardware = hw
+        record = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
+        fabric = record.get("study", {}).get("fabric") or "loopback"  # as it ran (config.yaml has the env's interpolation)
+        cfg.hardware, drift = measured_beside(fabric_hardware(cfg, fabric) or hw, run)
         lines = [json.loads(l) for l in open(run / "metrics.jsonl") if l.strip()]
         key = next((k for k in STEP_TIME_KEYS if any(k in l for l in lines)), None)
         if key is None:
             raise ValueError(f"{run}/metrics.jsonl has none of {STEP_TIME_KEYS}")
         times = [l[key] for l in lines if key in l]
         measured = statistics.median(times[len(times) // 5:])
-        record = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
         world = gpus or record.get("world_size") or next((l["world_size"] for l in lines if "world_size" in l), None)
         predicted = pm.predict(cfg, world).step_s
         label = cfg.study.label if cfg.study.name else run.name
         row = {"run": str(run), "label": label, "measured_s": measured, "predicted_s": predicted,
-               "error": predicted / measured - 1,
+               "error": predicted / measured - 1, "calibration_drift": drift,
                "measured": {k: statistics.median(l[key] for l in lines[len(lines) // 5:] if key in l)
                             for k, key in MEASURED_TERMS.items() if any(key in l for l in lines[len(lines) // 5:])}}
         if replayed:  # the code's own program: its rehearsal (kept in the run dir), replayed
             world = world or cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1)
-            records = replay.rehearse(cfg, world, run / "rehearsal")
-            row["replayed"] = replay.predict(records, cfg, pm.resolve_hardware(cfg.hardware), world)
+            resolved = pm.resolve_hardware(cfg.hardware)
+            records = replay.rehearse(cfg, resolved, world, run / "rehearsal")
+            row["replayed"] = replay.predict(records, cfg, resolved, world)
             row["replay_error"] = row["replayed"]["step_s"] / measured - 1
         out.append(row)
     return out
@@ -373,11 +437,27 @@ def validation_table(rows: List[Dict]) -> str:
     split = lambda d: " / ".join(f"{d[k]:.2f}" if k in d else "-" for k in MEASURED_TERMS)
     return markdown_table(
         ["run", "measured step", "analytical", "error", "replayed", "error",
-         "measured comm / bubble / compute (s)", "replayed comm / bubble / compute (s)"],
+         "measured comm / bubble / compute (s)", "replayed comm / bubble / compute (s)", "calibration"],
         [[r["label"], seconds(r["measured_s"]), seconds(r["predicted_s"]), pct(r["error"], True) + "%",
           seconds(r["replayed"]["step_s"]) if "replayed" in r else "-",
           pct(r["replay_error"], True) + "%" if "replayed" in r else "-",
-          split(r["measured"]), split(r["replayed"]) if "replayed" in r else "-"] for r in rows])
+          split(r["measured"]), split(r["replayed"]) if "replayed" in r else "-",
+          "cached" if r["calibration_drift"] is None else f"beside (GEMM peak {100 * r['calibration_drift']:+.0f}% over the run)"]
+         for r in rows])
+
+
+VALIDATION_LOG = pm.ROOT / "experiments" / "results" / "perfmodel_validation.jsonl"  # appended, never overwritten
+
+
+def append_validation(rows: List[Dict]) -> None:
+    import datetime
+    import metrics
+    stamp = {"when": datetime.datetime.now().isoformat(timespec="seconds"), "git": metrics.git_commit(),
+             "cpu": machine.cpu_model()}
+    VALIDATION_LOG.parent.mkdir(parents=True, exist_ok=True)
+    with VALIDATION_LOG.open("a") as f:
+        for row in rows:
+            f.write(json.dumps({**stamp, **row}) + "\n")
 
 
 def error_summary(rows: List[Dict], key: str) -> str:
@@ -485,10 +565,13 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
                   + (" (paper beside)" if key and not overrides else "") + "\n")
             print(scaling_table(results, None if overrides else key))
     elif command == "530b":
+        if "--rehearse" in flags:
+            rehearse_530b(overrides=overrides)
         for setting, results in predict_530b(overrides=overrides).items():
             print(f"\n530B (TP8 PP35 vpp3, seq 2048, batch = GPUs), {setting} settings, predicted\n")
             print(scaling_table([({"gpus": g, "batch": g}, p) for g, p in results], per_batch=False))
-            print("memory per GPU: " + ", ".join(f"{p.memory.total:.1f} GiB" for _, p in results))
+            print("memory per GPU: " + ", ".join(f"{p.memory.total:.1f} GiB ({'rehearsed' if p.memory.source == 'rehearsal' else 'modelled'})"
+                                                 for _, p in results))
     elif command == "plan":
         cfg = compose(overrides + (["hardware=a100_cluster"] if not any(o.startswith("hardware=") for o in overrides) else []))
         gpus, batch = int(own.get("gpus", 256)), int(own.get("batch", cfg.train.batch_size))
@@ -508,6 +591,8 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
             print("\n" + validation_table(rows))
             print(f"\n{len(rows)} runs. Analytical: {error_summary(rows, 'error')}. "
                   f"Replayed: {error_summary(rows, 'replay_error')}.")
+            append_validation(rows)
+            print(f"appended to {VALIDATION_LOG.relative_to(pm.ROOT)}")
             figure = next((f.split("=", 1)[1] for f in flags if f.startswith("--figure=")), None)
             if figure:
                 validation_figure(rows, figure)

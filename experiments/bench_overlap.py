@@ -27,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import machine  # noqa: E402
 RESULTS = ROOT / "experiments" / "results" / "bench_overlap.jsonl"
 COMMON = ["model=tiny", "train.batch_size=16", "train.seq_len=256", "precision=fp32", "logging.wandb.mode=disabled",
           "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0", "resume=none"]
@@ -57,7 +60,9 @@ def run(case: str, label: str, steps: int, loopback: bool, workdir: Path) -> dic
     cmd = [sys.executable, "experiments/emucluster.py", "--hosts", "1" if loopback else "2", *fabric, "--timeout", "900",
            "--", "train.py", *COMMON, *hardware(rate, loopback), *layout, *variants[label], f"train.max_steps={steps}",
            f"hydra.run.dir={run_dir}"]
+    machine.calibrate_beside(run_dir, "before")  # the machine's speed drifts: validate prices the run on these
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    machine.calibrate_beside(run_dir, "after")
     row = {"case": case, "overlap": label, "fabric": "loopback" if loopback else f"2 hosts, {rate} links",
            "steps": steps, "when": datetime.datetime.now().isoformat(timespec="seconds")}
     if proc.returncode != 0:

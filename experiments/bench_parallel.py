@@ -17,6 +17,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import machine  # noqa: E402
 LAYOUTS = {
     "single (1 rank)": (1, []),
     "dp2 zero0": (2, ["parallel.zero_stage=0"]),
@@ -36,7 +39,9 @@ def run(name: str, ranks: int, overrides: list, steps: int, extra: list, workdir
     cmd = launcher + overrides + [f"train.max_steps={steps}", "logging.wandb.mode=disabled", "logging.progress=false",
                                   "train.eval_interval=0", "resume=none", f"hydra.run.dir={run_dir}"] + extra
     env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    machine.calibrate_beside(run_dir, "before")  # the machine's speed drifts: validate prices the run on these
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    machine.calibrate_beside(run_dir, "after")
     if proc.returncode != 0:
         return {"name": name, "error": proc.stderr.strip().splitlines()[-1][:120]}
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()][3:]
