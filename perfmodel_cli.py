@@ -466,26 +466,27 @@ def error_summary(rows: List[Dict], key: str) -> str:
 
 
 def validation_figure(rows: List[Dict], path: str) -> None:
-    """Predicted against measured step time, both models, with y = x and the ±10% band."""
+    """Predicted against measured step time, both models, on log axes, with y = x and the ±10%
+    band; runs outside ±20% are named."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5, 5))
-    measured = [r["measured_s"] for r in rows]
-    top = 1.15 * max(measured + [r["predicted_s"] for r in rows] + [r["replayed"]["step_s"] for r in rows if "replayed" in r])
-    line = [0, top]
-    ax.plot(line, line, color="black", lw=1, label="y = x")
-    ax.fill_between(line, [0.9 * x for x in line], [1.1 * x for x in line], color="grey", alpha=0.2, label="±10%")
-    ax.scatter(measured, [r["predicted_s"] for r in rows], marker="o", label="analytical (perfmodel)")
+    fig, ax = plt.subplots(figsize=(6, 6))
     replayed = [r for r in rows if "replayed" in r]
-    if replayed:
-        ax.scatter([r["measured_s"] for r in replayed], [r["replayed"]["step_s"] for r in replayed], marker="x",
-                   label="replayed rehearsal (replay.py)")
-    for r in rows:
-        ax.annotate(r["label"], (r["measured_s"], r.get("replayed", {}).get("step_s", r["predicted_s"])), fontsize=6)
-    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured step (s)", ylabel="predicted step (s)",
-           title="perfmodel.py validate")
-    ax.legend(fontsize=7)
+    values = [r["measured_s"] for r in rows] + [r["predicted_s"] for r in rows] + [r["replayed"]["step_s"] for r in replayed]
+    line = [0.8 * min(values), 1.25 * max(values)]
+    ax.plot(line, line, color="black", lw=1, label="y = x")
+    ax.fill_between(line, [0.9 * x for x in line], [1.1 * x for x in line], color="grey", alpha=0.25, label="±10%")
+    ax.scatter([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows], marker="o", s=18,
+               label="analytical (perfmodel.py)")
+    ax.scatter([r["measured_s"] for r in replayed], [r["replayed"]["step_s"] for r in replayed], marker="x", s=22,
+               label="replayed rehearsal (replay.py)")
+    for r in replayed:
+        if abs(r["replay_error"]) > 0.2:
+            ax.annotate(r["label"], (r["measured_s"], r["replayed"]["step_s"]), fontsize=5, alpha=0.7)
+    ax.set(xscale="log", yscale="log", xlim=line, ylim=line, xlabel="measured step (s)", ylabel="predicted step (s)",
+           title=f"perfmodel.py validate: {len(rows)} runs (named: replayed error > 20%)")
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=150)
 
