@@ -191,9 +191,10 @@ def rehearse_530b(gpu_counts: Sequence[int] = (2240,), overrides: Sequence[str] 
             missing = [r for r in (stages[0], stages[-1]) if r not in rehearsal.remembered(cfg, g)]
             with tempfile.TemporaryDirectory() as out:
                 records = [rehearsal.rehearse_rank(cfg, r, g, Path(out)) for r in missing]
-            crashed = [f"rank {rec['rank']}: {rec['crash']}" for rec in records if rec.get("crash")]
-            if crashed:
-                raise RuntimeError(f"the 530B rehearsal at {g} GPUs crashed: {crashed[0]}")
+            broken = [f"rank {rec['rank']}: {rec.get('crash') or rec['violations'][0]}" for rec in records
+                      if rec.get("crash") or rec["violations"]]
+            if broken:
+                raise RuntimeError(f"the 530B rehearsal at {g} GPUs failed: {broken[0]}")
             rehearsal.remember(cfg, g, records)
 
 

@@ -76,6 +76,9 @@ class _Rank:
 
 
 class Replay:
+    """The rehearsed ranks' programs run together on rates r and network net (the module's rules);
+    run() replays every event, step(k) reads off step k."""
+
     def __init__(self, records: List[dict], r: pm.Rates, net: pm.Network, slowdown: float):
         self.ranks = {rec["rank"]: _Rank(rec) for rec in records}
         self.r, self.net, self.slowdown = r, net, slowdown
