@@ -10,8 +10,7 @@ Each rank writes rehearsal.json (rehearse.out, default the run dir):
 - every collective and send/receive in program order (op, mesh dimension, peer, bytes, dtype,
   device, call site), with the waits: what nccl_rules.py replays;
 - FLOPs by op class (GEMM, attention, elementwise), per step and per microbatch, and on each
-  event the work since the one before (GEMM shapes, attention FLOPs, other kernels' bytes), the
-  workload replay.py prices;
+  event the work since the one before (ledgers.Segment), the workload replay.py prices;
 - peak memory split into weights, gradients, optimizer state, activations and communication
   buffers, and the moment of the peak;
 - the pipeline's order of chunk forwards and backwards; the checkpoint's bytes.
