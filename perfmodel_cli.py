@@ -180,7 +180,7 @@ def predict_530b(gpu_counts: Sequence[int] = (2240, 4480, 11200), overrides: Seq
 def rehearse_530b(gpu_counts: Sequence[int] = (2240,), overrides: Sequence[str] = ()) -> None:
     """Rehearses the first and the last pipeline stage (one rank each, the fullest under 1F1B and
     the one with the head) of each 530B setting at each GPU count, unless remembered: then
-    predict_530b's memory is the rehearsal's. ~2 minutes and ~2 GiB of host memory a rank."""
+    predict_530b's memory is the rehearsal's. ~3 minutes a rank here (2 cores), 4 ranks in all."""
     import rehearsal
     import tempfile
     for base in settings_530b(gpu_counts[0], overrides).values():
