@@ -155,14 +155,13 @@ def calibrate_beside(run_dir: Path, when: str) -> None:
     atomic_write(path, json.dumps({"key": local_measurements_key(), **known}, indent=1))
 
 
-def calibration_beside(run_dir: Path) -> Optional[Dict[str, float]]:
-    """The mean of the measurements before and after the run (its own dir's, else its sweep's), or None."""
+def calibration_beside(run_dir: Path) -> Optional[Dict[str, Dict[str, float]]]:
+    """{before, after: measurements} around the run (its own dir's, else its sweep's), or None."""
     for folder in (run_dir, run_dir.parent):
         path = folder / CALIBRATION
         if path.exists():
             known = json.loads(path.read_text())
-            taken = [known[w] for w in ("before", "after") if w in known]
-            return {k: sum(m[k] for m in taken) / len(taken) for k in taken[0]} if taken else None
+            return {w: known[w] for w in ("before", "after") if w in known} or None
     return None
 
 

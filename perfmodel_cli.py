@@ -372,16 +372,16 @@ def measured_beside(hw: config.HardwareConfig, run: Path) -> Tuple[config.Hardwa
     """hw with this machine's numbers as measured beside the run (machine.calibrate_beside: before
     and after it, averaged) where it has them, else as cached; and how far the fp32 GEMM peak
     moved from before to after (None: no calibration beside)."""
-    found = machine.calibration_beside(run)
-    if found is None:
+    taken = machine.calibration_beside(run)
+    if taken is None:
         return hw, None
     hw = copy.copy(hw)
     for key in pm.MEASURED + pm.MEASURED_FP32:
-        if getattr(hw, key) is None and key in found:
-            setattr(hw, key, found[key])
-    known = json.loads(next(p for p in (run / machine.CALIBRATION, run.parent / machine.CALIBRATION) if p.exists()).read_text())
-    drift = known["after"]["peak_tflops_fp32"] / known["before"]["peak_tflops_fp32"] - 1 if "after" in known and "before" in known else 0.0
-    return hw, drift
+        values = [m[key] for m in taken.values() if key in m]
+        if getattr(hw, key) is None and values:
+            setattr(hw, key, sum(values) / len(values))
+    peak = {when: m["peak_tflops_fp32"] for when, m in taken.items()}
+    return hw, peak["after"] / peak["before"] - 1 if len(peak) == 2 else 0.0
 
 
 EMULATED = "hardware=emulated_2x2_250mbit"  # this machine as an emulated cluster; shape and rate are overrides
@@ -393,9 +393,9 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
     each run holds Hydra's .hydra/config.yaml and metrics.jsonl (one JSON object per step, with a
     step time under one of STEP_TIME_KEYS), and its world size in run.json (train.py's record) or
     in the metrics (else the config's layout). The first fifth of the
-    steps is skipped (warm-up, compilation). A run on the emulated cluster is priced on the
-    hardware its config names (conf/hardware/emulated_*, as bench_overlap.py passes it), the
-    others on `hardware`. With `replayed`, each run is also rehearsed (once: <run>/rehearsal/)
+    steps is skipped (warm-up, compilation). A run on the emulated cluster is priced on that
+    cluster (fabric_hardware), the others on `hardware`; either with this machine as measured
+    beside the run where it was (measured_beside). With `replayed`, each run is also rehearsed (once: <run>/rehearsal/)
     and its program replayed (replay.py). Returns [{run, label, measured_s, predicted_s, error,
     measured: {comm_s, bubble_s, compute_s}, replayed: {step_s, ...}, replay_error}]."""
     from omegaconf import OmegaConf
@@ -413,16 +413,17 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
             raise ValueError(f"{run}/metrics.jsonl has none of {STEP_TIME_KEYS}")
         times = [l[key] for l in lines if key in l]
         measured = statistics.median(times[len(times) // 5:])
+        steady = lines[len(lines) // 5:]
         world = gpus or record.get("world_size") or next((l["world_size"] for l in lines if "world_size" in l), None)
-        predicted = pm.predict(cfg, world).step_s
+        resolved = pm.resolve_hardware(cfg.hardware)
+        predicted = pm.predict(cfg, world, resolved).step_s
         label = cfg.study.label if cfg.study.name else run.name
         row = {"run": str(run), "label": label, "measured_s": measured, "predicted_s": predicted,
                "error": predicted / measured - 1, "calibration_drift": drift,
-               "measured": {k: statistics.median(l[key] for l in lines[len(lines) // 5:] if key in l)
-                            for k, key in MEASURED_TERMS.items() if any(key in l for l in lines[len(lines) // 5:])}}
+               "measured": {term: statistics.median(l[logged] for l in steady if logged in l)
+                            for term, logged in MEASURED_TERMS.items() if any(logged in l for l in steady)}}
         if replayed:  # the code's own program: its rehearsal (kept in the run dir), replayed
             world = world or cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1)
-            resolved = pm.resolve_hardware(cfg.hardware)
             records = replay.rehearse(cfg, resolved, world, run / "rehearsal")
             row["replayed"] = replay.predict(records, cfg, resolved, world)
             row["replay_error"] = row["replayed"]["step_s"] / measured - 1

@@ -53,16 +53,18 @@ def hardware(rate: str, loopback: bool) -> list:
     return ["hardware=emulated_2x2_250mbit", "hardware.devices_per_host=1", f"hardware.inter_host_Gbps={gbit:g}"]
 
 
-def run(case: str, label: str, steps: int, loopback: bool, workdir: Path) -> dict:
+def run(case: str, label: str, steps: int, loopback: bool, workdir: Path, keep: bool = False) -> dict:
     rate, layout, variants = CASES[case]
     run_dir = workdir / f"{case}_{label}{'_loopback' if loopback else ''}"
     fabric = ["--loopback", "--ranks-per-host", "2"] if loopback else ["--ranks-per-host", "1", "--bandwidth", rate]
     cmd = [sys.executable, "experiments/emucluster.py", "--hosts", "1" if loopback else "2", *fabric, "--timeout", "900",
            "--", "train.py", *COMMON, *hardware(rate, loopback), *layout, *variants[label], f"train.max_steps={steps}",
            f"hydra.run.dir={run_dir}"]
-    machine.calibrate_beside(run_dir, "before")  # the machine's speed drifts: validate prices the run on these
+    if keep:  # kept for perfmodel.py validate, which prices it on this machine as measured around it (~20 s)
+        machine.calibrate_beside(run_dir, "before")
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
-    machine.calibrate_beside(run_dir, "after")
+    if keep:
+        machine.calibrate_beside(run_dir, "after")
     row = {"case": case, "overlap": label, "fabric": "loopback" if loopback else f"2 hosts, {rate} links",
            "steps": steps, "when": datetime.datetime.now().isoformat(timespec="seconds")}
     if proc.returncode != 0:
@@ -102,7 +104,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.only:
             for label in CASES[case][2]:
-                results.append(run(case, label, args.steps, args.loopback, args.keep or Path(tmp)))
+                results.append(run(case, label, args.steps, args.loopback, args.keep or Path(tmp), args.keep is not None))
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
                 with RESULTS.open("a") as f:
                     f.write(json.dumps(results[-1]) + "\n")

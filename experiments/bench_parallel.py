@@ -32,16 +32,18 @@ LAYOUTS = {
 }
 
 
-def run(name: str, ranks: int, overrides: list, steps: int, extra: list, workdir: Path) -> dict:
+def run(name: str, ranks: int, overrides: list, steps: int, extra: list, workdir: Path, keep: bool = False) -> dict:
     run_dir = workdir / name.replace(" ", "_").replace("(", "").replace(")", "")
     launcher = [sys.executable, "train.py"] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py"]
     cmd = launcher + overrides + [f"train.max_steps={steps}", "logging.wandb.mode=disabled", "logging.progress=false",
                                   "train.eval_interval=0", "resume=none", f"hydra.run.dir={run_dir}"] + extra
     env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
-    machine.calibrate_beside(run_dir, "before")  # the machine's speed drifts: validate prices the run on these
+    if keep:  # kept for perfmodel.py validate, which prices it on this machine as measured around it (~20 s)
+        machine.calibrate_beside(run_dir, "before")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    machine.calibrate_beside(run_dir, "after")
+    if keep:
+        machine.calibrate_beside(run_dir, "after")
     if proc.returncode != 0:
         return {"name": name, "error": proc.stderr.strip().splitlines()[-1][:120]}
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()][3:]
@@ -61,7 +63,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.layouts:
             ranks, overrides = LAYOUTS[name]
-            results.append(run(name, ranks, overrides, args.steps, args.overrides, args.keep or Path(tmp)))
+            results.append(run(name, ranks, overrides, args.steps, args.overrides, args.keep or Path(tmp),
+                               args.keep is not None))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     base = next((r for r in results if "step_time" in r), None)
     print("| layout | ranks | step time (s) | tokens/s | vs single | final loss |")
