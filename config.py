@@ -74,6 +74,10 @@ class HardwareConfig:
     gemm_half_dim_fp32: Optional[float] = None
     gemm_efficiency_fp32: Optional[float] = None
     flash_efficiency_fp32: Optional[float] = None
+    # A GEMM's speed by shape ("MxNxK" of [M,K] @ [K,N], the run's dtype) as a fraction of peak,
+    # where it was measured (machine.gemm_shape_efficiency, for the shapes a rehearsal records);
+    # a shape not listed takes the half-dim model above.
+    gemm_shapes: Dict[str, float] = field(default_factory=dict)
     memory_efficiency: float = 0.8            # fraction of memory_GBps a streaming kernel reaches
     intra_host_efficiency: float = 0.75       # collective bus bandwidth / link rate inside a host
     inter_host_efficiency: Optional[float] = None  # the same for large collectives across hosts

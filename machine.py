@@ -234,6 +234,55 @@ def _shape_and_attention(gemm_rate, peak: float, dtype: torch.dtype) -> Dict[str
             "flash_efficiency": attn_flops / attn_s / peak}
 
 
+def gemm_shape_efficiency(shapes, dtype: torch.dtype, threads: int) -> Dict[str, float]:
+    """{"MxNxK": FLOP rate of [M,K] @ [K,N] / that of the 2048^3 GEMM}, at `threads` threads in
+    `dtype`, for perfmodel's gemm_time (hardware.gemm_shapes). The half-dim model, fitted on one
+    skinny GEMM, reads a training step's shapes ~25% fast on this EPYC; the shapes a rehearsal
+    records are few, so each is measured once and cached per CPU, torch, dtype and thread count.
+    A step runs a shape in one of three layouts (forward x @ W^T, input gradient g @ W, weight
+    gradient g^T @ x) that the rehearsal does not tell apart: a shape's time is their mean. Each
+    shape is timed right after the 2048^3 GEMM (medians of 5), so the ratio holds while this
+    shared machine's speed drifts."""
+    key = {"torch": torch.__version__, "cpu": cpu_model(), "dtype": str(dtype), "threads": threads}
+    path = cache_dir() / "gemm_shapes.json"
+    tables = json.loads(path.read_text()) if path.exists() else []
+    table = next((t["efficiency"] for t in tables if t["key"] == key), None)
+    if table is None:
+        table = {}
+        tables.append({"key": key, "efficiency": table})
+    wanted = [(round(M), round(N), round(K)) for M, N, K in shapes]
+    missing = sorted({s for s in wanted if f"{s[0]}x{s[1]}x{s[2]}" not in table})
+    if missing:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for M, N, K in missing:
+                table[f"{M}x{N}x{K}"] = _shape_vs_peak(M, N, K, dtype)
+        finally:
+            torch.set_num_threads(before)
+        atomic_write(path, json.dumps(tables, indent=1))
+    return {f"{M}x{N}x{K}": table[f"{M}x{N}x{K}"] for M, N, K in wanted}
+
+
+def _shape_vs_peak(M: int, N: int, K: int, dtype: torch.dtype) -> float:
+    def median_time(fn, repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[repeats // 2]
+
+    big = [torch.randn(2048, 2048, dtype=dtype) for _ in range(2)]
+    x, w, xt = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype), torch.randn(K, M, dtype=dtype)
+    wt = w.t().contiguous()
+    layouts = (lambda: F.linear(x, w), lambda: x @ wt, lambda: xt.t() @ wt)
+    peak = 2 * 2048 ** 3 / median_time(lambda: F.linear(*big))
+    shape_s = sum(median_time(fn) for fn in layouts) / len(layouts)
+    return 2 * M * N * K / shape_s / peak
+
+
 def measure_gloo_GBps(nbytes: int = 2 ** 24) -> float:
     """All-reduce bus bandwidth between two local gloo processes of one thread each."""
     import torch.multiprocessing as mp

@@ -49,7 +49,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -146,6 +146,7 @@ class Rates:
     mem: float              # achieved bytes/s of a streaming kernel
     op: float               # fixed seconds per op
     additive: bool          # CPU: the fixed cost adds to the work; GPU: launches overlap execution
+    gemm_shapes: Dict[str, float] = field(default_factory=dict)  # measured fraction of peak by "MxNxK"
 
     @classmethod
     def of(cls, hw: HardwareConfig, precision: str, ranks: int) -> "Rates":
@@ -157,7 +158,7 @@ class Rates:
                                          ("gemm_efficiency", "gemm_half_dim", "flash_efficiency"))
         return cls(peak * 1e12 / share, gemm_eff, half_dim, flash_eff,
                    hw.memory_GBps * 1e9 * hw.memory_efficiency / share, hw.op_overhead_us * 1e-6,
-                   hw.device == "cpu")
+                   hw.device == "cpu", dict(hw.gemm_shapes or {}))
 
 
 def _of_dtype(hw: HardwareConfig, key: str, precision: str) -> float:
@@ -174,11 +175,18 @@ def _kernel(r: Rates, seconds: float, ops: float = 1) -> float:
 
 def gemm_time(r: Rates, M: float, N: float, K: float, count: int = 1, elem: int = 2) -> float:
     """[M,K] @ [K,N], `count` times in one kernel: a roofline whose compute side loses speed on small
-    dims (tile and wave quantization, modelled as d / (d + half_dim) per dim)."""
+    dims (tile and wave quantization, modelled as d / (d + half_dim) per dim), or runs at the
+    fraction of peak measured for this shape where r has one."""
+    measured = r.gemm_shapes.get(gemm_key(M, N, K)) if count == 1 and r.gemm_shapes else None
     shape = M / (M + r.half_dim) * N / (N + r.half_dim) * K / (K + r.half_dim)
-    compute = 2 * M * N * K * count / (r.flops * r.gemm_eff * shape)
+    efficiency = measured if measured is not None else r.gemm_eff * shape
+    compute = 2 * M * N * K * count / (r.flops * efficiency)
     memory = elem * (M * K + K * N + M * N) * count / r.mem
     return _kernel(r, max(compute, memory))
+
+
+def gemm_key(M: float, N: float, K: float) -> str:
+    return f"{round(M)}x{round(N)}x{round(K)}"
 
 
 def stream_time(r: Rates, nbytes: float, ops: float = 1) -> float:

@@ -22,6 +22,7 @@ import copy
 import csv
 import functools
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -416,19 +417,35 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
         steady = lines[len(lines) // 5:]
         world = gpus or record.get("world_size") or next((l["world_size"] for l in lines if "world_size" in l), None)
         resolved = pm.resolve_hardware(cfg.hardware)
+        ranks = world or cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1)
+        records = replay.rehearse(cfg, resolved, ranks, run / "rehearsal") if replayed else None
+        if records and resolved.device == "cpu":  # both models price its GEMMs at their measured speed
+            resolved.gemm_shapes = measured_gemm_shapes(records, ranks)
         predicted = pm.predict(cfg, world, resolved).step_s
         label = cfg.study.label if cfg.study.name else run.name
         row = {"run": str(run), "label": label, "measured_s": measured, "predicted_s": predicted,
                "error": predicted / measured - 1, "calibration_drift": drift,
                "measured": {term: statistics.median(l[logged] for l in steady if logged in l)
                             for term, logged in MEASURED_TERMS.items() if any(logged in l for l in steady)}}
-        if replayed:  # the code's own program: its rehearsal (kept in the run dir), replayed
-            world = world or cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1)
-            records = replay.rehearse(cfg, resolved, world, run / "rehearsal")
-            row["replayed"] = replay.predict(records, cfg, resolved, world)
+        if records:  # the code's own program: its rehearsal (kept in the run dir), replayed
+            row["replayed"] = replay.predict(records, cfg, resolved, ranks)
             row["replay_error"] = row["replayed"]["step_s"] / measured - 1
         out.append(row)
     return out
+
+
+def measured_gemm_shapes(records: List[dict], world: int) -> Dict[str, float]:
+    """The GEMM shapes of a run's rehearsal, each measured on this CPU as the run's ranks run it
+    (machine.gemm_shape_efficiency): one thread a rank when ranks share the machine (torchrun's
+    and emucluster's OMP_NUM_THREADS=1), all of them for one process."""
+    import torch
+    shapes = {(M, N, K, e) for rec in records for ev in rec["comm"] for M, N, K, e, _ in ev["work"].get("gemm", ())}
+    table = {}
+    for elem in {e for *_, e in shapes}:
+        dtype = {4: torch.float32, 2: torch.bfloat16}[elem]
+        threads = 1 if world > 1 else (os.cpu_count() or 1)
+        table.update(machine.gemm_shape_efficiency([s[:3] for s in shapes if s[3] == elem], dtype, threads))
+    return table
 
 
 MEASURED_TERMS = {"comm_s": "exposed_comm_s", "bubble_s": "bubble_s", "compute_s": "compute_s"}  # train.py's keys

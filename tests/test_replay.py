@@ -4,12 +4,15 @@ excess, one group's collectives run in order, a receive waits for its send), and
 code's rehearsals, that its workload is the analytical model's where both price the same physics
 (GEMMs, attention, DP's gradient traffic, the pipeline), and where they part."""
 import copy
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import config
+import machine
 import perfmodel as pm
 import rehearsal
 import replay
@@ -159,6 +162,35 @@ def test_the_replayed_gemms_and_attention_are_the_analytical_ones(rehearsed, nam
     attention = sum(replay.compute_time({"attention": w["attention"], "attention_ops": w["attention_ops"]}, r) for w in work)
     assert gemm == pytest.approx(analytical.breakdown["gemm"], rel=0.01)
     assert attention == pytest.approx(analytical.breakdown["attention"], rel=0.01)
+
+
+def test_a_measured_gemm_shape_runs_at_its_measured_speed_in_both_models(rehearsed):
+    """hardware.gemm_shapes (machine.gemm_shape_efficiency, measured for a rehearsal's shapes) prices
+    a listed shape at its own fraction of peak, an unlisted one by the half-dim model; and the
+    analytical model asks for the shapes the rehearsal recorded, so one table serves both."""
+    r = dataclasses.replace(RATES, mem=1e18, gemm_shapes={"64x32x16": 0.25})  # compute-bound
+    assert pm.gemm_time(r, 64, 32, 16, 1, 4) == pytest.approx(2 * 64 * 32 * 16 / 0.25e12)
+    assert pm.gemm_time(r, 64, 32, 8, 1, 4) == pytest.approx(2 * 64 * 32 * 8 / 1e12)
+    assert replay.compute_time({"gemm": [[64, 32, 16, 4, 3]]}, r) == pytest.approx(3 * 2 * 64 * 32 * 16 / 0.25e12)
+    cfg, world, records = rehearsed["tp_off"]
+    hw = two_hosts_of_one_rank()
+    shapes = {pm.gemm_key(M, N, K) for ev in step_events(records[0]) for M, N, K, _, _ in ev["work"]["gemm"]}
+    hw.gemm_shapes = {key: 0.1 + 0.05 * (i % 7) for i, key in enumerate(sorted(shapes))}  # uneven on purpose
+    r = pm.Rates.of(hw, "fp32", world)
+    gemm = sum(replay.compute_time({"gemm": ev["work"]["gemm"]}, r) for ev in step_events(records[0]))
+    assert gemm == pytest.approx(pm.predict(cfg, world, hw).breakdown["gemm"], rel=0.01)
+    assert gemm > 1.5 * sum(replay.compute_time({"gemm": ev["work"]["gemm"]}, pm.Rates.of(two_hosts_of_one_rank(), "fp32", world))
+                            for ev in step_events(records[0]))  # the table, not the model, priced them
+
+
+def test_gemm_shapes_are_measured_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
+    threads = torch.get_num_threads()
+    table = machine.gemm_shape_efficiency([(256, 64, 64), (64, 256, 64)], torch.float32, 1)
+    assert set(table) == {"256x64x64", "64x256x64"} and all(0 < v < 2 for v in table.values())
+    monkeypatch.setattr(machine, "_shape_vs_peak", lambda *a: pytest.fail("measured a cached shape again"))
+    assert machine.gemm_shape_efficiency([(256, 64, 64)], torch.float32, 1) == {"256x64x64": table["256x64x64"]}
+    assert torch.get_num_threads() == threads  # measured at 1 thread, and the process's own count put back
 
 
 def test_dp_without_overlap_shows_the_analytical_gradient_traffic_and_with_it_hides_most(rehearsed):
