@@ -117,7 +117,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 # --- hardware=cpu_local: perfmodel's description of this machine ---
 
-LOCAL_MEASUREMENTS_VERSION = 2  # 2: the shape effect and attention's rate per dtype (the *_fp32 keys)
+LOCAL_MEASUREMENTS_VERSION = 3  # 2: the shape effect and attention's rate per dtype (the *_fp32 keys); 3: medians
 
 
 def local_measurements_key() -> Dict[str, object]:
@@ -165,16 +165,17 @@ def calibration_beside(run_dir: Path) -> Optional[Dict[str, Dict[str, float]]]:
     return None
 
 
-def best_time(fn, repeats: int = 5) -> float:
-    """The fastest of a few runs after a warm-up: on a shared machine the minimum is the closest to
-    what the hardware does unloaded (timeit's rule); the median measures the neighbours too."""
+def typical_time(fn, repeats: int = 5) -> float:
+    """The median of a few runs after a warm-up. The runs a calibration prices are timed by their
+    median step on this shared machine, neighbours and all; the fastest of a few (timeit's rule)
+    read it 4-11% faster than the median, and priced every run that much too fast."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return sorted(times)[repeats // 2]
 
 
 def measure_local_hardware() -> Dict[str, float]:
@@ -185,7 +186,7 @@ def measure_local_hardware() -> Dict[str, float]:
     bf16 (AVX2 only), a bare bf16 `a @ b` falls back to a path ~10x slower."""
     def gemm_rate(M, N, K, dtype):
         a, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
-        return 2 * M * N * K / best_time(lambda: F.linear(a, w), 3)
+        return 2 * M * N * K / typical_time(lambda: F.linear(a, w))
 
     peaks = {dtype: gemm_rate(2048, 2048, 2048, dtype) for dtype in (torch.bfloat16, torch.float32)}
     # The shape effect and attention's rate differ by dtype (AMX or AVX512-BF16 run bf16 GEMMs on
@@ -197,7 +198,7 @@ def measure_local_hardware() -> Dict[str, float]:
     bf16 = shape.get(torch.bfloat16, shape[torch.float32])
     x = torch.empty(2 ** 26)
     y = torch.empty_like(x)
-    bandwidth = 2 * x.numel() * 4 / best_time(lambda: y.copy_(x))
+    bandwidth = 2 * x.numel() * 4 / typical_time(lambda: y.copy_(x))
 
     leaf = torch.ones(16, requires_grad=True)
 
@@ -206,7 +207,7 @@ def measure_local_hardware() -> Dict[str, float]:
         for _ in range(200):
             z = z * 1.0001
         z.sum().backward()
-    op_us = best_time(chain) / 400 * 1e6  # 200 forward ops and their 200 backward nodes
+    op_us = typical_time(chain) / 400 * 1e6  # 200 forward ops and their 200 backward nodes
 
     gloo = measure_gloo_GBps()
     ranks = 2  # cpu_local's devices_per_host: the measured host is shared by its ranks
@@ -228,7 +229,7 @@ def _shape_and_attention(gemm_rate, peak: float, dtype: torch.dtype) -> Dict[str
         lo, hi = (mid, hi) if 64 / (64 + mid) * (2048 + mid) / 2048 > skinny else (lo, mid)
     half = (lo + hi) / 2
     q, k, v = (torch.randn(8, 8, 512, 64, dtype=dtype, requires_grad=True) for _ in range(3))
-    attn_s = best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3)
+    attn_s = typical_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3)
     attn_flops = 3.5 * 4 * 8 * 8 * 512 * (512 + 1) / 2 * 64  # fwd + bwd, (T+1)/2 keys per causal query
     return {"gemm_half_dim": half, "gemm_efficiency": 1 / (2048 / (2048 + half)) ** 3,
             "flash_efficiency": attn_flops / attn_s / peak}
@@ -265,21 +266,12 @@ def gemm_shape_efficiency(shapes, dtype: torch.dtype, threads: int) -> Dict[str,
 
 
 def _shape_vs_peak(M: int, N: int, K: int, dtype: torch.dtype) -> float:
-    def median_time(fn, repeats: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[repeats // 2]
-
     big = [torch.randn(2048, 2048, dtype=dtype) for _ in range(2)]
     x, w, xt = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype), torch.randn(K, M, dtype=dtype)
     wt = w.t().contiguous()
     layouts = (lambda: F.linear(x, w), lambda: x @ wt, lambda: xt.t() @ wt)
-    peak = 2 * 2048 ** 3 / median_time(lambda: F.linear(*big))
-    shape_s = sum(median_time(fn) for fn in layouts) / len(layouts)
+    peak = 2 * 2048 ** 3 / typical_time(lambda: F.linear(*big))
+    shape_s = sum(typical_time(fn) for fn in layouts) / len(layouts)
     return 2 * M * N * K / shape_s / peak
 
 
@@ -303,7 +295,7 @@ def _gloo_worker(rank: int, port: int, nbytes: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     buf = torch.ones(nbytes // 4)
-    seconds = best_time(lambda: dist.all_reduce(buf))
+    seconds = typical_time(lambda: dist.all_reduce(buf))
     if rank == 0:
         queue.put(seconds)
     dist.destroy_process_group()
