@@ -286,7 +286,7 @@ def breakdown_table(pred) -> str:
 # --- Validation against this machine ---
 
 def measure_tiny_step(batch: int = 16, seq: int = 256, repeats: int = 5, precision: str = "bf16") -> Dict[str, float]:
-    """Seconds (best of `repeats`, like the hardware numbers) of the tiny model's forward+backward,
+    """Seconds (median of `repeats`, like the hardware numbers) of the tiny model's forward+backward,
     and of a whole step with AdamW, in `precision` (bf16: autocast) on this CPU: what cpu_local
     should predict."""
     import torch
