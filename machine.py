@@ -19,6 +19,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from queue import Empty
 from typing import Dict, Optional
 
 import torch
@@ -279,12 +280,21 @@ def measure_gloo_GBps(nbytes: int = 2 ** 24) -> float:
     """All-reduce bus bandwidth between two local gloo processes of one thread each."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = 29000 + os.getpid() % 1000
     procs = [ctx.Process(target=_gloo_worker, args=(rank, port, nbytes, queue)) for rank in range(2)]
     for p in procs:
         p.start()
-    seconds = queue.get()
+    seconds = None
+    while seconds is None:  # a worker that dies (a busy port, a main module without a __main__ guard) ends the wait
+        try:
+            seconds = queue.get(timeout=1.0)
+        except Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"measure_gloo_GBps: a gloo worker exited with code {dead[0]}")
     for p in procs:
         p.join()
     return nbytes / seconds / 1e9  # ring all-reduce on 2 ranks moves 2*(n-1)/n = 1 buffer per rank
