@@ -78,7 +78,7 @@ class HardwareConfig:
     # where it was measured (machine.gemm_shape_efficiency, for the shapes a rehearsal records);
     # a shape not listed takes the half-dim model above.
     gemm_shapes: Dict[str, float] = field(default_factory=dict)
-    memory_efficiency: float = 0.8            # fraction of memory_GBps a streaming kernel reaches
+    memory_efficiency: Optional[float] = 0.8  # fraction of memory_GBps a streaming kernel reaches (None: measured)
     intra_host_efficiency: float = 0.75       # collective bus bandwidth / link rate inside a host
     inter_host_efficiency: Optional[float] = None  # the same for large collectives across hosts
     p2p_efficiency: Optional[float] = 0.8     # the same for pipeline point-to-point messages

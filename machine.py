@@ -118,7 +118,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 # --- hardware=cpu_local: perfmodel's description of this machine ---
 
-LOCAL_MEASUREMENTS_VERSION = 3  # 2: the shape effect and attention's rate per dtype (the *_fp32 keys); 3: medians
+LOCAL_MEASUREMENTS_VERSION = 4  # 2: the shape effect and attention's rate per dtype (the *_fp32 keys); 3: medians; 4: memory_efficiency
 
 
 def local_measurements_key() -> Dict[str, object]:
@@ -210,13 +210,52 @@ def measure_local_hardware() -> Dict[str, float]:
         z.sum().backward()
     op_us = typical_time(chain) / 400 * 1e6  # 200 forward ops and their 200 backward nodes
 
+    stream_efficiency = _elementwise_efficiency(bandwidth)
     gloo = measure_gloo_GBps()
     ranks = 2  # cpu_local's devices_per_host: the measured host is shared by its ranks
     return {"peak_tflops": peaks[torch.bfloat16] / 1e12, "peak_tflops_fp32": peaks[torch.float32] / 1e12,
             **bf16, **{key + "_fp32": value for key, value in shape[torch.float32].items()},
-            "memory_GBps": bandwidth / 1e9, "op_overhead_us": op_us,
+            "memory_GBps": bandwidth / 1e9, "memory_efficiency": stream_efficiency, "op_overhead_us": op_us,
             "intra_host_GBps": gloo, "inter_host_Gbps": gloo * 8 * ranks,
             "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30 / ranks}
+
+
+def _elementwise_efficiency(copy_Bps: float) -> float:
+    """The fraction of the copy's bandwidth that a transformer step's memory-bound kernels reach:
+    perfmodel prices them as bytes / (bandwidth * efficiency). It is fitted on (d), as issue 18
+    allows: the tiny model's forward and backward in one process (8 x 256 tokens). The bytes are
+    what the rehearsal counts (ledgers.Segment: every tensor read and written by a kernel that is
+    neither a GEMM nor attention). The seconds are those kernels' own time in torch.profiler. On
+    this EPYC they reach about a third of the copy's bandwidth: GeLU's erf and the loss's exp are
+    compute, not bytes."""
+    import kernels
+    import model as gpt
+    from ledgers import FlopLedger
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    net = gpt.GPT(gpt.ModelConfig())
+    tokens = torch.randint(0, net.cfg.vocab_size, (8, 257))
+
+    def step():
+        kernels.cross_entropy(net(tokens[:, :-1]), tokens[:, 1:]).backward()
+        net.zero_grad()
+
+    step()
+    with FlopLedger() as ledger:
+        step()
+    nbytes = ledger.segment.take()["bytes"]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    seconds = _stream_kernel_seconds(prof) / 3
+    return min(1.0, max(0.05, nbytes / copy_Bps / max(seconds, 1e-9)))
+
+
+def _stream_kernel_seconds(prof) -> float:
+    """Self time of the aten kernels that are neither GEMMs nor attention (views take ~none)."""
+    gemms = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")
+               and e.key not in gemms and "scaled_dot_product" not in e.key and "flash" not in e.key) / 1e6
 
 
 def _shape_and_attention(gemm_rate, peak: float, dtype: torch.dtype) -> Dict[str, float]:

@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parent
 DATA_DIR = ROOT / "experiments" / "data"
 FIT_FILE = DATA_DIR / "perfmodel_fit.json"
 FITTED = ("gemm_efficiency", "inter_host_efficiency")
-MEASURED = ("peak_tflops", "peak_tflops_fp32", "memory_GBps", "op_overhead_us", "gemm_half_dim",
+MEASURED = ("peak_tflops", "peak_tflops_fp32", "memory_GBps", "memory_efficiency", "op_overhead_us", "gemm_half_dim",
             "gemm_efficiency", "flash_efficiency", "intra_host_GBps", "inter_host_Gbps", "memory_gib")
 # Measured on a CPU too; elsewhere None means the bf16 value (Rates.of).
 MEASURED_FP32 = ("gemm_half_dim_fp32", "gemm_efficiency_fp32", "flash_efficiency_fp32")

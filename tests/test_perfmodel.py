@@ -293,7 +293,7 @@ def test_cpu_ablation_and_scaling_predict_the_cpu_studies(tmp_path, monkeypatch,
     1, 2 and 4 ranks), on hardware=cpu_local (here from a cache file, not measured)."""
     monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
     measured = {"peak_tflops": 0.004, "peak_tflops_fp32": 0.08, "gemm_half_dim": 40.0, "gemm_efficiency": 1.0,
-                "memory_GBps": 8.0, "op_overhead_us": 6.0, "flash_efficiency": 0.9, "intra_host_GBps": 1.2,
+                "memory_GBps": 8.0, "memory_efficiency": 0.5, "op_overhead_us": 6.0, "flash_efficiency": 0.9, "intra_host_GBps": 1.2,
                 "inter_host_Gbps": 20.0, "memory_gib": 12.0}
     (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(), "measured": measured}))
     results = cli.ablation(scale="cpu")
@@ -355,7 +355,7 @@ def test_fitted_constants_are_the_optimum_of_the_megatron_column(megatron_175b):
 # --- Plan mode, cpu_local and measured runs ---
 
 CPU_MEASURED = {"peak_tflops": 0.8, "peak_tflops_fp32": 0.2, "gemm_half_dim": 16.0, "gemm_efficiency": 1.0,
-                "memory_GBps": 10.0, "op_overhead_us": 20.0, "flash_efficiency": 0.3, "intra_host_GBps": 1.0,
+                "memory_GBps": 10.0, "memory_efficiency": 0.4, "op_overhead_us": 20.0, "flash_efficiency": 0.3, "intra_host_GBps": 1.0,
                 "inter_host_Gbps": 16.0, "memory_gib": 8.0,
                 "gemm_half_dim_fp32": 64.0, "gemm_efficiency_fp32": 0.9, "flash_efficiency_fp32": 0.6}
 
@@ -416,8 +416,8 @@ def test_cpu_local_reads_its_cache_and_charges_every_op(tmp_path, monkeypatch, t
     hw = pm.resolve_hardware(cli.compose(["hardware=cpu_local"]).hardware)
     assert hw.peak_tflops == 0.8 and hw.op_overhead_us == 20.0 and hw.inter_host_efficiency == 1.0
     r = pm.Rates.of(hw, "bf16", 2)                      # two ranks share the host: half each
-    assert r.flops == pytest.approx(0.4e12) and r.mem == pytest.approx(5e9)
-    assert pm.stream_time(r, 5e9, ops=10) == pytest.approx(1.0 + 10 * 20e-6)   # CPU: fixed cost adds
+    assert r.flops == pytest.approx(0.4e12) and r.mem == pytest.approx(10e9 * 0.4 / 2)  # the measured fraction of the copy's
+    assert pm.stream_time(r, 2e9, ops=10) == pytest.approx(1.0 + 10 * 20e-6)   # CPU: fixed cost adds
     # fp32 runs take fp32's own shape profile and attention rate; bf16 runs the bf16 ones
     r32 = pm.Rates.of(hw, "fp32", 1)
     assert (r32.flops, r32.half_dim, r32.gemm_eff, r32.flash_eff) == (pytest.approx(0.2e12), 64.0, 0.9, 0.6)

@@ -115,7 +115,7 @@ def two_hosts_of_one_rank():
     """The emulated cluster's shape (bench_overlap.py's: 2 hosts of 1 rank, 1 gbit), with fixed
     numbers in place of this machine's measurements and calibration."""
     hw = copy.copy(config.compose(["hardware=emulated_2x2_250mbit"]).hardware)
-    fixed = dict(peak_tflops=0.2, peak_tflops_fp32=0.2, memory_GBps=10.0, memory_gib=24.0, intra_host_GBps=1.0,
+    fixed = dict(peak_tflops=0.2, peak_tflops_fp32=0.2, memory_GBps=10.0, memory_efficiency=1.0, memory_gib=24.0, intra_host_GBps=1.0,
                  op_overhead_us=10.0, gemm_half_dim=32.0, gemm_efficiency=0.8, flash_efficiency=0.3,
                  gemm_half_dim_fp32=32.0, gemm_efficiency_fp32=0.8, flash_efficiency_fp32=0.3,
                  inter_host_latency_us=200.0, inter_host_efficiency=0.95, p2p_efficiency=1.0, overlap_slowdown=0.2,
