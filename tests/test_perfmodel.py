@@ -464,3 +464,24 @@ def test_bad_layout_is_one_config_error(capsys):
     assert cli.main(["model=175B", "hardware=a100_cluster", "parallel.tp=8", "parallel.pp=7", "gpus=64"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: parallel") and "\n" not in err
+
+
+def test_ablation_signs_counts_a_step_only_beyond_its_noise_and_a_zero_prediction_is_wrong():
+    """experiments/ablation_signs.py on hand-made rows of two sweeps: tokens/s changes per sweep,
+    the t-interval over the sweeps, and the sign test against both models."""
+    from experiments import ablation_signs as signs
+    steps = {0: (2.0, 2.0, 2.0), 1: (1.0, 2.0, 1.0), 2: (1.0, 2.0, 0.5)}   # measured, analytical, replayed seconds
+
+    def rows(jitter):
+        return {f"s{jitter}/{k}": {"label": f"step{k}", "measured_s": m + (jitter * 0.01 if k == 2 else 0),
+                                   "predicted_s": a, "replayed": {"step_s": r}} for k, (m, a, r) in steps.items()}
+    found = {**rows(0), **rows(1)}
+    changes = signs.step_changes(["s0", "s1"], found, tokens=lambda run: 100)
+    assert [c["label"] for c in changes] == ["step1", "step2"]
+    assert changes[0]["measured"] == [pytest.approx(50.0)] * 2 and changes[0]["analytical"] == 0.0
+    assert changes[0]["replayed"] == pytest.approx(50.0)
+    mean, half = signs.interval(changes[1]["measured"])
+    assert mean == pytest.approx((0.0 + 100 / 1.01 - 100) / 2) and half == pytest.approx(12.71 * abs(100 / 1.01 - 100) / 2)
+    lines = signs.table(changes).splitlines()
+    assert lines[2].endswith("| yes | +0 | +50 | no / yes |")   # beyond noise (no spread); analytical said no change
+    assert lines[3].endswith("| n/a |")                            # within its own noise: not counted
