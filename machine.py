@@ -277,9 +277,10 @@ def _shape_and_attention(gemm_rate, peak: float, dtype: torch.dtype) -> Dict[str
 
 def gemm_shape_efficiency(shapes, dtype: torch.dtype, threads: int) -> Dict[str, float]:
     """{"MxNxK": FLOP rate of [M,K] @ [K,N] / that of the 2048^3 GEMM}, at `threads` threads in
-    `dtype`, for perfmodel's gemm_time (hardware.gemm_shapes). The half-dim model, fitted on one
-    skinny GEMM, reads a training step's shapes ~25% fast on this EPYC; the shapes a rehearsal
-    records are few, so each is measured once and cached per CPU, torch, dtype and thread count.
+    `dtype`, for perfmodel's gemm_time (hardware.gemm_shapes), in place of the half-dim model
+    (fitted on one skinny GEMM at the machine's thread count: on this EPYC it charged one-thread
+    ranks a small-shape penalty they do not pay). The shapes a rehearsal records are few, so each
+    is measured once and cached per CPU, torch, dtype and thread count.
     A step runs a shape in one of three layouts (forward x @ W^T, input gradient g @ W, weight
     gradient g^T @ x) that the rehearsal does not tell apart: a shape's time is their mean. Each
     shape is timed right after the 2048^3 GEMM (medians of 5), so the ratio holds while this
