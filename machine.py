@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from queue import Empty
@@ -283,9 +284,10 @@ def gemm_shape_efficiency(shapes, dtype: torch.dtype, threads: int) -> Dict[str,
     is measured once and cached per CPU, torch, dtype and thread count.
     A step runs a shape in one of three layouts (forward x @ W^T, input gradient g @ W, weight
     gradient g^T @ x) that the rehearsal does not tell apart: a shape's time is their mean. Each
-    shape is timed right after the 2048^3 GEMM (medians of 5), so the ratio holds while this
-    shared machine's speed drifts."""
-    key = {"torch": torch.__version__, "cpu": cpu_model(), "dtype": str(dtype), "threads": threads}
+    round times the shape right after the 2048^3 GEMM, and the table keeps the median ratio of
+    5 rounds, so it holds while this shared machine's speed drifts (_shape_vs_peak)."""
+    key = {"torch": torch.__version__, "cpu": cpu_model(), "dtype": str(dtype), "threads": threads,
+           "method": 2}  # 2: a ratio per round; tables of method 1 (a ratio of medians) are measured again
     path = cache_dir() / "gemm_shapes.json"
     tables = json.loads(path.read_text()) if path.exists() else []
     table = next((t["efficiency"] for t in tables if t["key"] == key), None)
@@ -306,14 +308,37 @@ def gemm_shape_efficiency(shapes, dtype: torch.dtype, threads: int) -> Dict[str,
     return {f"{M}x{N}x{K}": table[f"{M}x{N}x{K}"] for M, N, K in wanted}
 
 
-def _shape_vs_peak(M: int, N: int, K: int, dtype: torch.dtype) -> float:
+def _shape_vs_peak(M: int, N: int, K: int, dtype: torch.dtype, rounds: int = 5) -> float:
+    """The median over `rounds` of (shape's rate / 2048^3 rate), each round timing both back to back.
+    A ratio of two medians taken seconds apart moved with this shared machine's load (CI read a
+    tiny shape at over 2x the peak while a neighbour slowed the peak's GEMM); a ratio per round
+    cancels the drift. A tiny shape runs in microseconds, so it is timed over enough calls to
+    outweigh the timer and the Python call."""
     big = [torch.randn(2048, 2048, dtype=dtype) for _ in range(2)]
     x, w, xt = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype), torch.randn(K, M, dtype=dtype)
     wt = w.t().contiguous()
     layouts = (lambda: F.linear(x, w), lambda: x @ wt, lambda: xt.t() @ wt)
-    peak = 2 * 2048 ** 3 / typical_time(lambda: F.linear(*big))
-    shape_s = sum(typical_time(fn) for fn in layouts) / len(layouts)
-    return 2 * M * N * K / shape_s / peak
+    calls = [_calls_lasting(fn, 2e-3) for fn in layouts]
+    F.linear(*big)
+    ratios = []
+    for _ in range(rounds):
+        peak_s = _seconds_per_call(lambda: F.linear(*big), 1) / 2048 ** 3
+        shape_s = sum(_seconds_per_call(fn, n) for fn, n in zip(layouts, calls)) / len(layouts) / (M * N * K)
+        ratios.append(peak_s / shape_s)
+    return statistics.median(ratios)
+
+
+def _seconds_per_call(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def _calls_lasting(fn, seconds: float) -> int:
+    """How many calls of fn (after a warm-up) take about `seconds`."""
+    fn()
+    return max(1, round(seconds / max(_seconds_per_call(fn, 3), 1e-7)))
 
 
 def measure_gloo_GBps(nbytes: int = 2 ** 24) -> float:
