@@ -134,8 +134,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is left out of the GEMM so the fused kernel can add it inside the GeLU.
-        h = kernels.bias_gelu(F.linear(x, self.fc_in.weight), self.fc_in.bias, fused=self.fused)
-        return self.fc_out(h)
+        return self.activate_and_project(F.linear(x, self.fc_in.weight))
+
+    def activate_and_project(self, h: torch.Tensor) -> torch.Tensor:
+        """fc_in's GEMM output, without its bias -> the MLP's output (TP runs fc_in's GEMM itself)."""
+        return self.fc_out(kernels.bias_gelu(h, self.fc_in.bias, fused=self.fused))
 
 
 class Block(nn.Module):

@@ -131,17 +131,27 @@ def timed_wait(work, device) -> None:
 # A column-parallel GEMM reads the all-gathered sequence, and autograd would keep that full-length
 # copy for the weight gradient: tp times the sharded LayerNorm output, 11 GB per GPU on the
 # 175B layout's first stage. As Megatron-LM does, backward gathers it again from the shard instead.
-# Done with saved-tensor hooks around the TP block (parallel.py), so every GEMM that reads a
-# gathered tensor, in every overlap mode, keeps the shard alone.
+# At overlap.tp=off parallel.GatheredLinears keeps the shard itself (Megatron-LM's own way, its
+# re-gather launched beside the input gradient's GEMM). The chunked and domino modes do it with
+# saved-tensor hooks around the TP block: every GEMM that reads a gathered piece keeps the shard.
 
 _GATHERED: dict = {}  # id(storage of a gather's output) -> (weakref to that storage, its _Regather)
 
 
-def remember_gathered(out: torch.Tensor, shard: torch.Tensor, group) -> None:
-    """out (sequence-major [world*t, ...]) was all-gathered from shard ([t, ...]) over group."""
-    storage = out.untyped_storage()
+def remember_gathered(full: torch.Tensor, shard: torch.Tensor, group) -> None:
+    """full (batch-major [B, world*t, ...], contiguous) was all-gathered from shard
+    (sequence-major [t, B, ...]) over group."""
+    storage = full.untyped_storage()
     key = id(storage)
     _GATHERED[key] = (weakref.ref(storage, lambda _, key=key: _GATHERED.pop(key, None)), _Regather(shard, group))
+
+
+def batch_major(gathered: torch.Tensor) -> torch.Tensor:
+    """A sequence-major gather's result [s, B, ...] as the contiguous [B, s, ...] the GEMMs read:
+    a GEMM reading the transposed view would copy it anyway, and save its copy for backward,
+    which no saved-tensor hook can then tell from any other tensor (with B > 1 every gathered
+    input stayed whole for backward). With B = 1 the view is already contiguous: no copy."""
+    return gathered.transpose(0, 1).contiguous()
 
 
 class _Regather:
@@ -155,9 +165,10 @@ class _Regather:
     def tensor(self) -> torch.Tensor:
         if self.full is None:
             world = dist.get_world_size(self.group)
-            self.full = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
-            with CLOCK.waiting("comm", self.full.device):
-                dist.all_gather_single(self.full, self.shard, group=self.group)
+            gathered = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
+            with CLOCK.waiting("comm", gathered.device):
+                dist.all_gather_single(gathered, self.shard, group=self.group)
+            self.full = batch_major(gathered)
         full = self.full
         self.pending -= 1
         if self.pending == 0:
@@ -189,26 +200,31 @@ def regather_saved():
 
 class _InFlight:
     """A launched collective: its work handle, the buffer it fills (sequence-major) and its input,
-    kept alive until the wait."""
+    kept alive until the wait. A gather's result comes batch-major and contiguous, and is
+    remembered for regather_saved unless `remember` is off."""
 
-    def __init__(self, work, out, src, gather: bool = False, group=None):
+    def __init__(self, work, out, src, gather: bool = False, group=None, remember: bool = True):
         self.work, self.out, self.src, self.gather, self.group = work, out, src, gather, group
+        self.remember = remember
 
     def wait(self) -> torch.Tensor:
         timed_wait(self.work, self.out.device)
-        if self.gather:
-            remember_gathered(self.out, self.src, self.group)
-        return self.out.transpose(0, 1)
+        if not self.gather:
+            return self.out.transpose(0, 1)
+        full = batch_major(self.out)
+        if self.remember:
+            remember_gathered(full, self.src, self.group)
+        return full
 
 
-def _launch_gather(x: torch.Tensor, group) -> _InFlight:
+def launch_gather(x: torch.Tensor, group, remember: bool = True) -> _InFlight:
     """[B, t, ...] sequence slices -> [B, world*t, ...], rank order along the sequence."""
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.all_gather_single(out, xs, group=group, async_op=True), out, xs, True, group)
+    return _InFlight(dist.all_gather_single(out, xs, group=group, async_op=True), out, xs, True, group, remember)
 
 
-def _launch_reduce_scatter(x: torch.Tensor, group) -> _InFlight:
+def launch_reduce_scatter(x: torch.Tensor, group) -> _InFlight:
     """[B, world*t, ...] partial sums -> this rank's [B, t, ...] slice of their sum."""
     xs = x.transpose(0, 1).contiguous()
     out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
@@ -221,7 +237,7 @@ class _Start(torch.autograd.Function):
         ctx.pending = pending
         if pending.gather:  # the next GEMM casts anyway: half the bytes
             x = x.to(compute_dtype(x))
-        pending.forward = (_launch_gather if pending.gather else _launch_reduce_scatter)(x, pending.group)
+        pending.forward = (launch_gather if pending.gather else launch_reduce_scatter)(x, pending.group)
         return pending.forward.out
 
     @staticmethod
@@ -242,7 +258,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         p = ctx.pending
-        p.backward = (_launch_reduce_scatter if p.gather else _launch_gather)(grad, p.group)
+        p.backward = launch_reduce_scatter(grad, p.group) if p.gather else launch_gather(grad, p.group, remember=False)
         return grad.transpose(0, 1), None
 
 

@@ -427,6 +427,10 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
         pf, pb, of, ob = ELEMENTWISE[name][bool(cfg.kernels.fused)]  # true or triton: fused
         fwd["elementwise"] = fwd.get("elementwise", 0.0) + stream_time(r, pf * width * M * e, of)
         bwd["elementwise"] = bwd.get("elementwise", 0.0) + stream_time(r, pb * width * M * e, ob)
+    # QKV's bias gradient, a sum of its output gradient over the tokens: computed beside its
+    # weight gradient, so in the input gradient's reduce-scatter window (parallel.GatheredLinears)
+    qkv_bias_grad = stream_time(r, M * 3 * h // t * e) if m.bias else 0.0
+    bwd["elementwise"] += qkv_bias_grad
 
     if t > 1:  # SP: all-gather before each column-parallel GEMM, reduce-scatter after each row-parallel
         # A collective cut into n pieces (to pipeline with the GEMM chunks it feeds or drains) is n
@@ -440,6 +444,8 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
         for phase, kind, names in tp_layer_collectives(cfg):
             comm = (ag if kind == "all_gather" else rs)(pieces[phase])
             gemm = sum(gemms[phase][n] for n in names)
+            if phase == "input_grad" and "qkv" in names:
+                gemm += qkv_bias_grad
             _comm(fwd if phase == "forward" else bwd, "tp_comm", comm, gemm,
                   mode if phase in ("forward", "backward") else "async", k)
     return fwd, bwd, attn_recompute
@@ -515,7 +521,9 @@ def ends_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
         _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
         _comm(head_b, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), head_b["gemm"] / 2, "async")
         _comm(head_b, "tp_comm", net.collective("all_gather", M * h * e, "tp"), head_b["gemm"] / 2, "async")  # regather
-        _comm(head_f, "tp_comm", 3 * net.collective("all_reduce", M * 4, "tp"), 0.0, "off")  # max, sum, target
+        # the vocab-parallel loss: the max, then the sum of exponentials with the target logit
+        ce = net.collective("all_reduce", M * 4, "tp") + net.collective("all_reduce", 2 * M * 4, "tp")
+        _comm(head_f, "tp_comm", ce, 0.0, "off")
     return (emb_f, emb_b), (head_f, head_b)
 
 

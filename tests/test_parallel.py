@@ -253,7 +253,7 @@ def test_one_stage_compiles_forward_and_loss_as_one_graph():
     assert (found[True][1] - found[False][1]).abs().max().item() < 1e-6
 
 
-def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir: str) -> None:
+def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir: str, mode: str = "off") -> None:
     import collections
     import torch.distributed as dist
     import parallel
@@ -261,6 +261,7 @@ def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = parallel.ParallelConfig(tp=2)
+    cfg.overlap.tp, cfg.overlap.tp_chunks = mode, 2
     layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
     model = GPT(ModelConfig(n_layers=3, n_heads=4, d_model=64, vocab_size=128, block=block))
     model.init_weights(0)
@@ -274,7 +275,7 @@ def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir:
     loss = engine.loss_fn(engine.chunks[0](tokens), tokens)
     phase = "backward"
     loss.backward()
-    (Path(out_dir) / f"{block}_{rank}.json").write_text(json.dumps({f"{p} {n}": c for (p, n), c in counts.items()}))
+    (Path(out_dir) / f"{block}_{mode}_{rank}.json").write_text(json.dumps({f"{p} {n}": c for (p, n), c in counts.items()}))
     dist.destroy_process_group()
 
 
@@ -283,13 +284,27 @@ def test_ptb_halves_the_tp_collectives_per_layer(block, per_layer, tmp_path):
     """Under tp2 with sequence parallelism, a sequential block all-gathers and reduce-scatters twice
     (before/after attention and MLP); PTB does each once, since both branches read one LN output and
     their outputs are summed before the reduce-scatter. The embedding adds one reduce-scatter and
-    the output projection one all-gather; backward mirrors forward."""
+    the output projection one all-gather. Backward mirrors forward, and gathers each gathered
+    input again for its weight gradient (only the shard was kept: Megatron-LM's way)."""
     spawn(_count_tp_collectives, 2, block, str(tmp_path))
-    counts = json.loads((tmp_path / f"{block}_0.json").read_text())
+    counts = json.loads((tmp_path / f"{block}_off_0.json").read_text())
     layers = 3
     assert counts == {
         "forward all_gather_single": per_layer * layers + 1, "forward reduce_scatter_single": per_layer * layers + 1,
-        "backward all_gather_single": per_layer * layers + 1, "backward reduce_scatter_single": per_layer * layers + 1}
+        "backward all_gather_single": 2 * (per_layer * layers + 1),
+        "backward reduce_scatter_single": per_layer * layers + 1}
+
+
+@pytest.mark.parametrize("mode", ["chunked", "domino"])
+def test_every_gathered_piece_is_gathered_again_for_backward(mode, tmp_path):
+    """Under TP overlap a gathered piece is kept as its shard too (overlap.regather_saved), at a
+    batch of 2: the GEMMs once read the transposed view of the gathered buffer, copied it, and
+    saved the copy whole, which no hook could tell apart (only batch-1 pieces were re-gathered)."""
+    spawn(_count_tp_collectives, 2, "sequential", str(tmp_path), mode)
+    counts = json.loads((tmp_path / f"sequential_{mode}_0.json").read_text())
+    gathered = counts["forward all_gather_single"]
+    assert gathered == 2 * 2 * 3 + 1  # two pieces at each of the 3 layers' two gathers, and the head's
+    assert counts["backward all_gather_single"] == 2 * gathered
 
 
 def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir):
@@ -317,7 +332,7 @@ def ptb_tp2(tmp_path_factory, cache_dir):
     return read_metrics(run_dir), checkpoint.consolidate_model(checkpoint.step_dir(run_dir / "checkpoints", STEPS))
 
 
-@pytest.mark.parametrize("mode", ["chunked"])  # domino runs PTB through the same steps as off
+@pytest.mark.parametrize("mode", ["chunked", "domino"])
 def test_tp_overlap_keeps_ptb_exact(mode, ptb_tp2, tmp_path, cache_dir):
     """PTB's shared collectives under chunked TP overlap: one region whose attention core sees
     the sequence reassembled in order from the gathered pieces; it equals overlap off."""

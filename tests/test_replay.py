@@ -208,9 +208,17 @@ def test_the_pipeline_step_agrees_with_1f1b_and_its_waits_are_the_bubble(rehears
     assert replayed_step["bubble_s"] > 0.1 * replayed_step["step_s"]
 
 
-@pytest.mark.xfail(strict=True, reason="the analytical model hides the backward's re-gather and input-gradient "
-                                       "collectives at overlap.tp=off, as Megatron-LM's async backward does; the "
-                                       "code runs them blocking (parallel.GatherSeq, overlap._Regather)")
 def test_tp_without_overlap_shows_the_analytical_tp_traffic(rehearsed):
-    replayed_step, analytical, *_ = priced(rehearsed, "tp_off")
+    """overlap.tp=off is Megatron-LM's baseline: blocking forward collectives, and a backward that
+    hides the re-gather behind the input gradient's GEMM and that gradient's reduce-scatter
+    behind the weight gradient's (parallel.GatheredLinears), as the analytical model prices it.
+    (No overlap slowdown here: the replay lengthens the compute under a collective, hiding more
+    of it, where the analytical model charges the slowdown as a term of its own.)"""
+    cfg, world, records = rehearsed["tp_off"]
+    hw = two_hosts_of_one_rank()
+    hw.overlap_slowdown = 0.0
+    replayed_step, analytical = replay.predict(records, cfg, hw, world), pm.predict(cfg, world, hw)
     assert replayed_step["comm_s"] == pytest.approx(analytical.breakdown["tp_comm"], rel=0.05)
+    exposed_if_blocking = sum(replay.comm_time(ev, pm.Network(hw, pm.layout_of(cfg, world)))
+                              for ev in step_events(records[0]) if ev["op"] not in ("wait", "host_read", "batch"))
+    assert replayed_step["comm_s"] < 0.8 * exposed_if_blocking  # the backward's hidden third
