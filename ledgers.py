@@ -163,8 +163,8 @@ class MemoryLedger(TorchDispatchMode):
         super().__init__()
         self.device, self.classify = device, classify
         self.live, self.bytes, self.peak = {}, 0, 0
-        self.peak_split, self.peak_at, self.where = {}, "", "start"
-        self._snapshot_at, self.paused = 0, False
+        self._split, self._peak_at, self.where = {}, "", "start"
+        self._snapshot_at, self.paused, self._unclassified = 0, False, None
 
     def track(self, t: torch.Tensor) -> None:
         if self.paused or not torch.is_tensor(t) or t.device.type != self.device.type:
@@ -180,13 +180,32 @@ class MemoryLedger(TorchDispatchMode):
             self.peak = self.bytes
             if self.bytes > self._snapshot_at * 1.001:  # re-split only when the peak moved
                 self._snapshot_at = self.bytes
-                self.peak_split, self.peak_at = self.classify(self.live), self.where
+                self._unclassified = (dict(self.live), self.where)
+
+    def _classify_peak(self) -> None:
+        """Names the peak's storages one op after it: the op that allocated its last buffer returns
+        before its caller hands the buffer to its owner (ZeRO-2's gradient bucket is allocated,
+        then assigned), and classified at the allocation it read as an activation."""
+        if self._unclassified is not None:
+            live, where = self._unclassified
+            self._split, self._peak_at, self._unclassified = self.classify(live), where, None
+
+    @property
+    def peak_split(self) -> dict:
+        self._classify_peak()
+        return self._split
+
+    @property
+    def peak_at(self) -> str:
+        self._classify_peak()
+        return self._peak_at
 
     def _release(self, key, nbytes) -> None:
         if self.live.pop(key, None) is not None:
             self.bytes -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._classify_peak()
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             self.track(t)
@@ -201,7 +220,11 @@ def categories(engine, optimizer, recorder):
     def classify(live: dict) -> dict:
         zero = engine.zero
         weights = keys(b.params for b in zero.buckets)
-        grads = keys([b.grads for b in zero.buckets] + [p.grad for p in zero.params] + [s.grad for s in zero.shards])
+        # A parameter's .grad is the gradient itself only where autograd keeps it (one rank, ZeRO-0
+        # in fp32); otherwise it is a weight gradient on its way into the bucket, in the backward's
+        # working set (as perfmodel.backward_working_set counts it)
+        kept = [p.grad for p in zero.params] if zero.autograd_keeps_grads else []
+        grads = keys([b.grads for b in zero.buckets] + kept + [s.grad for s in zero.shards])
         state = [v for s in optimizer.state.values() for v in s.values()] + list(getattr(optimizer, "_updates", {}).values())
         opt = keys(state + [b.master for b in zero.buckets if b.master is not None]) - weights
         comm = recorder.comm_storages() - weights - grads - opt

@@ -652,7 +652,8 @@ def memory_of_rank(cfg: config.Config, lay: Layout, last: bool = False, capacity
     optimizer = states * params / (lay.dp if lay.zero >= 1 else 1)
     layers = in_flight_layers(lay, m.n_layers, rank)
     if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
-        acts = layers * M * e * m.d_model / lay.tp + per_layer
+        # (the rebuilt layer's first norm input is its kept input: counted once)
+        acts = layers * M * e * m.d_model / lay.tp + per_layer - M * e * m.d_model / lay.tp
     elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
         # the squares rebuilt for one layer at a time; they stand in the working set for the
         # square gradient the backward would otherwise hold beside them
