@@ -5,6 +5,7 @@ code's rehearsals, that its workload is the analytical model's where both price 
 (GEMMs, attention, DP's gradient traffic, the pipeline), and where they part."""
 import copy
 import dataclasses
+import functools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -111,10 +112,16 @@ LAYOUTS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def emulated_cluster_hardware():
+    """conf/hardware/emulated_2x2_250mbit, composed once (half a second a compose); callers copy it."""
+    return config.compose(["hardware=emulated_2x2_250mbit"]).hardware
+
+
 def two_hosts_of_one_rank():
     """The emulated cluster's shape (bench_overlap.py's: 2 hosts of 1 rank, 1 gbit), with fixed
     numbers in place of this machine's measurements and calibration."""
-    hw = copy.copy(config.compose(["hardware=emulated_2x2_250mbit"]).hardware)
+    hw = copy.deepcopy(emulated_cluster_hardware())
     fixed = dict(peak_tflops=0.2, peak_tflops_fp32=0.2, memory_GBps=10.0, memory_efficiency=1.0, memory_gib=24.0, intra_host_GBps=1.0,
                  op_overhead_us=10.0, gemm_half_dim=32.0, gemm_efficiency=0.8, flash_efficiency=0.3,
                  gemm_half_dim_fp32=32.0, gemm_efficiency_fp32=0.8, flash_efficiency_fp32=0.3,
