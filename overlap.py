@@ -8,6 +8,9 @@ control when each collective launches and when compute waits for it:
   by kind, "comm" (TP and DP collectives, PP sends) and "bubble" (PP receives: idle until the
   neighbouring stage delivers), and the compute stream's own work.
 - TP (parallel.overlap.tp, with tp_chunks pieces), on the sequence-parallel block of parallel.py:
+  - off (Megatron-LM, the baseline): forward's collectives block; backward launches the
+    re-gather of a GEMM's input before its input gradient, and that gradient's reduce-scatter
+    before its weight gradient (GatheredLinears).
   - chunked (MegaScale): this rank's sequence slice is cut into pieces. Each piece's all-gather
     is in flight while the previous piece's GEMMs run, and each piece's reduce-scatter while the
     next piece's GEMMs run. Only token-wise work is chunked (QKV, MLP, output projections);
@@ -29,6 +32,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 class WaitClock:
@@ -131,7 +135,7 @@ def timed_wait(work, device) -> None:
 # A column-parallel GEMM reads the all-gathered sequence, and autograd would keep that full-length
 # copy for the weight gradient: tp times the sharded LayerNorm output, 11 GB per GPU on the
 # 175B layout's first stage. As Megatron-LM does, backward gathers it again from the shard instead.
-# At overlap.tp=off parallel.GatheredLinears keeps the shard itself (Megatron-LM's own way, its
+# At overlap.tp=off GatheredLinears (below) keeps the shard itself (Megatron-LM's own way, its
 # re-gather launched beside the input gradient's GEMM). The chunked and domino modes do it with
 # saved-tensor hooks around the TP block: every GEMM that reads a gathered piece keeps the shard.
 
@@ -305,6 +309,66 @@ def interleave(steps: list) -> list:
                 results[i] = stop.value
                 live.remove(i)
     return results
+
+
+# --- Megatron-LM's sequence-parallel collectives, and its async TP backward (overlap.tp=off) ---
+# Activations are [batch, seq, hidden]. Under sequence parallelism each TP rank holds a slice of
+# the sequence; the collectives work on dim 0, so the sequence is moved there for the call.
+
+def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()
+    out = xs.new_empty((xs.shape[0] * world, *xs.shape[1:]))
+    with CLOCK.waiting("comm", x.device):
+        dist.all_gather_single(out, xs, group=group)
+    return batch_major(out)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()
+    out = xs.new_empty((xs.shape[0] // world, *xs.shape[1:]))
+    with CLOCK.waiting("comm", x.device):
+        dist.reduce_scatter_single(out, xs, group=group)
+    return out.transpose(0, 1)
+
+
+class GatheredLinears(torch.autograd.Function):
+    """Sequence slices -> all-gathered -> one or more column-parallel GEMMs reading them (PTB's QKV
+    and MLP-in share one gather). Megatron-LM's sequence-parallel linear with its async backward
+    (LinearWithGradAccumulationAndAsyncCommunication), written by hand because it is the
+    ablation's baseline (tp=off) and must hide exactly what Megatron-LM hides: backward
+    launches the re-gather of the input and computes the input gradient meanwhile, then launches
+    that gradient's reduce-scatter and computes the weight gradients meanwhile. Only the slice
+    is kept for backward (11 GB a GPU less on the 175B layout's first stage), unless keep_full
+    (full recompute, whose recomputed forward holds the gathered input anyway).
+    Called as apply(x, group, keep_full, weight, bias, weight, bias, ...); bias may be None."""
+
+    @staticmethod
+    def forward(ctx, x, group, keep_full, *weights_and_biases):
+        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
+        x = x.to(compute_dtype(x))  # the GEMM casts to bf16 anyway: send half the bytes
+        full = gather_seq(x, group)
+        ctx.group, ctx.keep_full, ctx.has_bias = group, keep_full, [b is not None for b in biases]
+        ctx.save_for_backward(full if keep_full else x, *weights)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        kept, *weights = ctx.saved_tensors
+        regather = None if ctx.keep_full else launch_gather(kept, ctx.group, remember=False)
+        grads = [g.reshape(-1, g.shape[-1]) for g in grads]  # [tokens, out features]
+        input_grad = grads[0] @ weights[0].to(grads[0].dtype)
+        for g, w in zip(grads[1:], weights[1:]):  # PTB: MLP-in's is added to QKV's inside its GEMM
+            input_grad = torch.addmm(input_grad, g, w.to(g.dtype))
+        full = kept if ctx.keep_full else regather.wait()
+        reduce_scatter = launch_reduce_scatter(input_grad.view(*full.shape[:-1], -1), ctx.group)
+        del input_grad  # the reduce-scatter holds what it sends: one full-sequence buffer less at the peak
+        rows = full.reshape(-1, full.shape[-1])
+        param_grads = []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            param_grads += [(g.t() @ rows.to(g.dtype)).to(w.dtype), g.sum(0).to(w.dtype) if has_bias else None]
+        return reduce_scatter.wait(), None, None, *param_grads
 
 
 # --- MegaScale's chunked overlap: pieces of the sequence through the token-wise GEMMs ---

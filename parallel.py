@@ -16,7 +16,6 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import overlap
 from errors import ConfigError
@@ -321,65 +320,8 @@ def _pipeline_channels(mesh, names: tuple) -> dict:
     return channels
 
 
-# --- Collectives as autograd functions (Megatron's "mappings") ---
-# Activations are [batch, seq, hidden]. Under sequence parallelism each TP rank holds a slice of
-# the sequence; the collectives work on dim 0, so the sequence is moved there for the call.
-
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    xs = x.transpose(0, 1).contiguous()
-    out = xs.new_empty((xs.shape[0] * world, *xs.shape[1:]))
-    with CLOCK.waiting("comm", x.device):
-        dist.all_gather_single(out, xs, group=group)
-    return overlap.batch_major(out)
-
-
-def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    xs = x.transpose(0, 1).contiguous()
-    out = xs.new_empty((xs.shape[0] // world, *xs.shape[1:]))
-    with CLOCK.waiting("comm", x.device):
-        dist.reduce_scatter_single(out, xs, group=group)
-    return out.transpose(0, 1)
-
-
-class GatheredLinears(torch.autograd.Function):
-    """Sequence slices -> all-gathered -> one or more column-parallel GEMMs reading them (PTB's QKV
-    and MLP-in share one gather). Megatron-LM's sequence-parallel linear with its async backward
-    (LinearWithGradAccumulationAndAsyncCommunication), written by hand because it is the
-    ablation's baseline (overlap.tp=off) and must hide exactly what Megatron-LM hides: backward
-    launches the re-gather of the input and computes the input gradient meanwhile, then launches
-    that gradient's reduce-scatter and computes the weight gradients meanwhile. Only the slice
-    is kept for backward (11 GB a GPU less on the 175B layout's first stage), unless keep_full
-    (full recompute, whose recomputed forward holds the gathered input anyway).
-    Called as apply(x, group, keep_full, weight, bias, weight, bias, ...); bias may be None."""
-
-    @staticmethod
-    def forward(ctx, x, group, keep_full, *weights_and_biases):
-        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
-        x = x.to(overlap.compute_dtype(x))  # the GEMM casts to bf16 anyway: send half the bytes
-        full = _gather_seq(x, group)
-        ctx.group, ctx.keep_full, ctx.has_bias = group, keep_full, [b is not None for b in biases]
-        ctx.save_for_backward(full if keep_full else x, *weights)
-        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        kept, *weights = ctx.saved_tensors
-        regather = None if ctx.keep_full else overlap.launch_gather(kept, ctx.group, remember=False)
-        grads = [g.reshape(-1, g.shape[-1]) for g in grads]  # [tokens, out features]
-        input_grad = grads[0] @ weights[0].to(grads[0].dtype)
-        for g, w in zip(grads[1:], weights[1:]):  # PTB: MLP-in's is added to QKV's inside its GEMM
-            input_grad = torch.addmm(input_grad, g, w.to(g.dtype))
-        full = kept if ctx.keep_full else regather.wait()
-        reduce_scatter = overlap.launch_reduce_scatter(input_grad.view(*full.shape[:-1], -1), ctx.group)
-        del input_grad  # the reduce-scatter holds what it sends: one full-sequence buffer less at the peak
-        rows = full.reshape(-1, full.shape[-1])
-        param_grads = []
-        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
-            param_grads += [(g.t() @ rows.to(g.dtype)).to(w.dtype), g.sum(0).to(w.dtype) if has_bias else None]
-        return reduce_scatter.wait(), None, None, *param_grads
-
+# --- Collectives as autograd functions (Megatron's "mappings"; the gather before the
+# column-parallel GEMMs, with Megatron-LM's async backward, is overlap.GatheredLinears) ---
 
 class ReduceScatterSeq(torch.autograd.Function):
     """Partial sums over the full sequence -> summed, sequence-sharded; backward all-gathers."""
@@ -387,11 +329,11 @@ class ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return overlap.reduce_scatter_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        return overlap.gather_seq(grad, ctx.group), None
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -443,7 +385,7 @@ class ColumnParallelHead(torch.nn.Linear):
     """The output projection split along the vocabulary: full-sequence input, local logits."""
 
     def forward(self, x):
-        return GatheredLinears.apply(x, self.tp_group, False, self.weight, None)[0]
+        return overlap.GatheredLinears.apply(x, self.tp_group, False, self.weight, None)[0]
 
 
 class VocabParallelEmbedding(torch.nn.Embedding):
@@ -481,18 +423,18 @@ def _tp_block_steps(block, x):
 
 def _megatron_block(block, x):
     """overlap.tp=off, the ablation's baseline: Megatron-LM's sequence-parallel block. Forward's
-    collectives block; backward hides what Megatron-LM's does (GatheredLinears)."""
+    collectives block; backward hides what Megatron-LM's does (overlap.GatheredLinears)."""
     import kernels
     g, attn, mlp, keep_full = block.tp_group, block.attn, block.mlp, not block.regather
     h = kernels.layer_norm(x, block.ln_1, fused=block.fused)
     if block.parallel:  # PTB: one gather for QKV and MLP-in, one reduce-scatter of their summed outputs
-        qkv, f = GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias, mlp.fc_in.weight, None)
+        qkv, f = overlap.GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias, mlp.fc_in.weight, None)
         y = ReduceScatterSeq.apply(attn.out(attn.mix(qkv)) + mlp.activate_and_project(f), g)
         return x + block.drop(_add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias))
-    qkv, = GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias)
+    qkv, = overlap.GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias)
     a = ReduceScatterSeq.apply(attn.out(attn.mix(qkv)), g)
     x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn.out.bias)), block.ln_2, fused=block.fused)
-    f, = GatheredLinears.apply(h, g, keep_full, mlp.fc_in.weight, None)
+    f, = overlap.GatheredLinears.apply(h, g, keep_full, mlp.fc_in.weight, None)
     return x + block.drop(_add_bias(ReduceScatterSeq.apply(mlp.activate_and_project(f), g), mlp.fc_out.bias))
 
 

@@ -428,7 +428,7 @@ def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
         fwd["elementwise"] = fwd.get("elementwise", 0.0) + stream_time(r, pf * width * M * e, of)
         bwd["elementwise"] = bwd.get("elementwise", 0.0) + stream_time(r, pb * width * M * e, ob)
     # QKV's bias gradient, a sum of its output gradient over the tokens: computed beside its
-    # weight gradient, so in the input gradient's reduce-scatter window (parallel.GatheredLinears)
+    # weight gradient, so in the input gradient's reduce-scatter window (overlap.GatheredLinears)
     qkv_bias_grad = stream_time(r, M * 3 * h // t * e) if m.bias else 0.0
     bwd["elementwise"] += qkv_bias_grad
 

@@ -218,7 +218,7 @@ def test_the_pipeline_step_agrees_with_1f1b_and_its_waits_are_the_bubble(rehears
 def test_tp_without_overlap_shows_the_analytical_tp_traffic(rehearsed):
     """overlap.tp=off is Megatron-LM's baseline: blocking forward collectives, and a backward that
     hides the re-gather behind the input gradient's GEMM and that gradient's reduce-scatter
-    behind the weight gradient's (parallel.GatheredLinears), as the analytical model prices it.
+    behind the weight gradient's (overlap.GatheredLinears), as the analytical model prices it.
     (No overlap slowdown here: the replay lengthens the compute under a collective, hiding more
     of it, where the analytical model charges the slowdown as a term of its own.)"""
     cfg, world, records = rehearsed["tp_off"]
