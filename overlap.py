@@ -142,12 +142,14 @@ def timed_wait(work, device) -> None:
 _GATHERED: dict = {}  # id(storage of a gather's output) -> (weakref to that storage, its _Regather)
 
 
-def remember_gathered(full: torch.Tensor, shard: torch.Tensor, group) -> None:
+def remember_gathered(full: torch.Tensor, shard: torch.Tensor, group) -> "_Regather":
     """full (batch-major [B, world*t, ...], contiguous) was all-gathered from shard
     (sequence-major [t, B, ...]) over group."""
     storage = full.untyped_storage()
     key = id(storage)
-    _GATHERED[key] = (weakref.ref(storage, lambda _, key=key: _GATHERED.pop(key, None)), _Regather(shard, group))
+    regather = _Regather(shard, group)
+    _GATHERED[key] = (weakref.ref(storage, lambda _, key=key: _GATHERED.pop(key, None)), regather)
+    return regather
 
 
 def batch_major(gathered: torch.Tensor) -> torch.Tensor:
@@ -161,18 +163,25 @@ def batch_major(gathered: torch.Tensor) -> torch.Tensor:
 class _Regather:
     """A gathered tensor's shard, gathered again when backward first needs it and shared by every
     saved view of it (PTB's attention and MLP read one gathered input: one re-gather), until the
-    last of them has been unpacked."""
+    last of them has been unpacked. prefetch() launches it early, when the backward of the region
+    that read it begins (Pending.after), so it is on the wire while that region's output GEMMs and
+    attention run their backward, as the analytical model assumes: a gather launched only when
+    the GEMM needs it would leave all of it exposed."""
 
     def __init__(self, shard: torch.Tensor, group):
-        self.shard, self.group, self.pending, self.full = shard.detach(), group, 0, None
+        self.shard, self.group, self.pending, self.full, self.inflight = shard.detach(), group, 0, None, None
+
+    def prefetch(self) -> None:
+        if self.pending and self.full is None and self.inflight is None:  # still to be unpacked
+            world = dist.get_world_size(self.group)
+            out = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
+            self.inflight = _InFlight(dist.all_gather_single(out, self.shard, group=self.group, async_op=True),
+                                      out, self.shard, gather=True, group=self.group, remember=False)
 
     def tensor(self) -> torch.Tensor:
         if self.full is None:
-            world = dist.get_world_size(self.group)
-            gathered = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
-            with CLOCK.waiting("comm", gathered.device):
-                dist.all_gather_single(gathered, self.shard, group=self.group)
-            self.full = batch_major(gathered)
+            self.prefetch()
+            self.full, self.inflight = self.inflight.wait(), None
         full = self.full
         self.pending -= 1
         if self.pending == 0:
@@ -209,7 +218,7 @@ class _InFlight:
 
     def __init__(self, work, out, src, gather: bool = False, group=None, remember: bool = True):
         self.work, self.out, self.src, self.gather, self.group = work, out, src, gather, group
-        self.remember = remember
+        self.remember, self.regather = remember, None
 
     def wait(self) -> torch.Tensor:
         timed_wait(self.work, self.out.device)
@@ -217,7 +226,7 @@ class _InFlight:
             return self.out.transpose(0, 1)
         full = batch_major(self.out)
         if self.remember:
-            remember_gathered(full, self.src, self.group)
+            self.regather = remember_gathered(full, self.src, self.group)
         return full
 
 
@@ -248,6 +257,8 @@ class _Start(torch.autograd.Function):
     def backward(ctx, _):
         grad = ctx.pending.backward.wait()
         ctx.pending.backward = None
+        for gather in ctx.pending.after:  # this region's backward begins: its inputs' re-gathers go out
+            gather.prefetch_regather()
         return grad, None
 
 
@@ -256,6 +267,8 @@ class _Wait(torch.autograd.Function):
     def forward(ctx, buffer, pending):
         ctx.pending = pending
         out = pending.forward.wait()
+        if pending.forward.regather is not None:  # weak: the saved tensors alone keep it alive
+            pending.regather = weakref.ref(pending.forward.regather)
         pending.forward = None
         return out
 
@@ -267,33 +280,31 @@ class _Wait(torch.autograd.Function):
 
 
 class Pending:
-    """A sequence-parallel collective in flight; wait() gives its result, differentiably."""
+    """A sequence-parallel collective in flight; wait() gives its result, differentiably. A
+    reduce-scatter's `after` are the gathers whose results fed what it reduces: their re-gathers
+    are prefetched when its backward has the gradient."""
 
-    def __init__(self, x: torch.Tensor, group, gather: bool):
+    def __init__(self, x: torch.Tensor, group, gather: bool, after: tuple = ()):
         self.group, self.gather, self.forward, self.backward = group, gather, None, None
+        self.after, self.regather = after, None
         self.buffer = _Start.apply(x, self)
 
     def wait(self) -> torch.Tensor:
         out, self.buffer = _Wait.apply(self.buffer, self), None
         return out
 
+    def prefetch_regather(self) -> None:
+        regather = self.regather and self.regather()
+        if regather is not None:
+            regather.prefetch()
+
 
 def gather_async(x: torch.Tensor, group) -> Pending:
     return Pending(x, group, gather=True)
 
 
-def reduce_scatter_async(x: torch.Tensor, group) -> Pending:
-    return Pending(x, group, gather=False)
-
-
-class Ready:
-    """A collective that already ran (synchronously): the same interface as Pending."""
-
-    def __init__(self, value: torch.Tensor):
-        self.value = value
-
-    def wait(self) -> torch.Tensor:
-        return self.value
+def reduce_scatter_async(x: torch.Tensor, group, after: tuple = ()) -> Pending:
+    return Pending(x, group, gather=False, after=after)
 
 
 def interleave(steps: list) -> list:
@@ -380,18 +391,21 @@ def chunked_region(h: torch.Tensor, group, pieces: int, pre, mix=None, post=None
     its first element over the whole sequence (attention's core), the rest stay in pieces."""
     if mix is None:
         def piece_steps(piece):
-            full = yield gather_async(piece, group)
-            return (yield reduce_scatter_async(pre(full), group))
+            gather = gather_async(piece, group)
+            return (yield reduce_scatter_async(pre((yield gather)), group, after=(gather,)))
         return torch.cat(interleave([piece_steps(p) for p in h.chunk(pieces, dim=1)]), dim=1)
 
+    gathers = []
+
     def gathered(piece):
-        return pre((yield gather_async(piece, group)))
+        gathers.append(gather_async(piece, group))
+        return pre((yield gathers[-1]))
     outs = interleave([gathered(p) for p in h.chunk(pieces, dim=1)])
     tp = dist.get_world_size(group)
     mixed = _as_pieces(mix(_in_order([o[0] for o in outs], tp)), tp, pieces)
 
     def scattered(j):
-        return (yield reduce_scatter_async(post(mixed[j], *outs[j][1:]), group))
+        return (yield reduce_scatter_async(post(mixed[j], *outs[j][1:]), group, after=(gathers[j],)))
     return torch.cat(interleave([scattered(j) for j in range(pieces)]), dim=1)
 
 

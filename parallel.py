@@ -415,8 +415,7 @@ def _tp_block_steps(block, x):
     if block.tp_overlap == "chunked":
         return _chunked_block(block, x)
     if block.tp_overlap == "domino":
-        rows = [_block_steps(block, r, overlap.gather_async, overlap.reduce_scatter_async)
-                for r in x.chunk(block.tp_chunks, dim=0)]
+        rows = [_block_steps(block, r) for r in x.chunk(block.tp_chunks, dim=0)]
         return torch.cat(overlap.interleave(rows), dim=0)
     return _megatron_block(block, x)
 
@@ -438,22 +437,26 @@ def _megatron_block(block, x):
     return x + block.drop(_add_bias(ReduceScatterSeq.apply(mlp.activate_and_project(f), g), mlp.fc_out.bias))
 
 
-def _block_steps(block, x, gather, reduce_scatter):
-    """The block as a generator that yields at each TP collective (overlap.interleave runs it).
+def _block_steps(block, x):
+    """Domino's row piece through the block, as a generator that yields at each TP collective
+    (overlap.interleave runs it); each reduce-scatter names its gather, to prefetch the re-gather.
     PTB shares one all-gather (its attention and MLP read the same LN output) and one
     reduce-scatter (their outputs are summed before it): half the TP collectives of the
     sequential block (MegaScale §3.1)."""
     import kernels
     g = block.tp_group
     attn_bias, mlp_bias = block.attn.out.bias, block.mlp.fc_out.bias
-    full = yield gather(kernels.layer_norm(x, block.ln_1, fused=block.fused), g)
+    gather = overlap.gather_async(kernels.layer_norm(x, block.ln_1, fused=block.fused), g)
+    full = yield gather
     if block.parallel:
-        y = yield reduce_scatter(block.attn(full) + block.mlp(full), g)
+        y = yield overlap.reduce_scatter_async(block.attn(full) + block.mlp(full), g, after=(gather,))
         return x + block.drop(_add_bias(_add_bias(y, attn_bias), mlp_bias))
-    a = yield reduce_scatter(block.attn(full), g)
+    a = yield overlap.reduce_scatter_async(block.attn(full), g, after=(gather,))
     x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn_bias)), block.ln_2, fused=block.fused)
-    full = yield gather(h, g)
-    return x + block.drop(_add_bias((yield reduce_scatter(block.mlp(full), g)), mlp_bias))
+    gather = overlap.gather_async(h, g)
+    full = yield gather
+    m = yield overlap.reduce_scatter_async(block.mlp(full), g, after=(gather,))
+    return x + block.drop(_add_bias(m, mlp_bias))
 
 
 def _chunked_block(block, x):

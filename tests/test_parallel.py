@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
 import forked
@@ -253,9 +254,20 @@ def test_one_stage_compiles_forward_and_loss_as_one_graph():
     assert (found[True][1] - found[False][1]).abs().max().item() < 1e-6
 
 
+class _GemmCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
 def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir: str, mode: str = "off") -> None:
     import collections
     import torch.distributed as dist
+    import overlap
     import parallel
     from model import GPT, ModelConfig
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -270,12 +282,28 @@ def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir:
     for name in ("all_gather_single", "reduce_scatter_single"):
         original = getattr(dist, name)
         setattr(dist, name, lambda *a, _f=original, _n=name, **k: (counts.update([(phase, _n)]), _f(*a, **k))[1])
+    gemms, hidden = _GemmCounter(), []  # per re-gather: the GEMMs that ran between its launch and its wait
+    prefetch, tensor = overlap._Regather.prefetch, overlap._Regather.tensor
+
+    def counted_prefetch(self):
+        if self.pending and self.full is None and self.inflight is None:
+            self.launched_at = gemms.count
+        prefetch(self)
+
+    def counted_tensor(self):
+        if self.full is None:
+            counted_prefetch(self)
+            hidden.append(gemms.count - self.launched_at)
+        return tensor(self)
+    overlap._Regather.prefetch, overlap._Regather.tensor = counted_prefetch, counted_tensor
     tokens = torch.randint(0, 128, (2, 16))
     phase = "forward"
     loss = engine.loss_fn(engine.chunks[0](tokens), tokens)
     phase = "backward"
-    loss.backward()
-    (Path(out_dir) / f"{block}_{mode}_{rank}.json").write_text(json.dumps({f"{p} {n}": c for (p, n), c in counts.items()}))
+    with gemms:
+        loss.backward()
+    found = {f"{p} {n}": c for (p, n), c in counts.items()}
+    (Path(out_dir) / f"{block}_{mode}_{rank}.json").write_text(json.dumps(dict(found, regather_hidden_gemms=hidden)))
     dist.destroy_process_group()
 
 
@@ -288,6 +316,7 @@ def test_ptb_halves_the_tp_collectives_per_layer(block, per_layer, tmp_path):
     input again for its weight gradient (only the shard was kept: Megatron-LM's way)."""
     spawn(_count_tp_collectives, 2, block, str(tmp_path))
     counts = json.loads((tmp_path / f"{block}_off_0.json").read_text())
+    del counts["regather_hidden_gemms"]  # GatheredLinears re-gathers without saved-tensor hooks
     layers = 3
     assert counts == {
         "forward all_gather_single": per_layer * layers + 1, "forward reduce_scatter_single": per_layer * layers + 1,
@@ -299,12 +328,17 @@ def test_ptb_halves_the_tp_collectives_per_layer(block, per_layer, tmp_path):
 def test_every_gathered_piece_is_gathered_again_for_backward(mode, tmp_path):
     """Under TP overlap a gathered piece is kept as its shard too (overlap.regather_saved), at a
     batch of 2: the GEMMs once read the transposed view of the gathered buffer, copied it, and
-    saved the copy whole, which no hook could tell apart (only batch-1 pieces were re-gathered)."""
+    saved the copy whole, which no hook could tell apart (only batch-1 pieces were re-gathered).
+    Each re-gather is launched when its region's backward begins, and backward GEMMs run while it
+    is on the wire: launched only when its GEMM needed it, it hid nothing (0 GEMMs)."""
     spawn(_count_tp_collectives, 2, "sequential", str(tmp_path), mode)
     counts = json.loads((tmp_path / f"sequential_{mode}_0.json").read_text())
     gathered = counts["forward all_gather_single"]
     assert gathered == 2 * 2 * 3 + 1  # two pieces at each of the 3 layers' two gathers, and the head's
     assert counts["backward all_gather_single"] == 2 * gathered
+    hidden = counts["regather_hidden_gemms"]
+    assert len(hidden) == gathered - 1  # the head's input is re-gathered by GatheredLinears
+    assert min(hidden) >= 2, hidden  # at least one output projection's two GEMMs
 
 
 def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir):
