@@ -20,6 +20,9 @@ alternating so that load from elsewhere falls on all of them:
 and what differs by design, each timed as its own contender when asked (--variants):
   ours@256    vocab 256 instead of 257 (nanoGPT's vocab is free; byte-level data needs 257)
   ours-rope   rotary positions replaced by none (nanoGPT adds learned positions instead)
+and MegaScale's switch that nanoGPT has no counterpart for (--variants fused):
+  ours+fused  kernels.fused=true: the elementwise chains (residual+LayerNorm, bias+GeLU, the
+              loss) as compiled kernels, the rest of the step as `ours`
 Throughput is tokens/s (batch * seq / median step time). The CPU model and whether it computes
 bf16 natively (AVX512-BF16, AMX) are printed first: a CPU that emulates bf16 runs it ~100x slower
 than fp32, so there the bf16 rows say so rather than take hours. A speed-up holds for that CPU only.
@@ -101,8 +104,8 @@ def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool)
     return step
 
 
-def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope: bool = True):
-    cfg = config.compose(our_overrides(shape, dtype, vocab, compiled))
+def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope: bool = True, extra: tuple = ()):
+    cfg = config.compose(our_overrides(shape, dtype, vocab, compiled) + list(extra))
     device = DEVICE
     layout = parallel.build_layout(cfg.parallel, 0, 1, device)
     with torch.device("meta"):
@@ -249,6 +252,8 @@ def bench(args) -> list:
                 contenders["ours@256"] = our_stepper(shape, dtype, compiled, vocab=256)
             if "rope" in args.variants:
                 contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
+            if "fused" in args.variants:
+                contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
             times = {name: [] for name in [*contenders, "ours+loop"]}
             for _ in range(args.rounds):
                 for name, step in contenders.items():
@@ -284,7 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=tuple(SHAPES), default="issue")
     p.add_argument("--dtype", default="fp32,bf16", help="fp32, bf16 or both (comma-separated)")
     p.add_argument("--compile", choices=("eager", "compiled", "both"), default="both")
-    p.add_argument("--variants", default="", help="also time what differs by design: vocab, rope (comma-separated)")
+    p.add_argument("--variants", default="", help="also time what differs by design (vocab, rope) and "
+                   "kernels.fused=true (fused), comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
