@@ -24,8 +24,9 @@ and MegaScale's switch that nanoGPT has no counterpart for (--variants fused):
   ours+fused  kernels.fused=true: the elementwise chains (residual+LayerNorm, bias+GeLU, the
               loss) as compiled kernels, the rest of the step as `ours`
 Throughput is tokens/s (batch * seq / median step time). The CPU model and whether it computes
-bf16 natively (AVX512-BF16, AMX) are printed first: a CPU that emulates bf16 runs it ~100x slower
-than fp32, so there the bf16 rows say so rather than take hours. A speed-up holds for that CPU only.
+bf16 natively (AVX512-BF16, AMX) are printed first, with how much longer a bf16 GEMM takes than an
+fp32 one: AVX512 without BF16 emulates it at ~4x (timed), AVX2 alone at ~1000x, where the bf16
+rows say so rather than take hours. A speed-up holds for that CPU only.
 """
 from __future__ import annotations
 
@@ -206,14 +207,28 @@ def stream_GBps(reps: int = 20) -> float:
     return 2 * x.numel() * 4 / best / 1e9
 
 
+# Where bf16 is emulated, how slowly decides whether it is timed: AVX512 without its BF16 extension
+# converts in registers (a GEMM ~4x fp32's time: minutes a table), AVX2 alone ~1000x (hours).
+BF16_TIMEABLE_SLOWDOWN = 10
+
+
+def bf16_timeable() -> bool:
+    return machine.native_bf16() or machine.bf16_gemm_slowdown() <= BF16_TIMEABLE_SLOWDOWN
+
+
+def bf16_note() -> str:
+    return (f"this CPU emulates bf16 (no AVX512-BF16 or AMX), a GEMM {machine.bf16_gemm_slowdown():.0f}x fp32's "
+            "time: not timed")
+
+
 def ops_table(args) -> str:
     """kernels.fused=true's ops (experiments/bench_kernels.py's closures) at the step's activation
     shapes, eager and fused, each against bytes moved / measured bandwidth."""
     sys.path.insert(0, str(ROOT / "experiments"))
     import bench_kernels
     shape, dtype = shape_of(args.shape), args.dtype.split(",")[0]
-    if dtype == "bf16" and not machine.native_bf16():
-        return "bf16: this CPU emulates it (no AVX512-BF16 or AMX): not timed; --dtype fp32"
+    if dtype == "bf16" and not bf16_timeable():
+        return f"bf16: {bf16_note()}; --dtype fp32"
     B, T, h, vocab = shape["batch"], shape["seq"], shape["d_model"], 257
     ops_args = argparse.Namespace(shape=f"{B},{T},{h}", vocab=vocab, device="cpu", logit_rows=B * T)
     element = torch.finfo(DTYPES[dtype]).bits // 8
@@ -242,8 +257,8 @@ def bench(args) -> list:
     tokens = shape["batch"] * shape["seq"]
     rows = []
     for dtype in args.dtype.split(","):
-        if dtype == "bf16" and DEVICE.type == "cpu" and not machine.native_bf16():
-            rows.append({"dtype": dtype, "mode": "-", "note": "this CPU emulates bf16 (no AVX512-BF16 or AMX): not timed"})
+        if dtype == "bf16" and DEVICE.type == "cpu" and not bf16_timeable():
+            rows.append({"dtype": dtype, "mode": "-", "note": bf16_note()})
             continue
         for compiled in {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]:
             contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], compiled),
@@ -269,7 +284,8 @@ def bench(args) -> list:
 
 def table(rows: list, args) -> str:
     shape = shape_of(args.shape)
-    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else f"bf16 native: {machine.native_bf16()}"
+    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else (
+        f"bf16 native: {machine.native_bf16()}, a bf16 GEMM takes {machine.bf16_gemm_slowdown():.1f}x fp32's")
     head = (f"{machine.cpu_model()} | {where} | threads {torch.get_num_threads()} | "
             f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab 257, no bias; median of "
             f"{args.rounds} rounds x {args.steps} steps\n")
