@@ -362,6 +362,22 @@ CPU_MEASURED = {"peak_tflops": 0.8, "peak_tflops_fp32": 0.2, "gemm_half_dim": 16
                 "gemm_half_dim_fp32": 64.0, "gemm_efficiency_fp32": 0.9, "flash_efficiency_fp32": 0.6}
 
 
+def test_overlap_slowdown_counts_only_what_overlapping_adds():
+    """calibrate_comm's estimate from the probe's medians, on the Xeon's 250 mbit row (ms): the
+    GEMMs took 959 alone but 1,128 beside the link in the sequential mode, and 1,126 overlapped.
+    Overlapping cost nothing, so the estimate is 0; against the GEMMs alone it read 1.00 (the
+    clamp). Where overlapping does slow the GEMMs (a loopback-like row), the estimate says by how
+    much of the hidden all-reduce."""
+    import experiments.calibrate_comm as cal
+    measured = {"comm_ms": 132.7, "compute_ms": 958.6, "sequential_ms": 1261.3, "overlapped_ms": 1126.5}
+    est = cal.overlap_slowdown(measured)
+    assert est["compute_beside_ms"] == pytest.approx(1128.6) and est["overlap_slowdown"] == 0.0
+    slowed = {"comm_ms": 100.0, "compute_ms": 400.0, "sequential_ms": 500.0, "overlapped_ms": 430.0}
+    assert cal.overlap_slowdown(slowed)["overlap_slowdown"] == pytest.approx(0.3)
+    unhidden = {"comm_ms": 100.0, "compute_ms": 400.0, "sequential_ms": 500.0, "overlapped_ms": 560.0}
+    assert cal.overlap_slowdown(unhidden)["overlap_slowdown"] == 1.0  # worse than sequential: clamped
+
+
 def test_emulated_link_is_priced_from_its_calibration_and_shares_the_cores(tmp_path, monkeypatch, tiny):
     """conf/hardware/emulated_2x2_250mbit: the link's efficiency and latency come from
     calibrate_comm.py's cached fit at that rate on this CPU (none: a one-line error naming the
