@@ -284,7 +284,8 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
 
 # --- Attention's inputs: the heads of the QKV projection, q and k rotated (RoPE) ---
 
-def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                    fused=False) -> tuple:
     """[B, T, 3*d] projections, rows grouped (head, q|k|v, head_dim) -> q, k, v, each [B, H, T, D],
     q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
     reference) with the fp32 cos/sin tables [T, D] rounded to qkv's dtype.
@@ -294,10 +295,15 @@ def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
     gradients and copies them back into the projection's layout. Here each of q and k is a mul
     and two half-width multiply-adds each way, and the backward writes the gradients straight
-    into the projection's layout. Inside a compiled model the plain ops go to inductor instead."""
+    into the projection's layout. Inside a compiled model the plain ops go to inductor instead.
+
+    fused (kernels.fused, true or triton): the same plain ops compiled by inductor, one kernel each
+    way: forward, q and k read once and written rotated; backward, dq, dk and dv read once and the
+    projection's gradient written once (issue 22: 3.9 ms a layer forward and backward against the
+    written-out 8.0 ms, fp32, its shape; the half-width multiply-adds above run at ~1 GB/s)."""
     if torch.compiler.is_compiling():
         return _heads_then_rope(qkv, head_dim, cos, sin)
-    return _HeadsWithRope.apply(qkv, head_dim, cos, sin)
+    return (_FusedHeadsWithRope if fused else _HeadsWithRope).apply(qkv, head_dim, cos, sin)
 
 
 def _heads(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -308,10 +314,15 @@ def _heads(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The reference rotation of x [..., T, D] by the tables [T, D]."""
+    """The reference rotation of x [..., T, D] by the tables [T, D]: x * cos + (-x2, x1) * sin, each
+    half written out. Compiled (kernels.fused, or a compiled model), this form is one vectorized
+    pass; the same sum with the rotated copy built by cat([-x2, x1]) compiled to a kernel 2-4x
+    slower (issue 22: q and k forward 2.80 against 0.73 ms at its shape, fp32)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+    return torch.cat([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], dim=-1)
 
 
 def _heads_then_rope(qkv, head_dim, cos, sin):
@@ -355,6 +366,36 @@ class _HeadsWithRope(torch.autograd.Function):
         slots[2].copy_(dv)
         B, T = ctx.shape[:2]
         return grad.view(B, T, -1), None, None, None
+
+
+def _rotated_q_and_k(qkv, head_dim: int, cos, sin):
+    """The fused forward's source: q and k rotated, each laid out [B, T, H, D]."""
+    q, k, _ = _heads(qkv, head_dim).unbind(3)
+    cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]: over the heads
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _heads_with_rope_grad(dq, dk, dv, cos, sin):
+    """The fused backward's source: dq and dk turned back (the inverse rotation, -sin) and dv,
+    [B, H, T, D] each, written into the projection's [B, T, 3*d] layout."""
+    cos, sin = cos[:, None], sin[:, None]
+    dq, dk, dv = (g.transpose(1, 2) for g in (dq, dk, dv))
+    return torch.stack([apply_rope(dq, cos, -sin), apply_rope(dk, cos, -sin), dv], dim=3).flatten(2)
+
+
+class _FusedHeadsWithRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, head_dim, cos, sin):
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+        ctx.save_for_backward(cos, sin)
+        q, k = _rotated_q_and_k_fused(qkv, head_dim, cos, sin)
+        v = _heads(qkv, head_dim)[:, :, :, 2]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        return _heads_with_rope_grad_fused(dq, dk, dv, cos, sin), None, None, None
 
 
 # --- Fused elementwise operators and the loss ---
@@ -414,6 +455,8 @@ def _cross_entropy(logits, targets):
 _add_layer_norm_fused = _Compiled(_add_layer_norm)
 _bias_gelu_fused = _Compiled(_bias_gelu)
 _cross_entropy_fused = _Compiled(_cross_entropy)
+_rotated_q_and_k_fused = _Compiled(_rotated_q_and_k)
+_heads_with_rope_grad_fused = _Compiled(_heads_with_rope_grad)
 
 
 def layer_norm(x: torch.Tensor, norm: nn.LayerNorm, fused=False) -> torch.Tensor:

@@ -308,8 +308,10 @@ ELEMENTWISE = {
     "add_norm": {False: (5, 7, 2, 3), True: (4, 5, 1, 1)},     # residual add + LayerNorm
     "bias_gelu": {False: (4, 4, 2, 2), True: (2, 3, 1, 1)},
     # kernels.heads_with_rope on q and k (each a mul and two half-width multiply-adds each way),
-    # and v's gradient copied back into the projection's layout; never fused
-    "rope": {False: (5, 6, 6, 7), True: (5, 6, 6, 7)},
+    # and v's gradient copied back into the projection's layout. Fused: one kernel each way, q and
+    # k read and written (2 passes over their width); dq, dk and dv read and the projection's
+    # gradient written (3: v's half of it beside q and k's).
+    "rope": {False: (5, 6, 6, 7), True: (2, 3, 1, 1)},
     "copy": {False: (2, 2, 1, 1), True: (2, 2, 1, 1)},        # attention output back to [tokens, h]
     "add": {False: (3, 3, 1, 1), True: (3, 3, 1, 1)},         # PTB's three-way residual sum
     # model.Block.drop: read the branch, write it and a byte mask; back, read grad and mask, write.

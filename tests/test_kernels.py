@@ -250,6 +250,18 @@ def test_heads_with_rope_equals_the_plain_ops(dtype):
                [leaf(B, T, 3 * H * D, dtype=dtype)])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_heads_with_rope_equals_the_plain_ops(dtype):
+    """kernels.fused's one-kernel heads and rotation (inductor), forward and backward, against the
+    plain ops in fp64: as accurate as the written-out op. 5 heads, as a TP rank's slice may hold."""
+    B, T, H, D = 2, 12, 5, 8
+    cos, sin = rope_tables(T, D, 10000.0, "cpu")
+    check_same(lambda x: kernels.heads_with_rope(x, D, cos, sin),
+               lambda x: kernels.heads_with_rope(x, D, cos, sin, fused=True), [leaf(B, T, 3 * H * D, dtype=dtype)])
+    q, k, v = kernels.heads_with_rope(leaf(B, T, 3 * H * D, dtype=dtype), D, cos, sin, fused=True)
+    assert q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()  # [B, T, H, D] in memory
+
+
 def test_heads_with_rope_rotates_q_and_k_only():
     """Against the definition itself: position t's q and k turned by the angles t * theta^(-2i/D),
     v untouched, in the projection's (head, q|k|v, head_dim) layout."""
