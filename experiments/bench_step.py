@@ -8,15 +8,19 @@ shapes, dtype and thread count, in one process, alternating, eager and compiled.
     python experiments/bench_step.py --nanogpt /tmp/nanoGPT --profile --dtype fp32   # the ops of each step
     python experiments/bench_step.py --nanogpt /tmp/nanoGPT --ops --dtype fp32       # kernels.fused vs bandwidth
 
-The contenders, each timed for --steps steps per round after --warmup untimed ones, rounds
-alternating so that load from elsewhere falls on all of them:
+The contenders take turns step by step: each round warms every contender up (--warmup steps),
+then runs --steps cycles of one timed step of each, so that the machine's drift (this shared CPU's
+speed moves by tens of percent within minutes) falls on all of them alike. A contender's ratio to
+nanoGPT is the median over cycles of nanoGPT's step time over its own in the same cycle, with a 95%
+interval from the rounds' medians (one value per round; no interval from one round):
   nanogpt     its GPT and its configure_optimizers' AdamW on random tokens: forward, loss,
               backward, clip to 1.0, step, zero_grad (its train.py's loop without the data)
   ours        the step train.py runs (parallel.train_step: forward, loss, backward, clip, AdamW
               step, scheduler), one process, on random tokens
   ours+loop   train.py's whole loop, in process (train.train): real data from the corpus, the
               loss and grad norm read back, metrics.jsonl, the heartbeat; step time from
-              metrics.jsonl. What a user measures.
+              metrics.jsonl. What a user measures. A whole run per round, so not paired: its
+              ratio is to nanoGPT's median over all its steps.
 and what differs by design, each timed as its own contender when asked (--variants):
   ours@256    vocab 256 instead of 257 (nanoGPT's vocab is free; byte-level data needs 257)
   ours-rope   rotary positions replaced by none (nanoGPT adds learned positions instead)
@@ -47,6 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
+import intervals  # noqa: E402
 import kernels  # noqa: E402
 import machine  # noqa: E402
 import optim  # noqa: E402
@@ -153,6 +158,22 @@ def timed(step, n: int, warmup: int) -> list:
     return out
 
 
+def interleaved(steppers: dict, n: int, warmup: int) -> dict:
+    """One round: every stepper warmed up, then n cycles of one timed step of each, in turn."""
+    for step in steppers.values():
+        timed(step, 0, warmup)
+    times = {name: [] for name in steppers}
+    for _ in range(n):
+        for name, step in steppers.items():
+            times[name] += timed(step, 1, 0)
+    return times
+
+
+def paired_ratios(base: list, times: list) -> list:
+    """base / times cycle by cycle: > 1 where the contender's step was the shorter."""
+    return [b / t for b, t in zip(base, times)]
+
+
 def our_loop_times(shape: dict, dtype: str, compiled: bool, n: int, warmup: int) -> list:
     """train.py's loop in this process (train.train), its step times from metrics.jsonl."""
     import train
@@ -171,6 +192,8 @@ def profile_tables(args, rows: int = 12) -> str:
     dtype = args.dtype.split(",")[0]
     contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], False),
                   "ours": our_stepper(shape, dtype, False)}
+    if "fused" in args.variants:
+        contenders["ours+fused"] = our_stepper(shape, dtype, False, extra=("kernels.fused=true",))
     for name, step in contenders.items():
         timed(step, 0, args.warmup)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -270,15 +293,24 @@ def bench(args) -> list:
             if "fused" in args.variants:
                 contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
             times = {name: [] for name in [*contenders, "ours+loop"]}
+            ratios = {name: [] for name in contenders}
+            round_ratios = {name: [] for name in contenders}
             for _ in range(args.rounds):
-                for name, step in contenders.items():
-                    times[name] += timed(step, args.steps, args.warmup)
+                block = interleaved(contenders, args.steps, args.warmup)
+                for name, t in block.items():
+                    times[name] += t
+                    ratios[name] += paired_ratios(block["nanogpt"], t)
+                    round_ratios[name].append(statistics.median(paired_ratios(block["nanogpt"], t)))
                 times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup)
             base = tokens / statistics.median(times["nanogpt"])
             for name, t in times.items():
                 rate = tokens / statistics.median(t)
+                paired = name in ratios and args.rounds > 1
                 rows.append({"dtype": dtype, "mode": "compiled" if compiled else "eager", "contender": name,
-                             "tokens_per_s": rate, "vs_nanogpt": rate / base, "steps": len(t)})
+                             "tokens_per_s": rate, "steps": len(t),
+                             "vs_nanogpt": statistics.median(ratios[name]) if name in ratios else rate / base,
+                             "interval": intervals.half_width(round_ratios[name]) if paired else None,
+                             "round_ratios": round_ratios.get(name)})
     return rows
 
 
@@ -288,14 +320,17 @@ def table(rows: list, args) -> str:
         f"bf16 native: {machine.native_bf16()}, a bf16 GEMM takes {machine.bf16_gemm_slowdown():.1f}x fp32's")
     head = (f"{machine.cpu_model()} | {where} | threads {torch.get_num_threads()} | "
             f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab 257, no bias; median of "
-            f"{args.rounds} rounds x {args.steps} steps\n")
-    lines = ["| dtype | mode | contender | tokens/s | vs nanoGPT |", "|---|---|---|---|---|"]
+            f"{args.rounds} rounds x {args.steps} steps, contenders in turn step by step; vs nanoGPT: the median "
+            f"of paired step-time ratios, ± a 95% interval over the rounds' medians, each round's median after\n")
+    lines = ["| dtype | mode | contender | tokens/s | vs nanoGPT | rounds |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "note" in r:
-            lines.append(f"| {r['dtype']} | - | {r['note']} | | |")
+            lines.append(f"| {r['dtype']} | - | {r['note']} | | | |")
         else:
+            spread = f" ± {r['interval']:.2f}" if r.get("interval") is not None else ""
+            per_round = ", ".join(f"{x:.2f}" for x in r["round_ratios"]) if r.get("round_ratios") else "unpaired"
             lines.append(f"| {r['dtype']} | {r['mode']} | {r['contender']} | {r['tokens_per_s']:,.0f} | "
-                         f"{r['vs_nanogpt']:.2f}x |")
+                         f"{r['vs_nanogpt']:.2f}x{spread} | {per_round} |")
     return head + "\n" + "\n".join(lines)
 
 
