@@ -73,15 +73,17 @@ class FlopLedger(TorchDispatchMode):
 
 class Segment:
     """The work a rank's compute stream does between two recorded events, in the units replay.py
-    prices: each GEMM's shape (mm and addmm: [M,K] @ [K,N], bytes per element), attention's FLOPs
-    and kernel count, and the bytes every other kernel reads and writes (views and allocations
-    move none) with their count."""
+    prices: each GEMM's shape (mm and addmm: [M,K] @ [K,N], bytes per element), each batched
+    GEMM's (bmm and baddbmm, with the batch: the materialized core attention's products, priced as
+    the GEMMs they are, as perfmodel.attention_time prices them), the fused attention kernels'
+    FLOPs and kernel count, and the bytes every other kernel reads and writes (views and
+    allocations move none) with their count."""
     GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm)
     FREE = (torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
             torch.ops.aten.new_empty_strided, torch.ops.aten.detach, torch.ops.aten.lift_fresh)
 
     def __init__(self):
-        self.gemms, self.attention, self.attention_ops, self.bytes, self.ops = {}, 0, 0, 0, 0
+        self.gemms, self.bmms, self.attention, self.attention_ops, self.bytes, self.ops = {}, {}, 0, 0, 0, 0
 
     def count(self, func, args, out, flops: int = 0, attention: bool = False) -> None:
         packet = func._overloadpacket
@@ -89,7 +91,11 @@ class Segment:
             a, b = args[-2], args[-1]
             key = (a.shape[0], b.shape[1], a.shape[1], a.element_size())
             self.gemms[key] = self.gemms.get(key, 0) + 1
-        elif flops:  # batched matmuls and attention kernels: attention's
+        elif packet in BATCHED:  # [B,M,K] @ [B,K,N]
+            a, b = args[-2], args[-1]
+            key = (a.shape[0], a.shape[1], b.shape[2], a.shape[2], a.element_size())
+            self.bmms[key] = self.bmms.get(key, 0) + 1
+        elif flops:  # the fused attention kernels
             self.attention += flops
             self.attention_ops += 1
         elif not func.is_view and packet not in self.FREE:
@@ -99,7 +105,8 @@ class Segment:
 
     def take(self) -> dict:
         """This segment as JSON, and a fresh one begun."""
-        done = {"gemm": [[*k, n] for k, n in self.gemms.items()], "attention": self.attention,
+        done = {"gemm": [[*k, n] for k, n in self.gemms.items()], "bmm": [[*k, n] for k, n in self.bmms.items()],
+                "attention": self.attention,
                 "attention_ops": self.attention_ops, "bytes": self.bytes, "ops": self.ops}
         self.__init__()
         return done

@@ -348,9 +348,11 @@ def attention_impl(cfg: config.Config, device: str) -> str:
 def banded_keys(cfg: config.Config, T: int) -> Optional[float]:
     """Keys per query the banded kernel scores (kernels.attention_banded), averaged over queries:
     the middle query blocks of `block` rows each score a window of block + W - 1 keys rounded up
-    to 16, the extra ones masked; the first blocks (whose window would start before key 0) run
-    causal, and a last partial block its window's tail. None where it falls back to SDPA (no
-    window, one that covers the sequence, or no middle block)."""
+    to 16, the extra ones masked; the first blocks (whose window would start before key 0) are one
+    SDPA call of their own (kernels.attention_sdpa): with an explicit [head, head] mask, every
+    score, where the window is shorter than they are, else causal; and a last partial block its
+    window's tail. None where it falls back to SDPA (no window, one that covers the sequence, or
+    no middle block)."""
     W, block = cfg.model.attention.window, cfg.kernels.attention_block
     if W is None or W >= T:
         return None
@@ -361,7 +363,8 @@ def banded_keys(cfg: config.Config, T: int) -> Optional[float]:
     if n_mid == 0:
         return None
     tail = T - head - n_mid * block
-    scored = head * mean_keys(head, None) + n_mid * block * window_len + tail * (lead + tail)
+    head_keys = head if W < head else mean_keys(head, None)
+    scored = head * head_keys + n_mid * block * window_len + tail * (lead + tail)
     return scored / T
 
 

@@ -4,7 +4,8 @@ perfmodel.py prices the step from the layout (what a Megatron-style step should 
 prices what the code did issue, as SimAI (NSDI'25) replays a framework's own workload on a
 calibrated network. The workload is rehearsal.py's record of each rehearsed rank: every
 collective, send, receive and wait in program order, each stamped with the compute since the
-event before it (GEMM shapes, attention FLOPs, bytes of the memory-bound kernels). The rates are
+event before it (GEMM and batched-GEMM shapes, the fused attention kernels' FLOPs, bytes of
+the memory-bound kernels). The rates are
 perfmodel's (Rates, Network), so both models stand on one calibration and the analytical step
 stays the cross-check.
 
@@ -36,6 +37,7 @@ GATHERS = ("all_gather", "reduce_scatter")  # recorded bytes are one rank's shar
 def compute_time(work: dict, r: pm.Rates) -> float:
     """Seconds of one recorded segment of compute on rates r."""
     seconds = sum(n * pm.gemm_time(r, M, N, K, 1, e) for M, N, K, e, n in work.get("gemm", ()))
+    seconds += sum(n * pm.gemm_time(r, M, N, K, B, e) for B, M, N, K, e, n in work.get("bmm", ()))
     if work.get("attention_ops"):
         seconds += pm._kernel(r, work["attention"] / (r.flops * r.flash_eff), work["attention_ops"])
     if work.get("ops"):

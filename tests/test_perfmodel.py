@@ -503,3 +503,21 @@ def test_ablation_signs_counts_a_step_only_beyond_its_noise_and_a_zero_predictio
     lines = signs.table(changes).splitlines()
     assert lines[2].endswith("| yes | +0 | +50 | no / yes |")   # beyond noise (no spread); analytical said no change
     assert lines[3].endswith("| n/a |")                            # within its own noise: not counted
+
+
+@pytest.mark.parametrize("seq,window,block", [(256, 64, 128), (512, 64, 128), (1000, 200, 128), (384, 127, 64)])
+def test_banded_keys_are_the_scores_the_banded_kernel_computes(seq, window, block):
+    """perfmodel.banded_keys against kernels.attention_banded itself, run on meta with the fused
+    kernels' stand-ins (ledgers.cuda_attention: SDPA scores every key given a mask, half without):
+    the first blocks' own call is masked wherever the window is shorter than they are, so it
+    scores its whole square, not the causal half (issue 18: the half priced +SWA 20% cheaper at
+    the 2 x 2 ablation's shape, seq 256, window 64, block 128)."""
+    import kernels
+    from ledgers import FlopLedger, cuda_attention
+    cfg = config.compose([f"model.attention.window={window}", f"kernels.attention_block={block}"])
+    n, d = 3, 16
+    q, k, v = (torch.empty(1, n, seq, d, device="meta") for _ in range(3))
+    ledger = FlopLedger()
+    with cuda_attention(ledger), ledger:
+        kernels.attention_banded(q, k, v, window, block)
+    assert ledger.flops["attention"] == pytest.approx(4 * n * seq * pm.banded_keys(cfg, seq) * d)

@@ -109,6 +109,7 @@ LAYOUTS = {
     "pp_off": ["parallel.pp=2", "parallel.microbatches=4"],
     "dp_off": ["parallel.dp=2", "parallel.zero_stage=2"],
     "dp_on": ["parallel.dp=2", "parallel.zero_stage=2", "parallel.overlap.dp=true"],
+    "unfused": ["parallel.tp=2", "kernels.attention=unfused"],
 }
 
 
@@ -169,6 +170,28 @@ def test_the_replayed_gemms_and_attention_are_the_analytical_ones(rehearsed, nam
     attention = sum(replay.compute_time({"attention": w["attention"], "attention_ops": w["attention_ops"]}, r) for w in work)
     assert gemm == pytest.approx(analytical.breakdown["gemm"], rel=0.01)
     assert attention == pytest.approx(analytical.breakdown["attention"], rel=0.01)
+
+
+def test_the_materialized_core_attention_is_priced_as_the_batched_gemms_it_runs(rehearsed):
+    """kernels.attention=unfused (the ablation's baseline): its batched products are recorded with
+    their shapes, not as fused-attention FLOPs, and the replay prices them as the analytical model
+    does, per layer and microbatch QK^T and PV forward and their four gradients: two [T,T,d] and
+    four [T,d,T] GEMMs over the rank's heads. (Priced at the fused kernel's efficiency instead, the
+    baseline's attention cost ~2x what it measured beside SDPA's on the CPU, issue 18's +SWA.)"""
+    _, _, records, cfg, hw, world = priced(rehearsed, "unfused")
+    record = records[0]
+    work = [ev["work"] for ev in step_events(record)]
+    bmm_flops = sum(2 * B * M * N * K * n for w in work for B, M, N, K, _, n in w["bmm"])
+    assert sum(w["attention"] for w in work) == 0  # no fused attention kernel ran
+    # the ledger's attention FLOPs: the products, and the softmax's pointwise ops at one an element
+    assert 0.99 * record["flops"]["per_step"]["attention"] < bmm_flops <= record["flops"]["per_step"]["attention"]
+    lay, r = pm.layout_of(cfg, world), pm.Rates.of(hw, "fp32", world)
+    T, d = lay.seq, cfg.model.d_model // cfg.model.n_heads
+    heads = lay.micro_batch * cfg.model.n_heads // lay.tp
+    per_layer = 2 * pm.gemm_time(r, T, T, d, heads, 4) + 4 * pm.gemm_time(r, T, d, T, heads, 4)
+    microbatches = cfg.train.batch_size // (lay.dp * lay.micro_batch)
+    replayed = sum(replay.compute_time({"bmm": w["bmm"]}, r) for w in work)
+    assert replayed == pytest.approx(per_layer * (cfg.model.n_layers // lay.pp) * microbatches, rel=0.01)
 
 
 def test_a_measured_gemm_shape_runs_at_its_measured_speed_in_both_models(rehearsed):
