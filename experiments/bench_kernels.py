@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the flat repo root
 import kernels  # noqa: E402
+from model import rope_tables  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -155,8 +156,15 @@ def fused_ops(args, dtype):
     def ce(fused):
         return forward_backward(lambda z: kernels.cross_entropy(z, targets, fused), [logits])
 
+    head_dim = getattr(args, "head_dim", None) or 64
+    qkv = leaf(B, T, 3 * h)
+    cos, sin = (t.to(args.device) for t in rope_tables(T, head_dim, 10000.0, "cpu"))
+
+    def heads_rope(fused):  # the projection's heads, q and k rotated; eager: the written-out op
+        return forward_backward(lambda z: kernels.heads_with_rope(z, head_dim, cos, sin, fused), [qkv])
+
     return {"LayerNorm, compiled (unused)": ln_compiled, "LN+residual": add_ln, "bias+GeLU (4h)": gelu, "LN+GeLU": ln_gelu,
-            f"cross-entropy ({rows}x{args.vocab})": ce}
+            f"cross-entropy ({rows}x{args.vocab})": ce, f"heads+RoPE (head_dim {head_dim})": heads_rope}
 
 
 def fused_values(args) -> list:

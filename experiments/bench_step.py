@@ -214,7 +214,9 @@ def profile_tables(args, rows: int = 12) -> str:
 #   LN+GeLU       the two above on the MLP's input, each on its own
 #   cross-entropy fwd logits (1); bwd logits -> dlogits (2)
 TRAFFIC = {"LN+residual": lambda n, h, rv: 8 * n * h, "bias+GeLU (4h)": lambda n, h, rv: 5 * n * 4 * h,
-           "LN+GeLU": lambda n, h, rv: 5 * n * h + 5 * n * 4 * h, "cross-entropy": lambda n, h, rv: 3 * rv}
+           "LN+GeLU": lambda n, h, rv: 5 * n * h + 5 * n * 4 * h, "cross-entropy": lambda n, h, rv: 3 * rv,
+           # q and k read and written forward; dq, dk, dv read and the projection's gradient written back
+           "heads+RoPE": lambda n, h, rv: 10 * n * h}
 
 
 def stream_GBps(reps: int = 20) -> float:
@@ -253,7 +255,8 @@ def ops_table(args) -> str:
     if dtype == "bf16" and not bf16_timeable():
         return f"bf16: {bf16_note()}; --dtype fp32"
     B, T, h, vocab = shape["batch"], shape["seq"], shape["d_model"], 257
-    ops_args = argparse.Namespace(shape=f"{B},{T},{h}", vocab=vocab, device="cpu", logit_rows=B * T)
+    ops_args = argparse.Namespace(shape=f"{B},{T},{h}", vocab=vocab, device="cpu", logit_rows=B * T,
+                                  head_dim=h // shape["n_heads"])
     element = torch.finfo(DTYPES[dtype]).bits // 8
     gbps = stream_GBps()
     lines = [f"{machine.cpu_model()} | threads {torch.get_num_threads()} | {dtype} | activations [{B}, {T}, {h}] | "
