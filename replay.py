@@ -225,5 +225,8 @@ def rehearse(cfg, hw, gpus: int, out: Path) -> List[dict]:
             raise RuntimeError(f"the rehearsal of rank {rank} ({path}) crashed: {record['crash']}")
         if any("work" not in ev for ev in record["comm"]):
             raise RuntimeError(f"{path} is a rehearsal from before events carried their work: delete it")
+        if any("bmm" not in ev["work"] for ev in record["comm"]):
+            raise RuntimeError(f"{path} is a rehearsal from before batched GEMMs were recorded by shape (1a55e81): "
+                               f"delete it")
         records.append(record)
     return records

@@ -6,6 +6,7 @@ code's rehearsals, that its workload is the analytical model's where both price 
 import copy
 import dataclasses
 import functools
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -252,3 +253,14 @@ def test_tp_without_overlap_shows_the_analytical_tp_traffic(rehearsed):
     exposed_if_blocking = sum(replay.comm_time(ev, pm.Network(hw, pm.layout_of(cfg, world)))
                               for ev in step_events(records[0]) if ev["op"] not in ("wait", "host_read", "batch"))
     assert replayed_step["comm_s"] < 0.8 * exposed_if_blocking  # the backward's hidden third
+
+
+def test_a_kept_rehearsal_from_before_batched_gemms_were_recorded_is_refused(tmp_path):
+    """validate keeps each run's rehearsal; one whose segments lack "bmm" priced the materialized
+    attention's products as fused-kernel FLOPs, so it is refused with the fix, not replayed."""
+    cfg = config.compose(TINY)
+    stale = {"rank": 0, "comm": [{"op": "all_reduce", "step": 1, "work": {"gemm": [], "attention": 0, "attention_ops": 0,
+                                                                           "bytes": 0, "ops": 0}}]}
+    (tmp_path / "rank0.json").write_text(json.dumps(stale))
+    with pytest.raises(RuntimeError, match="delete it"):
+        replay.rehearse(cfg, two_hosts_of_one_rank(), 1, tmp_path)
