@@ -21,7 +21,8 @@ backend obeys exactly this rule (flash-attn spells it window_size=(W-1, 0)):
 Fused operators (kernels.fused=true) are the eager functions below run through torch.compile:
 inductor turns each into one read-and-write pass forward and one backward, where eager PyTorch
 makes a pass per op. The functions are compiled lazily, once, the first time they are called.
-A lone LayerNorm, one ATen kernel each way already, stays ATen's (layer_norm).
+A lone LayerNorm, one ATen kernel each way already, stays ATen's (layer_norm). The attention's
+heads and RoPE (heads_with_rope) are compiled under either true or triton (no hand-written kernel).
 
 kernels.fused=triton runs hand-written Triton kernels instead (CUDA, the optional `triton`
 extra, kernels_triton.py): residual add + LayerNorm and bias + GeLU forward and backward, and the

@@ -26,7 +26,7 @@ and what differs by design, each timed as its own contender when asked (--varian
   ours-rope   rotary positions replaced by none (nanoGPT adds learned positions instead)
 and MegaScale's switch that nanoGPT has no counterpart for (--variants fused):
   ours+fused  kernels.fused=true: the elementwise chains (residual+LayerNorm, bias+GeLU, the
-              loss) as compiled kernels, the rest of the step as `ours`
+              loss, the heads with RoPE) as compiled kernels, the rest of the step as `ours`
 Throughput is tokens/s (batch * seq / median step time). The CPU model and whether it computes
 bf16 natively (AVX512-BF16, AMX) are printed first, with how much longer a bf16 GEMM takes than an
 fp32 one: AVX512 without BF16 emulates it at ~4x (timed), AVX2 alone at ~1000x, where the bf16
