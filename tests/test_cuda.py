@@ -18,6 +18,7 @@ import checkpoint
 import kernels
 import kernels_triton
 from conftest import SMALL, read_metrics, run_train
+from model import rope_tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = "cuda"
@@ -92,6 +93,11 @@ def test_fused_ops_on_cuda_are_as_accurate_as_eager(fused, dtype):
     targets = torch.randint(0, VOCAB, (2, 300), generator=torch.Generator().manual_seed(3)).to(CUDA)
     assert_as_accurate(lambda z: kernels.cross_entropy(z, targets),
                        lambda z: kernels.cross_entropy(z, targets, fused=fused), [logits])
+    head_dim = 128  # GPT-3's; 12 heads at this width
+    cos, sin = rope_tables(ROWS[1], head_dim, 10000.0, CUDA)
+    assert_as_accurate(lambda x: kernels.heads_with_rope(x, head_dim, cos, sin),
+                       lambda x: kernels.heads_with_rope(x, head_dim, cos, sin, fused=fused),
+                       [leaf(*ROWS, 3 * HIDDEN, dtype=dtype, seed=4)])
     if fused == "triton":
         assert kernels_triton.jit_kernels.cache_info().currsize, "the Triton kernels never ran"
 
