@@ -1,4 +1,4 @@
-"""checkpoint.py export-hf: transformers' GPTNeoXForCausalLM, loaded from the export, gives our logits.
+"""export_hf.py: transformers' GPTNeoXForCausalLM, loaded from the export, gives our logits.
 
 transformers is the external oracle here: nothing of it is patched."""
 import subprocess
@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 import checkpoint
 import config
+import export_hf
 from conftest import ROOT
 from model import GPT, AttentionConfig, ModelConfig
 from parallel import tp_shard_dim
@@ -57,7 +58,7 @@ def test_hf_gpt_neox_gives_our_logits(tmp_path, block, bias, tp, compiled):
     from transformers import GPTNeoXForCausalLM
     model = save_like_train(tmp_path / "checkpoints", tiny(block=block, bias=bias), tp, compiled)
     # The checkpoints dir, not a step folder: the export takes its newest complete checkpoint.
-    assert checkpoint.export_hf(tmp_path / "checkpoints", tmp_path / "hf") == checkpoint.step_dir(tmp_path / "checkpoints", STEP)
+    assert export_hf.export_hf(tmp_path / "checkpoints", tmp_path / "hf") == checkpoint.step_dir(tmp_path / "checkpoints", STEP)
     hf, info = GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     assert hf.config.use_parallel_residual == (block == "parallel")
@@ -71,7 +72,7 @@ def test_hf_gpt_neox_gives_our_logits(tmp_path, block, bias, tp, compiled):
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "checkpoint.py", "export-hf", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "export_hf.py", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -93,7 +94,7 @@ def test_incomplete_checkpoints_are_refused(tmp_path, capsys):
     cases += [(folder, "interrupted save"), (ckpt, "no complete checkpoint")]
     for path, problem in cases:
         with pytest.raises(SystemExit) as exit:
-            checkpoint.main(["export-hf", str(path), str(tmp_path / "hf")])
+            export_hf.main([str(path), str(tmp_path / "hf")])
         err = capsys.readouterr().err
         assert exit.value.code == 2 and err.startswith("config error: CKPT:") and problem in err, err
         assert len(err.strip().splitlines()) == 1
@@ -101,5 +102,5 @@ def test_incomplete_checkpoints_are_refused(tmp_path, capsys):
     with open(folder / "__0_0.distcp", "ab") as f:  # a truncated or altered file
         f.write(b"x")
     with pytest.raises(SystemExit):
-        checkpoint.main(["export-hf", str(folder), str(tmp_path / "hf")])
+        export_hf.main([str(folder), str(tmp_path / "hf")])
     assert "not the size its manifest lists" in capsys.readouterr().err
