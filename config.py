@@ -324,13 +324,13 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     remote = remote or rehearsing  # a rehearsal needs none of the job's hardware or paths
     if cfg.hardware.device in ("cuda", "auto") and not (cfg.dry_run or remote):  # a dry run needs no hardware
         import torch
-        import parallel
+        import launch
         if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
                               "use hardware.device=cpu (or auto) on this machine")
         if torch.cuda.is_available():
             visible = torch.cuda.device_count()
-            sharing = parallel.gpu_sharing_problem(parallel.ranks_on_this_node(), visible,
+            sharing = launch.gpu_sharing_problem(launch.ranks_on_this_node(), visible,
                                                    torchrun=bool(os.environ.get("LOCAL_WORLD_SIZE")))
             if sharing:
                 raise ConfigError("hardware.device", sharing, f"start at most {visible} rank(s) per node, one per "

@@ -1,16 +1,11 @@
 """Parallelism, applied from outside to the plain model of model.py (torchtitan-style).
 
-This file owns the process group set-up (env:// under torchrun or srun, device and backend
-detection), the device mesh, the functions that shard the model, and the optimizer step over the
-sharded model with the ranks' agreement on its loss (train_step, agree), which train.py and
-rehearsal.py both run.
+This file owns the device mesh, the functions that shard the model, and the optimizer step over
+the sharded model with the ranks' agreement on its loss (train_step, agree), which train.py and
+rehearsal.py both run. Joining the job's process group is launch.py's.
 """
 from __future__ import annotations
 
-import atexit
-import datetime
-import gc
-import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -109,147 +104,6 @@ def validate(cfg, world: int) -> None:
 # Switches whose code has landed; validate() refuses the others rather than ignore them.
 IMPLEMENTED = {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.zero_stage", "parallel.overlap.tp",
                "parallel.overlap.pp", "parallel.overlap.dp"}
-
-
-# --- Process group and device ---
-
-def pick_device(requested: str = "auto") -> torch.device:
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda":
-        # Modulo the devices this process sees: SLURM's --gpus-per-task (or a CUDA_VISIBLE_DEVICES
-        # per task) shows each task only its own GPU, as device 0, whatever its local id.
-        local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-        return torch.device("cuda", local % max(1, torch.cuda.device_count()))
-    return torch.device("cpu")
-
-
-def ranks_on_this_node() -> Optional[int]:
-    """How many ranks run on this node: torchrun's LOCAL_WORLD_SIZE, else SLURM's tasks on this
-    node (SLURM_STEP_TASKS_PER_NODE inside srun, else SLURM_TASKS_PER_NODE: "8(x4),2" means 8 on
-    each of the first four nodes, then 2); None outside both."""
-    if os.environ.get("LOCAL_WORLD_SIZE"):
-        return int(os.environ["LOCAL_WORLD_SIZE"])
-    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
-    if not spec:
-        return None
-    counts = []
-    for part in spec.split(","):
-        count, _, times = part.partition("(x")
-        counts += [int(count)] * int(times.rstrip(")") or 1)
-    return counts[min(int(os.environ.get("SLURM_NODEID", 0)), len(counts) - 1)]
-
-
-def gpu_sharing_problem(ranks: Optional[int], visible: int, torchrun: bool) -> Optional[str]:
-    """Why ranks of this node would share a GPU (pick_device takes LOCAL_RANK modulo the GPUs a
-    rank sees, and NCCL refuses two ranks on one GPU at its first collective), or None. torchrun's
-    ranks all see the node's GPUs; srun's tasks may each see only their own (--gpus-per-task), so
-    one visible GPU under srun is not a sign of sharing."""
-    if ranks is None or ranks <= visible or (visible <= 1 and not torchrun):
-        return None
-    return (f"{ranks} ranks on this node but {visible} GPU{'s' * (visible != 1)} visible to each, so two ranks "
-            f"would share a GPU (NCCL refuses that at the first collective)")
-
-
-def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Optional[float] = None) -> tuple[int, int]:
-    """Join the job's process group if launched by torchrun or srun; returns (rank, world).
-    Under srun the env:// variables are filled from SLURM's, so no torchrun is needed inside it."""
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-        os.environ.setdefault("MASTER_ADDR", _slurm_first_host())
-        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world == 1:
-        return 0, 1
-    if dist.is_initialized():  # the next job of a Hydra multirun in the same processes
-        return dist.get_rank(), dist.get_world_size()
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's store outlives a restart (--max-restarts) and gloo's keys in it are not per
-        # attempt: a restarted rank can read a dead rank's address and hang connecting to it. So
-        # every attempt gets keys of its own.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s or 600))
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"megarepro/attempt_{attempt}", store),
-                                rank=int(os.environ["RANK"]), world_size=world, **kwargs)
-    else:
-        dist.init_process_group(backend=backend, init_method="env://", **kwargs)
-    # Once per process, not per job: a second init after destroy reuses torchrun's store keys and
-    # hangs, and a multirun runs its jobs one after another in the same ranks.
-    atexit.register(shutdown)
-    return dist.get_rank(), dist.get_world_size()
-
-
-# What holds a process group beyond the layout: the checkpoint's group, made once per process group.
-_CHECKPOINT_GROUP: dict = {}
-_FAILED = False  # a job of this process raised: shutdown leaves the groups alone
-
-
-def checkpoint_group():
-    """One gloo group over all ranks for checkpoint traffic (checkpoint.Saver), so that a background
-    save's collectives never interleave with training's; made once per process group (a
-    multirun's jobs share it)."""
-    world = dist.group.WORLD
-    if world not in _CHECKPOINT_GROUP:
-        _CHECKPOINT_GROUP.clear()
-        _CHECKPOINT_GROUP[world] = dist.new_group(backend="gloo")
-    return _CHECKPOINT_GROUP[world]
-
-
-def mark_failed() -> None:
-    global _FAILED
-    _FAILED = True
-
-
-def shutdown() -> None:
-    """The end of a rank, at exit. By then train() has closed, in this order, the data loader
-    (its prefetch thread joined), the checkpoint writer (an asynchronous save written) and the
-    heartbeat; every send and collective was waited in its step. Left: the process groups. Every
-    reference to them goes (the checkpoint's group; a finished job's model and layout, if only a
-    cycle still holds them), then destroy_process_group drops c10d's, so that the groups' gloo
-    threads join here, while the interpreter is whole. Left to interpreter finalization, they
-    abort a rank after a finished run: SIGABRT, "terminate called without an active exception"
-    (issue 19; pytorch#190489). After a failure it does nothing (torchtitan#1342): a group whose
-    peer is gone can block in its destructor, and the rank is failing anyway."""
-    if _FAILED or not dist.is_initialized():
-        return
-    _CHECKPOINT_GROUP.clear()
-    gc.collect()
-    dist.destroy_process_group()
-
-
-def _slurm_first_host() -> str:
-    nodes = os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
-    import subprocess
-    try:
-        return subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
-                              check=True).stdout.split()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return first_host(nodes)
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM hostlist, as `scontrol show hostnames` would give it, for nodes
-    without scontrol: "gpu[001-032]" -> gpu001, "gpu[003,007],cpu1" -> gpu003, "r[1-2]-n[08-09]" -> r1-n08."""
-    depth, end = 0, len(nodelist)
-    for i, ch in enumerate(nodelist):  # the first comma outside brackets ends the first entry
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            end = i
-            break
-    entry = nodelist[:end]
-    while "[" in entry:
-        head, rest = entry.split("[", 1)
-        ranges, tail = rest.split("]", 1)
-        entry = head + ranges.split(",")[0].split("-")[0] + tail
-    return entry
 
 
 # --- Layout: where this rank sits in the (dp, pp, tp) mesh ---

@@ -29,6 +29,7 @@ import checkpoint
 import config
 import data
 import ft
+import launch
 import machine
 import metrics
 import optim
@@ -73,8 +74,8 @@ def main(dict_cfg) -> float:
 def train(cfg: config.Config, run_dir: Path) -> dict:
     """The training run. Returns the final metrics (also written to run.json)."""
     # --- Processes, devices, mesh ---
-    device = parallel.pick_device(cfg.hardware.device)
-    rank, world = parallel.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
+    device = launch.pick_device(cfg.hardware.device)
+    rank, world = launch.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
     layout = parallel.build_layout(cfg.parallel, rank, world, device)
     # Every generator a rank has, so that two runs of one config write identical checkpoints. Each
     # rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
@@ -197,9 +198,9 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         beat.progress(step, "done")
     except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
         run_log.finish("failed", summarize(history, step))
-        parallel.mark_failed()
+        launch.mark_failed()
         raise
-    finally:  # every thread the run started ends here, in this order (parallel.shutdown says the rest)
+    finally:  # every thread the run started ends here, in this order (launch.shutdown says the rest)
         loader.close()
         saver.close()
         beat.close()
@@ -215,7 +216,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     run_log.finish(status, final)
     if rank == 0:
         print(final_line(final, cfg), flush=True)
-    return final  # the process group stays up for the next job of a multirun (parallel.init_distributed)
+    return final  # the process group stays up for the next job of a multirun (launch.init_distributed)
 
 
 def prepare_data(cfg: config.Config, rank: int, world: int):

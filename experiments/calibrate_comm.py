@@ -82,7 +82,7 @@ def timed(fn, reps: int) -> float:
 
 def worker(args) -> int:
     import torch.distributed as dist
-    from parallel import init_distributed
+    from launch import init_distributed
     torch.set_num_threads(1)
     rank, world = init_distributed(torch.device("cpu"), "gloo", timeout_s=300)
     if args.sharing:

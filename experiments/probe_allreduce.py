@@ -15,7 +15,7 @@ bandwidth-limited link (experiments/emucluster.py) the wire is the cost and over
 
 The reduced values are checked on every iteration (exit 1 on a mismatch), so a run also proves
 that the process group the launcher built is correct. The process group comes from
-parallel.init_distributed, the path train.py takes, so torchrun and srun launches test it too.
+launch.init_distributed, the path train.py takes, so torchrun and srun launches test it too.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the flat repo root
-from parallel import init_distributed  # noqa: E402
+from launch import init_distributed  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

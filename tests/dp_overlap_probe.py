@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import optim  # noqa: E402
+import launch  # noqa: E402
 import parallel  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig  # noqa: E402
@@ -39,7 +40,7 @@ def misordered(build):
 def main(mode: str) -> None:
     if mode == "misordered":
         parallel.ParallelModel._forward_modules = misordered(parallel.ParallelModel._forward_modules)
-    rank, world = parallel.init_distributed(torch.device("cpu"), "gloo")
+    rank, world = launch.init_distributed(torch.device("cpu"), "gloo")
     cfg = parallel.ParallelConfig(zero_stage=2)
     cfg.overlap.dp = True
     if mode == "split":  # buckets smaller than a block: each block's forward waits for several

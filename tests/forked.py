@@ -6,7 +6,7 @@ torchrun pays that again on the same two cores. So the tests' ranks are forked f
 multiprocessing's forkserver, preloaded with train.py's modules: each rank still is its own
 process with its own environment, argv, working dir, stdout and stderr, and joins a real gloo group
 through env://, as under torchrun (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). It runs
-train.py as __main__, the preflight included, then its atexit handlers (parallel.shutdown), and
+train.py as __main__, the preflight included, then its atexit handlers (launch.shutdown), and
 exits with train.py's exit code.
 
 What this does not exercise is the launch itself, which other tests keep: the CI stress pass
@@ -111,7 +111,7 @@ def _rank(script: str, args: list, env: dict, out: Path) -> None:
         import traceback
         traceback.print_exc()
         code = 1
-    atexit._run_exitfuncs()  # a process's exit runs these (parallel.shutdown); os._exit below would not
+    atexit._run_exitfuncs()  # a process's exit runs these (launch.shutdown); os._exit below would not
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -4,7 +4,7 @@ namespaces with throttled links) and experiments/slurm/local_cluster.sh (a one-n
 What must hold: a job across emulated hosts computes the right all_reduce; a throttled link is
 really slower; a failing script, a lost host, or a SIGTERM leave no namespace and no process
 behind and set the exit code; without root or iproute2 it falls back to loopback; and a 2-task SLURM job
-runs probe_allreduce through parallel.init_distributed's SLURM mapping.
+runs probe_allreduce through launch.init_distributed's SLURM mapping.
 
     pytest tests/test_cluster_tools.py -x -q               # all (SLURM: starts a local cluster)
     pytest tests/test_cluster_tools.py -x -q -m "not slurm"
@@ -243,7 +243,7 @@ def test_slurm_two_task_allreduce(local_slurm, tmp_path):
     text = output.read_text()
     assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state + text
     rows = probe_results(text)
-    # ranks and world came from SLURM_PROCID / SLURM_NTASKS via parallel.init_distributed
+    # ranks and world came from SLURM_PROCID / SLURM_NTASKS via launch.init_distributed
     assert sorted(r["rank"] for r in rows) == [0, 1], text
     assert all(r["world"] == 2 and r["correct"] for r in rows), text
 

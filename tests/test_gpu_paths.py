@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import checkpoint
-import parallel
+import launch
 from overlap import WaitClock
 
 
@@ -89,16 +89,16 @@ def test_a_slurm_task_that_sees_one_gpu_uses_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setenv("SLURM_LOCALID", "5")
-    assert parallel.pick_device("cuda") == torch.device("cuda", 0)
+    assert launch.pick_device("cuda") == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert parallel.pick_device("cuda") == torch.device("cuda", 5)
+    assert launch.pick_device("cuda") == torch.device("cuda", 5)
 
 
 @pytest.mark.parametrize("nodelist,first", [
     ("gpu[001-032]", "gpu001"), ("gpu[001,003]", "gpu001"), ("gpu[003,007],cpu1", "gpu003"),
     ("node7", "node7"), ("a1,b2", "a1"), ("rack[2-3]-n[08-09,11]", "rack2-n08"), ("h[10-11]x", "h10x")])
 def test_first_host_of_a_hostlist_without_scontrol(nodelist, first):
-    assert parallel.first_host(nodelist) == first
+    assert launch.first_host(nodelist) == first
 
 
 def test_rng_state_keeps_only_the_run_device(monkeypatch):

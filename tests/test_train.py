@@ -84,7 +84,7 @@ def test_dropout_outside_0_1_is_a_config_error(value):
 
 def _two_jobs_then_exit(rank, world, port, cache, run_dir):
     """One rank of a 2-job multirun in the same processes, as Hydra's basic launcher runs one, then
-    the rank's exit (parallel.shutdown, which init_distributed registers at exit)."""
+    the rank's exit (launch.shutdown, which init_distributed registers at exit)."""
     import gc
     import os
     import threading
@@ -93,6 +93,7 @@ def _two_jobs_then_exit(rank, world, port, cache, run_dir):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), MEGAREPRO_CACHE=cache, WANDB_MODE="disabled", HF_DATASETS_OFFLINE="1")
     import config
+    import launch
     import parallel
     import train
     layouts, build = [], parallel.build_layout
@@ -109,7 +110,7 @@ def _two_jobs_then_exit(rank, world, port, cache, run_dir):
         train.train(cfg, Path(run_dir) / f"rank{rank}_job{job}")
         gc.collect()
         report[f"job{job}_layout_alive"] = layouts[-1]() is not None
-    parallel.shutdown()
+    launch.shutdown()
     tasks = Path(f"/proc/{os.getpid()}/task")
     report["native_threads"] = sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
     report["python_threads"] = [t.name for t in threading.enumerate()]
@@ -170,12 +171,12 @@ def test_a_slurm_job_with_fewer_tasks_than_the_layout_is_one_line(tmp_path, cach
     ({}, None),
 ])
 def test_ranks_on_this_node(monkeypatch, env, ranks):
-    import parallel
+    import launch
     for var in ("LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    assert parallel.ranks_on_this_node() == ranks
+    assert launch.ranks_on_this_node() == ranks
 
 
 def test_more_ranks_on_a_node_than_its_gpus_is_one_line(monkeypatch):
@@ -183,15 +184,15 @@ def test_more_ranks_on_a_node_than_its_gpus_is_one_line(monkeypatch):
     fail at the first collective; validate says so first. (No GPU here: torch.cuda answers as on
     such a node.) srun tasks that each see one GPU of their own (--gpus-per-task) are fine."""
     import config
-    import parallel
+    import launch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(config.ConfigError, match=r"hardware.device: 8 ranks on this node but 2 GPUs .*Fix: start at most 2"):
         config.validate(config.compose([]), world=8)
-    assert parallel.gpu_sharing_problem(8, 1, torchrun=False) is None   # srun --gpus-per-task=1
-    assert parallel.gpu_sharing_problem(8, 8, torchrun=True) is None
-    assert "share a GPU" in parallel.gpu_sharing_problem(4, 2, torchrun=False)
+    assert launch.gpu_sharing_problem(8, 1, torchrun=False) is None   # srun --gpus-per-task=1
+    assert launch.gpu_sharing_problem(8, 8, torchrun=True) is None
+    assert "share a GPU" in launch.gpu_sharing_problem(4, 2, torchrun=False)
 
 
 def test_ctrl_c_during_the_first_steps_compile_stops_cleanly_and_resumes(tmp_path, cache_dir):
