@@ -4,7 +4,8 @@ link, and how much compute slows when ranks share the cores.
 
     python experiments/calibrate_comm.py                        # loopback (2 ranks) and 250mbit (2 hosts x 1)
     python experiments/calibrate_comm.py --links 250mbit --ranks-per-host 2
-    python experiments/calibrate_comm.py --sharing              # compute alone and beside 1 and 3 other ranks
+    python experiments/calibrate_comm.py --sharing              # compute alone and beside 1 and 3 other ranks,
+                                                                # and a small collective beside it
 
 Each setting runs this script's worker under experiments/emucluster.py (the link) or its
 --loopback (one torchrun). Every rank times all_reduce, all_gather, reduce_scatter over the whole
@@ -120,17 +121,31 @@ def ping(buf, rank: int, world: int) -> None:
 
 def sharing_worker(rank: int, world: int, args) -> int:
     """Every rank times the same single-threaded GEMMs at once: the step slows by how much when
-    `world` ranks share this machine's cores."""
+    `world` ranks share this machine's cores. Then what a small collective adds beside them."""
     import torch.distributed as dist
     a = torch.randn(512, 512)
     gemm = lambda: [a @ a for _ in range(20)]
-    seconds = torch.tensor([timed(gemm, args.reps)])
+    result = torch.tensor([timed(gemm, args.reps), collective_beside_gemms(rank, world, args.reps * 5)])
     if world > 1:
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX)
         dist.destroy_process_group()
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"world": world, "gemm_s": seconds.item()}))
+        gemm_s, collective_s = result.tolist()
+        Path(args.out).write_text(json.dumps({"world": world, "gemm_s": gemm_s, "collective_s": collective_s}))
     return 0
+
+
+def collective_beside_gemms(rank: int, world: int, reps: int) -> float:
+    """Seconds a 4 KiB all-reduce between a pair of ranks adds to ~2 ms of a rank's GEMMs, while
+    every rank does the same (as TP pairs do in a step). Once ranks outnumber the cores, a
+    collective waits until its peer is scheduled, and its threads take cores from the GEMMs."""
+    import torch.distributed as dist
+    if world < 2:
+        return 0.0
+    pairs = [dist.new_group([i, i + 1]) for i in range(0, world - 1, 2)]  # every rank makes every group
+    pair, small, b = pairs[min(rank // 2, len(pairs) - 1)], torch.ones(1024), torch.randn(256, 256)
+    gemms = lambda: [b @ b for _ in range(4)]
+    return max(0.0, timed(lambda: (gemms(), dist.all_reduce(small, group=pair)), reps) - timed(gemms, reps))
 
 
 # --- The driver: one job per setting, then the fit and the table ---
@@ -237,8 +252,10 @@ def table(result: dict) -> str:
 
 
 def sharing(reps: int) -> dict:
-    ranks = {k: launch("loopback", 1, k, ["--sharing"], reps)["gemm_s"] for k in (1, 2, 4)}
-    return {"ranks": ranks, "slowdown": {k: v / ranks[1] for k, v in ranks.items()}, "cores": os.cpu_count()}
+    runs = {k: launch("loopback", 1, k, ["--sharing"], reps) for k in (1, 2, 4)}
+    ranks = {k: run["gemm_s"] for k, run in runs.items()}
+    return {"ranks": ranks, "slowdown": {k: v / ranks[1] for k, v in ranks.items()}, "cores": os.cpu_count(),
+            "collective_beside_gemms_s": {k: run["collective_s"] for k, run in runs.items() if k > 1}}
 
 
 def main(argv=None) -> int:
@@ -258,9 +275,11 @@ def main(argv=None) -> int:
         result = sharing(args.reps)
         append(cache, {"sharing": result, "cpu": machine.cpu_model(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
         print(f"{machine.cpu_model()}, {result['cores']} cores: single-threaded GEMMs, each rank alone vs together")
-        print("\n| ranks | time | slowdown |\n|---|---|---|")
+        print("\n| ranks | GEMMs | slowdown | a 4 KiB pair all-reduce beside them |\n|---|---|---|---|")
         for k, v in result["ranks"].items():
-            print(f"| {k} | {v * 1e3:.1f} ms | {result['slowdown'][k]:.2f}x |")
+            beside = result["collective_beside_gemms_s"].get(k)
+            print(f"| {k} | {v * 1e3:.1f} ms | {result['slowdown'][k]:.2f}x | "
+                  f"{'-' if beside is None else f'+{beside * 1e3:.2f} ms'} |")
         return 0
     for link in args.links.split(","):
         hosts, per_host = (1, max(2, args.ranks_per_host)) if link == "loopback" else (args.hosts, args.ranks_per_host)
