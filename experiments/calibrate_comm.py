@@ -137,8 +137,9 @@ def sharing_worker(rank: int, world: int, args) -> int:
 
 def collective_beside_gemms(rank: int, world: int, reps: int) -> float:
     """Seconds a 4 KiB all-reduce between a pair of ranks adds to ~2 ms of a rank's GEMMs, while
-    every rank does the same (as TP pairs do in a step). Once ranks outnumber the cores, a
-    collective waits until its peer is scheduled, and its threads take cores from the GEMMs."""
+    every rank does the same (as TP pairs do in a step): the host's cost of a collective beside
+    compute, which the link fits (from 256 KiB up) leave out. A collective waits until its peer's
+    threads are scheduled, and gloo's threads take cores from the GEMMs."""
     import torch.distributed as dist
     if world < 2:
         return 0.0
