@@ -303,7 +303,7 @@ def test_sbatch_training_job_requeues_on_preemption_and_resumes(local_slurm, tmp
     state = wait_for_job(job_id, 400)
     text = output.read_text()
     assert "JobState=COMPLETED" in state and "Restarts=1" in state, state + text[-3000:]
-    assert "preemption signal" in text and "requeued" in text, text[-3000:]
+    assert "preemption signal" in text and "requeueing job" in text, text[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), text[-3000:]
     record = json.loads((run_dir / "run.json").read_text())
