@@ -86,6 +86,10 @@ class HardwareConfig:
     # (measured: gloo's reduce_scatter costs a whole all-reduce, 0.5); NCCL's are alike: empty.
     collective_efficiency: Dict[str, float] = field(default_factory=dict)
     overlap_slowdown: Optional[float] = 0.1   # compute slows by this fraction of the comm it hides
+    # What each collective or send costs the host beside compute (replay.py). None: 0 on a GPU;
+    # on a CPU, this machine's `calibrate_comm.py --sharing` (its ranks' threads must be scheduled).
+    collective_host_us: Optional[float] = None
+    cores: Optional[int] = None               # CPU: the cores a job's ranks share (None: this machine's)
     loader_step_s: float = 0.0                # host time the naive data loader adds to every step
     collective_algo: str = "ring"             # ring | tree (hierarchical: inside hosts, then across)
 

@@ -37,6 +37,11 @@ def cache_dir() -> Path:
     return path
 
 
+def cores() -> int:
+    """The cores this process may run on (a container's or taskset's, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_model() -> str:
     try:
         return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
@@ -395,6 +400,22 @@ def link_calibration(rate_Gbps: float) -> Optional[Dict[str, object]]:
         if rate and abs(rate * 8 - rate_Gbps) < 1e-9 * max(rate_Gbps, 1) and record.get("cpu") == cpu_model():
             found = record
     return found
+
+
+def collective_host_s(world: int) -> Optional[float]:
+    """What a small collective costs beside compute on this CPU with `world` ranks sharing it: the
+    median over every `calibrate_comm.py --sharing` run here, at the most ranks it measured that
+    do not exceed world (2 or 4), or None if it never ran on this CPU. (Its runs vary 4x with this
+    VM's scheduling: one run is not enough, and the median of them all is what is used.)"""
+    path = cache_dir() / "comm_calibration.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    by_ranks: Dict[int, list] = {}
+    for record in (json.loads(line) for line in lines if '"sharing"' in line):
+        if record.get("cpu") == cpu_model():
+            for ranks, seconds in record["sharing"].get("collective_beside_gemms_s", {}).items():
+                by_ranks.setdefault(int(ranks), []).append(seconds)
+    measured = [k for k in by_ranks if k <= world]
+    return statistics.median(by_ranks[max(measured)]) if measured else None
 
 
 if __name__ == "__main__":

@@ -84,6 +84,8 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     hw = copy.copy(hw)
     on_cpu = hw.device == "cpu" or (hw.device == "auto" and not _cuda_available())
     hw.device = "cpu" if on_cpu else "cuda"
+    if on_cpu and hw.cores is None:
+        hw.cores = machine.cores()
     if not on_cpu:
         for key, value in fitted_constants().items():
             if getattr(hw, key, 0) is None:
@@ -151,8 +153,10 @@ class Rates:
     @classmethod
     def of(cls, hw: HardwareConfig, precision: str, ranks: int) -> "Rates":
         # A CPU job's ranks all run on this machine, an emulated cluster's hosts included: they
-        # share its measured peak and bandwidth (calibrate_comm.py --sharing measures how evenly).
-        share = ranks if hw.device == "cpu" else 1
+        # share its measured peak and bandwidth (calibrate_comm.py --sharing measures how evenly),
+        # one thread a rank (torchrun's and emucluster's OMP_NUM_THREADS=1), so at most a core each.
+        # This is every rank computing at once; replay.py gives a rank more while others wait.
+        share = max(ranks, hw.cores or 1) if hw.device == "cpu" and ranks > 1 else 1
         peak = hw.peak_tflops if precision == "bf16" else hw.peak_tflops_fp32
         gemm_eff, half_dim, flash_eff = (_of_dtype(hw, key, precision) for key in
                                          ("gemm_efficiency", "gemm_half_dim", "flash_efficiency"))

@@ -611,6 +611,10 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
             print("\n" + validation_table(rows))
             print(f"\n{len(rows)} runs. Analytical: {error_summary(rows, 'error')}. "
                   f"Replayed: {error_summary(rows, 'replay_error')}.")
+            host = sorted({round(r["replayed"]["host_s"] * 1e3, 2) for r in rows if "replayed" in r} - {0.0})
+            print(f"Replayed with each collective or send costing the host {' or '.join(map(str, host))} ms beside "
+                  f"compute (calibrate_comm.py --sharing)." if host else "Replayed with no host cost per collective: "
+                  "on a CPU, run `python experiments/calibrate_comm.py --sharing` (a few times) to measure it.")
             append_validation(rows)
             print(f"appended to {VALIDATION_LOG.relative_to(pm.ROOT)}")
             figure = next((f.split("=", 1)[1] for f in flags if f.startswith("--figure=")), None)

@@ -9,16 +9,24 @@ the memory-bound kernels). The rates are
 perfmodel's (Rates, Network), so both models stand on one calibration and the analytical step
 stays the cross-check.
 
-The replay is a discrete-event simulation. Each rank has one compute stream; a wait blocks it
-until its operation ends. Each rank runs a process group's collectives in order on a stream of
-their own (NCCL: a communicator's kernels are ordered; gloo: a group's work queue), sends and
-receives each direction on their own. A collective starts when every rehearsed member has posted
-it and its streams are free (members not rehearsed mirror the rank that was: ranks of one stage
-issue the same program); a send and its receive pair up first in, first out, per pair of ranks,
-and start when both are posted. Compute that runs beside communication in flight is slowed by
-hardware.overlap_slowdown of the overlapped time (gloo's threads take the same cores; NCCL's
-kernels take SMs). Not modelled: contention between two groups' transfers on one link (each group
-gets the link's rate), and the host's Python time beyond the per-op overhead.
+The replay is a discrete-event simulation, in time order over all rehearsed ranks. Each rank has
+one compute stream; a wait blocks it until its operation ends. Each rank runs a process group's
+collectives in order on a stream of their own (NCCL: a communicator's kernels are ordered; gloo: a
+group's work queue), sends and receives each direction on their own. A collective starts when
+every rehearsed member has posted it and its streams are free (members not rehearsed mirror the
+rank that was: ranks of one stage issue the same program); a send and its receive pair up first
+in, first out, per pair of ranks, and start when both are posted. Compute that runs beside its
+rank's own communication in flight runs 1 + hardware.overlap_slowdown times slower (gloo's
+threads take the same cores; NCCL's kernels take SMs).
+
+On a CPU the job's ranks share the machine's cores, so a rank computes as fast as the ranks
+computing beside it leave it: its one thread gets a core while fewer ranks compute than there are
+cores, and an equal share of them otherwise (processor sharing; a rank that waits frees its core).
+And every collective and send costs the host a fixed time beside compute (`host_s`: a rank's gloo
+threads and its peer's must be scheduled), which calibrate_comm.py --sharing measures with a small
+all-reduce beside GEMMs; the link fits start at 256 KiB and leave it out. Not modelled:
+contention between two groups' transfers on one link (each group gets the link's rate), and the
+host's Python time beyond the per-op overhead.
 
     python perfmodel.py validate <run dirs>    # prices each run both ways, beside its measured step
 """
@@ -27,11 +35,13 @@ from __future__ import annotations
 import json
 from collections import deque
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
+import machine
 import perfmodel as pm
 
 GATHERS = ("all_gather", "reduce_scatter")  # recorded bytes are one rank's shard of the buffer
+EPS = 1e-12  # seconds: a segment's remainder below this has ended
 
 
 def compute_time(work: dict, r: pm.Rates) -> float:
@@ -64,9 +74,11 @@ def comm_time(ev: dict, net: pm.Network) -> float:
 class _Rank:
     """One rehearsed rank's program, replayed: its clock, and when each of its operations ends."""
 
-    def __init__(self, record: dict):
-        self.rank, self.events = record["rank"], record["comm"]
+    def __init__(self, record: dict, weight: float):
+        self.rank, self.events, self.weight = record["rank"], record["comm"], weight  # weight: ranks it stands for
         self.pos, self.t, self.computed = 0, 0.0, False
+        self.work = 0.0                               # seconds left of its compute segment, at full speed
+        self.since: Optional[float] = None            # when it reached the wait it stands at
         self.ends: Dict[int, float] = {}              # op index -> when its transfers end (so far)
         self.parts: Dict[int, list] = {}              # op index -> its transfers (a batch has several)
         self.unmatched: Dict[int, int] = {}           # op index -> its transfers whose peer has not posted
@@ -76,57 +88,105 @@ class _Rank:
         self.step_ends: Dict[int, float] = {}
         self.stalls_at: Dict[int, dict] = {}
 
+    def done(self) -> bool:
+        return self.pos >= len(self.events)
+
+    def computing(self) -> bool:
+        return not self.done() and self.computed and self.work > EPS
+
+    def in_flight(self, now: float) -> bool:
+        return any(a <= now < b for a, b in self.busy)
+
 
 class Replay:
     """The rehearsed ranks' programs run together on rates r and network net (the module's rules);
-    run() replays every event, step(k) reads off step k."""
+    run() replays every event, step(k) reads off step k. speed(n): how many times r's compute rate
+    a rank gets while ranks standing for n compute at once (None: always r's); host_s: what each
+    collective or send costs beside compute; weight: the ranks each rehearsed one stands for."""
 
-    def __init__(self, records: List[dict], r: pm.Rates, net: pm.Network, slowdown: float):
-        self.ranks = {rec["rank"]: _Rank(rec) for rec in records}
-        self.r, self.net, self.slowdown = r, net, slowdown
+    def __init__(self, records: List[dict], r: pm.Rates, net: pm.Network, slowdown: float, host_s: float = 0.0,
+                 speed: Optional[Callable[[float], float]] = None, weight: float = 1.0):
+        self.ranks = {rec["rank"]: _Rank(rec, weight) for rec in records}
+        self.r, self.net, self.slowdown, self.host_s, self.speed = r, net, slowdown, host_s, speed
         self.p2p: Dict[tuple, deque] = {}    # (src, dst, "send"|"recv") -> posted, not yet paired
         self.joint: Dict[tuple, dict] = {}   # (comm, k-th) -> {rank: post time} of a shared collective
         self.nth: Dict[tuple, int] = {}      # (rank, comm) -> collectives posted on it so far
 
     def run(self) -> None:
+        now = 0.0
+        while True:
+            self._settle(now)
+            later = self._next_change(now)
+            if later is None:
+                break
+            self._compute_until(now, later)
+            now = later
+        stuck = [r.rank for r in self.ranks.values() if not r.done()]
+        if stuck:
+            raise RuntimeError(f"replay: ranks {stuck} wait for operations no rehearsed rank posts")
+
+    def _settle(self, now: float) -> None:
+        """Every rank handles what it can at `now`, until each computes, waits or has ended (one
+        rank's post may let another's wait end)."""
         progressed = True
         while progressed:
             progressed = False
             for rank in self.ranks.values():
-                while rank.pos < len(rank.events) and self._advance(rank):
+                while self._advance(rank, now):
                     progressed = True
-        stuck = [r.rank for r in self.ranks.values() if r.pos < len(r.events)]
-        if stuck:
-            raise RuntimeError(f"replay: ranks {stuck} wait for operations no rehearsed rank posts")
 
-    def _advance(self, rank: _Rank) -> bool:
-        """Handles rank's next event; False if it must wait for another rank first."""
+    def _advance(self, rank: _Rank, now: float) -> bool:
+        """Handles rank's next event at `now`; False if it computes or waits first."""
+        if rank.done():
+            return False
         ev = rank.events[rank.pos]
         if not rank.computed:
-            self._compute(rank, compute_time(ev.get("work", {}), self.r))
-            rank.computed = True
-        op = ev["op"]
+            rank.work, rank.computed = compute_time(ev.get("work", {}), self.r), True
+        if rank.work > EPS:
+            return False
+        rank.t, op = now, ev["op"]
         if op == "wait":
-            if rank.unmatched.get(ev["of"]):
+            rank.since = now if rank.since is None else rank.since
+            if rank.unmatched.get(ev["of"]) or rank.ends.get(ev["of"], now) > now + EPS:
                 return False
-            end = rank.ends.get(ev["of"], rank.t)
-            if end > rank.t:
+            if now > rank.since:
                 kind = "bubble" if any(p["op"] == "recv" for p in rank.parts.get(ev["of"], ())) else "comm"
-                rank.stalls[kind] += end - rank.t
-                rank.t = end
+                rank.stalls[kind] += now - rank.since
+            rank.since = None
         elif op == "host_read":
             if isinstance(ev["step"], int):
-                rank.step_ends[ev["step"]], rank.stalls_at[ev["step"]] = rank.t, dict(rank.stalls)
+                rank.step_ends[ev["step"]], rank.stalls_at[ev["step"]] = now, dict(rank.stalls)
         else:
             self._post(rank, ev)
         rank.pos, rank.computed = rank.pos + 1, False
         return True
 
-    def _compute(self, rank: _Rank, seconds: float) -> None:
-        start, end = rank.t, rank.t + seconds
-        overlapped = sum(max(0.0, min(b, end) - max(a, start)) for a, b in rank.busy if b > start)
-        rank.t = end + self.slowdown * overlapped
-        rank.busy = [(a, b) for a, b in rank.busy if b > start]
+    def _rate(self, rank: _Rank, now: float, active: float) -> float:
+        """rank's compute speed at `now`, as a multiple of r's rates."""
+        speed = self.speed(active) if self.speed else 1.0
+        return speed / (1.0 + self.slowdown) if rank.in_flight(now) else speed
+
+    def _next_change(self, now: float) -> Optional[float]:
+        """When a segment of compute ends, a wait's operation ends, or a rank's transfers start or
+        end (its compute speed changes): the next moment the replay must look at; None at the end."""
+        active = sum(r.weight for r in self.ranks.values() if r.computing())
+        times = []
+        for rank in self.ranks.values():
+            rank.busy = [(a, b) for a, b in rank.busy if b > now]
+            if rank.computing():
+                times.append(now + rank.work / self._rate(rank, now, active))
+                times += [t for a, b in rank.busy for t in (a, b) if t > now]
+            elif not rank.done() and rank.events[rank.pos]["op"] == "wait":
+                of = rank.events[rank.pos]["of"]
+                if not rank.unmatched.get(of) and rank.ends.get(of, now) > now:
+                    times.append(rank.ends[of])
+        return min(times) if times else None
+
+    def _compute_until(self, now: float, later: float) -> None:
+        active = sum(r.weight for r in self.ranks.values() if r.computing())
+        for rank in self.ranks.values():
+            if rank.computing():
+                rank.work = max(0.0, rank.work - (later - now) * self._rate(rank, now, active))
 
     def _post(self, rank: _Rank, ev: dict) -> None:
         parts = ev["ops"] if ev["op"] == "batch" else [ev]
@@ -148,7 +208,7 @@ class Replay:
     def _post_p2p(self, rank: _Rank, index: int, part: dict) -> None:
         me, peer = rank.rank, part["peer"]
         src, dst = (me, peer) if part["op"] == "send" else (peer, me)
-        seconds = comm_time(part, self.net)
+        seconds = comm_time(part, self.net) + self.host_s
         if peer not in self.ranks:  # its peer mirrors: posted now
             self._finish(rank, index, (part["op"], peer), rank.t, seconds)
             return
@@ -165,6 +225,7 @@ class Replay:
 
     def _post_collective(self, rank: _Rank, index: int, part: dict) -> None:
         comm, seconds = part.get("comm"), comm_time(part, self.net)
+        seconds += self.host_s if len(part.get("ranks", ())) > 1 else 0.0  # a group of one rank posts nothing
         members = [m for m in part.get("ranks", ()) if m in self.ranks]
         k = self.nth[(rank.rank, comm)] = self.nth.get((rank.rank, comm), -1) + 1
         posted = self.joint.setdefault((comm, k), {})
@@ -193,12 +254,37 @@ def predict(records: List[dict], cfg, hw, gpus: int) -> dict:
     lay = pm.layout_of(cfg, gpus)
     cfg = pm.resolve_config(cfg, hw)
     r, net = pm.Rates.of(hw, pm.precision(cfg), lay.gpus), pm.Network(hw, lay)
-    replay = Replay(records, r, net, hw.overlap_slowdown or 0.0)
+    host = host_cost(hw, lay.gpus)
+    replay = Replay(records, r, net, hw.overlap_slowdown or 0.0, host, core_sharing(hw, lay.gpus),
+                    weight=lay.gpus / len(records))
     replay.run()
     out = replay.step(max(rec["steps"] for rec in records))
     data = hw.loader_step_s if cfg.data.pipeline != "megascale" else 0.0
     out["step_s"] += data
+    out["host_s"] = host
     return out
+
+
+def host_cost(hw, world: int) -> float:
+    """Seconds each collective or send costs the host beside compute: hardware.collective_host_us
+    where set, else 0 on a GPU (NCCL runs on the device), and on a CPU this machine's calibration
+    (calibrate_comm.py --sharing; 0 until it has run, which validate says)."""
+    if hw.collective_host_us is not None:
+        return hw.collective_host_us * 1e-6
+    if hw.device != "cpu" or world < 2:
+        return 0.0
+    return machine.collective_host_s(world) or 0.0
+
+
+def core_sharing(hw, world: int) -> Optional[Callable[[float], float]]:
+    """On a CPU, the speed of a rank while ranks standing for n compute, as a multiple of
+    Rates.of's (which has every rank computing at once, one thread each: peak / max(world, cores)):
+    a core each while n is at most the cores, cores / n each above. None for one process or a
+    GPU (each rank its own device)."""
+    if hw.device != "cpu" or world < 2:
+        return None
+    cores = hw.cores or 1
+    return lambda n: max(world, cores) / max(n, cores)
 
 
 def stage_ranks(cfg, gpus: int) -> List[int]:

@@ -433,7 +433,13 @@ def test_cpu_local_reads_its_cache_and_charges_every_op(tmp_path, monkeypatch, t
                                                           "measured": CPU_MEASURED}))
     hw = pm.resolve_hardware(cli.compose(["hardware=cpu_local"]).hardware)
     assert hw.peak_tflops == 0.8 and hw.op_overhead_us == 20.0 and hw.inter_host_efficiency == 1.0
-    r = pm.Rates.of(hw, "bf16", 2)                      # two ranks share the host: half each
+    assert hw.cores == machine.cores()                    # resolved: this machine's
+    hw.cores = 2
+    r = pm.Rates.of(hw, "bf16", 2)                      # two ranks share a 2-core host: half each
+    assert pm.Rates.of(hw, "bf16", 4).flops == pytest.approx(0.2e12)   # four: a quarter
+    hw.cores = 8
+    assert pm.Rates.of(hw, "bf16", 2).flops == pytest.approx(0.1e12)   # one thread a rank: a core each
+    hw.cores = 2
     assert r.flops == pytest.approx(0.4e12) and r.mem == pytest.approx(10e9 * 0.4 / 2)  # the measured fraction of the copy's
     assert pm.stream_time(r, 2e9, ops=10) == pytest.approx(1.0 + 10 * 20e-6)   # CPU: fixed cost adds
     # fp32 runs take fp32's own shape profile and attention rate; bf16 runs the bf16 ones

@@ -29,6 +29,7 @@ RATES = pm.Rates(flops=1e12, gemm_eff=1.0, half_dim=0.0, flash_eff=1.0, mem=GB, 
 class WireOfOneGBps:
     lay = SimpleNamespace(tp=2, pp=2, dp=2)
     hw = SimpleNamespace(devices_per_host=1, collective_efficiency=None, collective_algo="ring")
+    intra = inter = (GB, 0.0)   # groups beyond tp, pp and dp (bytes/s, latency)
 
     def collective(self, kind, nbytes, dim):
         return nbytes / GB
@@ -101,6 +102,56 @@ def test_a_receive_no_rank_sends_is_named():
         replayed([{"rank": 0, "comm": lone_sender}, {"rank": 1, "comm": receiver}])
 
 
+def test_ranks_that_share_the_cores_compute_faster_while_the_others_wait():
+    """Processor sharing: 4 ranks on 2 cores, each at a quarter of the peak while all compute (the
+    rates' own share), at half of it while only two do. Ranks 0 and 1 compute 1 s of work and
+    ranks 2 and 3 wait for them on a collective first: alone on the cores, 0 and 1 finish in 0.5 s."""
+    share = replay.core_sharing(SimpleNamespace(device="cpu", cores=2), 4)
+    assert (share(4), share(2), share(1)) == (1.0, 2.0, 2.0)     # one thread a rank: a core at most
+    gb = 0.0  # a collective that costs nothing: only its order matters
+    first = lambda r: program(("all_reduce", {"group": "x", "comm": "c", "ranks": [0, 1, 2, 3], "bytes": gb, "async": False}, 1.0),
+                              ("wait", {"of": 0}, 0.0), ("host_read", {}, 0.0))
+    then = lambda r: program(("all_reduce", {"group": "x", "comm": "c", "ranks": [0, 1, 2, 3], "bytes": gb, "async": False}, 0.0),
+                             ("wait", {"of": 0}, 0.0), ("host_read", {}, 1.0))
+    records = [{"rank": r, "comm": first(r) if r < 2 else then(r)} for r in range(4)]
+    run = replay.Replay(records, RATES, WireOfOneGBps(), 0.0, speed=share)
+    run.run()
+    assert run.ranks[0].step_ends[1] == pytest.approx(0.5)
+    assert run.step(1) == pytest.approx({"step_s": 1.0, "comm_s": 0.5, "bubble_s": 0.0, "compute_s": 0.5})
+    # without sharing (a GPU: a device a rank), everyone takes 1 s of compute
+    run = replay.Replay(records, RATES, WireOfOneGBps(), 0.0)
+    run.run()
+    assert run.ranks[0].step_ends[1] == pytest.approx(1.0) and run.ranks[2].step_ends[1] == pytest.approx(2.0)
+
+
+def test_each_collective_pays_the_host_cost_on_its_stream():
+    """Two collectives on one group, each 0.25 s on the wire and 0.1 s of host cost: in turn, so the
+    wait on the second ends at 0.7 s; a send pays it too."""
+    events = program(("all_reduce", all_reduce(0.25, True), 0.0), ("all_reduce", all_reduce(0.25, True), 0.0),
+                     ("send", {"peer": 5, "bytes": 0.25 * GB, "async": True}, 0.0),
+                     ("wait", {"of": 1}, 0.0), ("wait", {"of": 2}, 0.0), ("host_read", {}, 0.0))
+    run = replay.Replay([{"rank": 0, "comm": events}], RATES, WireOfOneGBps(), 0.0, host_s=0.1)
+    run.run()
+    assert run.ranks[0].ends == pytest.approx({0: 0.35, 1: 0.7, 2: 0.35})
+    assert run.step(1)["step_s"] == pytest.approx(0.7)
+
+
+def test_the_host_cost_is_this_cpus_median_at_the_ranks_it_was_measured_with(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
+    cpu = machine.cpu_model()
+    runs = [{"2": 0.001, "4": 0.004}, {"2": 0.005, "4": 0.003}, {"2": 0.002, "4": 0.005}]
+    lines = [{"sharing": {"collective_beside_gemms_s": r}, "cpu": cpu} for r in runs]
+    lines += [{"sharing": {"collective_beside_gemms_s": {"2": 9.0}}, "cpu": "another CPU"}, {"rate_GBps": 0.03, "cpu": cpu}]
+    (tmp_path / "comm_calibration.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+    assert machine.collective_host_s(1) is None
+    assert machine.collective_host_s(2) == machine.collective_host_s(3) == pytest.approx(0.002)
+    assert machine.collective_host_s(8) == pytest.approx(0.004)
+    cpu_hw = SimpleNamespace(device="cpu", collective_host_us=None)
+    assert replay.host_cost(cpu_hw, 8) == pytest.approx(0.004) and replay.host_cost(cpu_hw, 1) == 0.0
+    assert replay.host_cost(SimpleNamespace(device="cuda", collective_host_us=None), 8) == 0.0
+    assert replay.host_cost(SimpleNamespace(device="cpu", collective_host_us=250.0), 8) == pytest.approx(0.00025)
+
+
 # --- The real code's rehearsals, priced on a fixed machine (no measurement of this one) ---
 
 TINY = ["model=tiny", "train.seq_len=128", "train.batch_size=8", "precision=fp32", "logging.wandb.mode=disabled"]
@@ -128,7 +179,7 @@ def two_hosts_of_one_rank():
                  op_overhead_us=10.0, gemm_half_dim=32.0, gemm_efficiency=0.8, flash_efficiency=0.3,
                  gemm_half_dim_fp32=32.0, gemm_efficiency_fp32=0.8, flash_efficiency_fp32=0.3,
                  inter_host_latency_us=200.0, inter_host_efficiency=0.95, p2p_efficiency=1.0, overlap_slowdown=0.2,
-                 devices_per_host=1, inter_host_Gbps=1.0)
+                 devices_per_host=1, inter_host_Gbps=1.0, cores=2, collective_host_us=0.0)
     for key, value in fixed.items():
         setattr(hw, key, value)
     return pm.resolve_hardware(hw)
