@@ -405,7 +405,7 @@ def link_calibration(rate_Gbps: float) -> Optional[Dict[str, object]]:
 def collective_host_s(world: int) -> Optional[float]:
     """What a small collective costs beside compute on this CPU with `world` ranks sharing it: the
     median over every `calibrate_comm.py --sharing` run here, at the most ranks it measured that
-    do not exceed world (2 or 4), or None if it never ran on this CPU. (Its runs vary 4x with this
+    do not exceed world (2, 4 or 8), or None if it never ran on this CPU. (Its runs vary 4x with this
     VM's scheduling: one run is not enough, and the median of them all is what is used.)"""
     path = cache_dir() / "comm_calibration.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []

@@ -4,7 +4,7 @@ link, and how much compute slows when ranks share the cores.
 
     python experiments/calibrate_comm.py                        # loopback (2 ranks) and 250mbit (2 hosts x 1)
     python experiments/calibrate_comm.py --links 250mbit --ranks-per-host 2
-    python experiments/calibrate_comm.py --sharing              # compute alone and beside 1 and 3 other ranks,
+    python experiments/calibrate_comm.py --sharing              # compute alone and beside 1, 3 and 7 other ranks,
                                                                 # and a small collective beside it
 
 Each setting runs this script's worker under experiments/emucluster.py (the link) or its
@@ -254,7 +254,7 @@ def table(result: dict) -> str:
 
 
 def sharing(reps: int) -> dict:
-    runs = {k: launch("loopback", 1, k, ["--sharing"], reps) for k in (1, 2, 4)}
+    runs = {k: launch("loopback", 1, k, ["--sharing"], reps) for k in (1, 2, 4, 8)}
     ranks = {k: run["gemm_s"] for k, run in runs.items()}
     return {"ranks": ranks, "slowdown": {k: v / ranks[1] for k, v in ranks.items()}, "cores": os.cpu_count(),
             "collective_beside_gemms_s": {k: run["collective_s"] for k, run in runs.items() if k > 1}}
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--hosts", type=int, default=2, help="emulated hosts of a throttled link (loopback: 1)")
     p.add_argument("--ranks-per-host", type=int, default=1)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--sharing", action="store_true", help="instead: the same GEMMs on 1, 2 and 4 ranks at once")
+    p.add_argument("--sharing", action="store_true", help="instead: the same GEMMs on 1, 2, 4 and 8 ranks at once")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
