@@ -47,169 +47,21 @@ Usage: python perfmodel.py [predict|ablation|scaling|plan|530b|validate] [key=va
 from __future__ import annotations
 
 import copy
-import json
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import config
-import machine
 import model as gpt
 from kernels import mean_keys
 from config import HardwareConfig
 from errors import ConfigError
-
-ROOT = Path(__file__).resolve().parent
-DATA_DIR = ROOT / "experiments" / "data"
-FIT_FILE = DATA_DIR / "perfmodel_fit.json"
-FITTED = ("gemm_efficiency", "inter_host_efficiency")
-MEASURED = ("peak_tflops", "peak_tflops_fp32", "memory_GBps", "memory_efficiency", "op_overhead_us", "gemm_half_dim",
-            "gemm_efficiency", "flash_efficiency", "intra_host_GBps", "inter_host_Gbps", "memory_gib")
-# Measured on a CPU too; elsewhere None means the bf16 value (Rates.of).
-MEASURED_FP32 = ("gemm_half_dim_fp32", "gemm_efficiency_fp32", "flash_efficiency_fp32")
+# The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
+from rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
+                   collective_time, gemm_key, gemm_time, resolve_hardware, stream_time)
 
 
-# --- Hardware: conf/hardware completed by the fit, or on a CPU by measuring this machine ---
-
-def fitted_constants() -> Dict[str, float]:
-    """The constants experiments/fit_perfmodel.py fitted on the A100 cluster; a GPU cluster that
-    leaves one null takes it as is (there is no other cluster's data to fit on)."""
-    return json.loads(FIT_FILE.read_text())["constants"] if FIT_FILE.exists() else {}
-
-
-def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
-    """A copy of hw with every number the model needs filled in, and device=auto decided (cuda or
-    cpu, as train.py decides it on this machine); ConfigError if a number can't be filled in."""
-    hw = copy.copy(hw)
-    on_cpu = hw.device == "cpu" or (hw.device == "auto" and not _cuda_available())
-    hw.device = "cpu" if on_cpu else "cuda"
-    if on_cpu and hw.cores is None:
-        hw.cores = machine.cores()
-    if not on_cpu:
-        for key, value in fitted_constants().items():
-            if getattr(hw, key, 0) is None:
-                setattr(hw, key, value)
-    if on_cpu and hw.inter_host_efficiency is None:
-        calibrated_link(hw)
-    missing = [k for k in MEASURED + FITTED if getattr(hw, k) is None]
-    if missing and on_cpu:
-        measured = machine.local_measurements()
-        for key in missing + [k for k in MEASURED_FP32 if getattr(hw, k) is None]:
-            setattr(hw, key, measured.get(key))
-        missing = [k for k in missing if getattr(hw, k) is None]
-    if missing:
-        raise ConfigError(f"hardware.{missing[0]}", f"unknown for hardware={hw.name}",
-                          "set it, or use hardware=a100_cluster, h100_cluster or cpu_local")
-    return hw
-
-
-CALIBRATED_KIND = "all_reduce"  # the link's efficiency is gloo's all-reduce bus bandwidth over its rate
-
-
-def calibrated_link(hw: HardwareConfig) -> None:
-    """An emulated cluster's link (conf/hardware/emulated_*): gloo's bandwidth there as a fraction of
-    the tbf rate, and its latency per ring step, from experiments/calibrate_comm.py's newest run at
-    that rate on this CPU (a microbenchmark, not a run being predicted). Fills hw in place."""
-    found = machine.link_calibration(hw.inter_host_Gbps) if hw.inter_host_Gbps else None
-    if found is None:
-        raise ConfigError("hardware.inter_host_efficiency", f"no calibration of a {hw.inter_host_Gbps} Gbit/s link "
-                          "on this CPU", f"run `sudo python experiments/calibrate_comm.py --links "
-                          f"{hw.inter_host_Gbps * 1000:g}mbit` once (it is cached), or set the efficiency")
-    fits = found["fits"]
-    fit = fits[CALIBRATED_KIND]
-    hw.inter_host_efficiency = fit["GBps"] * 8 / hw.inter_host_Gbps
-    if hw.inter_host_latency_us is None:
-        hw.inter_host_latency_us = fit["latency_us"]
-    if hw.p2p_efficiency is None and "send" in fits:
-        hw.p2p_efficiency = fits["send"]["GBps"] * 8 / hw.inter_host_Gbps
-    if hw.overlap_slowdown is None and "overlap" in found:
-        hw.overlap_slowdown = found["overlap"]["overlap_slowdown"]
-    if not hw.collective_efficiency:
-        hw.collective_efficiency = {k: fits[k]["GBps"] / fit["GBps"] for k in ("all_gather", "reduce_scatter") if k in fits}
-    for key in ("p2p_efficiency", "overlap_slowdown"):
-        if getattr(hw, key) is None:
-            raise ConfigError(f"hardware.{key}", f"the calibration of the {hw.inter_host_Gbps} Gbit/s link predates it",
-                              f"rerun `sudo python experiments/calibrate_comm.py --links {hw.inter_host_Gbps * 1000:g}mbit`")
-
-
-def _cuda_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
-@dataclass
-class Rates:
-    """The resolved hardware as the cost functions use it, for one rank of a given layout."""
-    flops: float            # peak FLOP/s of the run's dtype (a CPU's ranks share the host's)
-    gemm_eff: float
-    half_dim: float
-    flash_eff: float
-    mem: float              # achieved bytes/s of a streaming kernel
-    op: float               # fixed seconds per op
-    additive: bool          # CPU: the fixed cost adds to the work; GPU: launches overlap execution
-    gemm_shapes: Dict[str, float] = field(default_factory=dict)  # measured fraction of peak by "MxNxK"
-
-    @classmethod
-    def of(cls, hw: HardwareConfig, precision: str, ranks: int) -> "Rates":
-        # A CPU job's ranks all run on this machine, an emulated cluster's hosts included: they
-        # share its measured peak and bandwidth (calibrate_comm.py --sharing measures how evenly),
-        # one thread a rank (torchrun's and emucluster's OMP_NUM_THREADS=1), so at most a core each.
-        # This is every rank computing at once; replay.py gives a rank more while others wait.
-        share = max(ranks, hw.cores or 1) if hw.device == "cpu" and ranks > 1 else 1
-        peak = hw.peak_tflops if precision == "bf16" else hw.peak_tflops_fp32
-        gemm_eff, half_dim, flash_eff = (_of_dtype(hw, key, precision) for key in
-                                         ("gemm_efficiency", "gemm_half_dim", "flash_efficiency"))
-        return cls(peak * 1e12 / share, gemm_eff, half_dim, flash_eff,
-                   hw.memory_GBps * 1e9 * hw.memory_efficiency / share, hw.op_overhead_us * 1e-6,
-                   hw.device == "cpu", dict(hw.gemm_shapes or {}))
-
-
-def _of_dtype(hw: HardwareConfig, key: str, precision: str) -> float:
-    """hw.<key>, or for an fp32 run its <key>_fp32 where the hardware has one."""
-    fp32 = getattr(hw, key + "_fp32") if precision != "bf16" else None
-    return getattr(hw, key) if fp32 is None else fp32
-
-
-# --- Primitive costs: a kernel, a collective, a pipeline ---
-
-def _kernel(r: Rates, seconds: float, ops: float = 1) -> float:
-    return seconds + ops * r.op if r.additive else max(seconds, ops * r.op)
-
-
-def gemm_time(r: Rates, M: float, N: float, K: float, count: int = 1, elem: int = 2) -> float:
-    """[M,K] @ [K,N], `count` times in one kernel: a roofline whose compute side loses speed on small
-    dims (tile and wave quantization, modelled as d / (d + half_dim) per dim), or runs at the
-    fraction of peak measured for this shape where r has one."""
-    measured = r.gemm_shapes.get(gemm_key(M, N, K)) if count == 1 and r.gemm_shapes else None
-    shape = M / (M + r.half_dim) * N / (N + r.half_dim) * K / (K + r.half_dim)
-    efficiency = measured if measured is not None else r.gemm_eff * shape
-    compute = 2 * M * N * K * count / (r.flops * efficiency)
-    memory = elem * (M * K + K * N + M * N) * count / r.mem
-    return _kernel(r, max(compute, memory))
-
-
-def gemm_key(M: float, N: float, K: float) -> str:
-    return f"{round(M)}x{round(N)}x{round(K)}"
-
-
-def stream_time(r: Rates, nbytes: float, ops: float = 1) -> float:
-    """A memory-bound op (norm, activation, cast, softmax) that moves nbytes."""
-    return _kernel(r, nbytes / r.mem, ops)
-
-
-def collective_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float,
-                    algo: str = "ring") -> float:
-    """The textbook alpha-beta cost (Thakur, Rabenseifner & Gropp 2005) of one collective over n
-    ranks. nbytes is the whole buffer: what all_gather returns, what reduce_scatter and all_reduce
-    take. A ring takes n-1 steps, a tree (recursive halving/doubling, or NCCL's double binary
-    tree) log2(n); both move (n-1)/n of the buffer per rank, all_reduce twice."""
-    if n <= 1:
-        return 0.0
-    steps = n - 1 if algo == "ring" else math.ceil(math.log2(n))
-    one_pass = steps * latency + (n - 1) / n * nbytes / bandwidth
-    return 2 * one_pass if kind == "all_reduce" else one_pass
-
+# --- Pipeline and overlap ---
 
 def bubble_fraction(pp: int, microbatches: int, vpp: int = 1) -> float:
     """Idle time of (interleaved) 1F1B relative to the ideal m microbatches (Narayanan et al. 2021)."""
