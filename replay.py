@@ -20,8 +20,8 @@ rank's own communication in flight runs 1 + hardware.overlap_slowdown times slow
 threads take the same cores; NCCL's kernels take SMs).
 
 On a CPU the job's ranks share the machine's cores, so a rank computes as fast as the ranks
-computing beside it leave it: its one thread gets a core while fewer ranks compute than there are
-cores, and an equal share of them otherwise (processor sharing; a rank that waits frees its core).
+computing beside it leave it: its one thread gets a core while no more ranks compute than there
+are cores, and an equal share of them otherwise (processor sharing; a rank that waits frees its core).
 And every collective and send costs the host a fixed time beside compute (`host_s`: a rank's gloo
 threads and its peer's must be scheduled), which calibrate_comm.py --sharing measures with a small
 all-reduce beside GEMMs; the link fits start at 256 KiB and leave it out. Not modelled:
