@@ -387,15 +387,18 @@ def _gloo_worker(rank: int, port: int, nbytes: int, queue) -> None:
     dist.destroy_process_group()
 
 
+def _comm_calibrations() -> list:
+    """Every record experiments/calibrate_comm.py appended to <cache>/comm_calibration.jsonl, oldest first."""
+    path = cache_dir() / "comm_calibration.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def link_calibration(rate_Gbps: float) -> Optional[Dict[str, object]]:
     """The newest run of experiments/calibrate_comm.py on this CPU over a link of this rate (tc's
     token bucket on the emulated cluster), or None: {kind: {latency_us, GBps, ...}} under "fits"."""
-    path = cache_dir() / "comm_calibration.jsonl"
-    if not path.exists():
-        return None
     found = None
-    for line in path.read_text().splitlines():
-        record = json.loads(line) if line.strip() else {}
+    for record in _comm_calibrations():
         rate = record.get("rate_GBps")
         if rate and abs(rate * 8 - rate_Gbps) < 1e-9 * max(rate_Gbps, 1) and record.get("cpu") == cpu_model():
             found = record
@@ -407,11 +410,9 @@ def collective_host_s(world: int) -> Optional[float]:
     median over every `calibrate_comm.py --sharing` run here, at the most ranks it measured that
     do not exceed world (2, 4 or 8), or None if it never ran on this CPU. (Its runs vary 4x with this
     VM's scheduling: one run is not enough, and the median of them all is what is used.)"""
-    path = cache_dir() / "comm_calibration.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
     by_ranks: Dict[int, list] = {}
-    for record in (json.loads(line) for line in lines if '"sharing"' in line):
-        if record.get("cpu") == cpu_model():
+    for record in _comm_calibrations():
+        if "sharing" in record and record.get("cpu") == cpu_model():
             for ranks, seconds in record["sharing"].get("collective_beside_gemms_s", {}).items():
                 by_ranks.setdefault(int(ranks), []).append(seconds)
     measured = [k for k in by_ranks if k <= world]

@@ -116,10 +116,11 @@ class Replay:
         now = 0.0
         while True:
             self._settle(now)
-            later = self._next_change(now)
+            active = sum(r.weight for r in self.ranks.values() if r.computing())  # ranks computing, mirrors counted
+            later = self._next_change(now, active)
             if later is None:
                 break
-            self._compute_until(now, later)
+            self._compute_until(now, later, active)
             now = later
         stuck = [r.rank for r in self.ranks.values() if not r.done()]
         if stuck:
@@ -166,10 +167,9 @@ class Replay:
         speed = self.speed(active) if self.speed else 1.0
         return speed / (1.0 + self.slowdown) if rank.in_flight(now) else speed
 
-    def _next_change(self, now: float) -> Optional[float]:
+    def _next_change(self, now: float, active: float) -> Optional[float]:
         """When a segment of compute ends, a wait's operation ends, or a rank's transfers start or
         end (its compute speed changes): the next moment the replay must look at; None at the end."""
-        active = sum(r.weight for r in self.ranks.values() if r.computing())
         times = []
         for rank in self.ranks.values():
             rank.busy = [(a, b) for a, b in rank.busy if b > now]
@@ -182,8 +182,7 @@ class Replay:
                     times.append(rank.ends[of])
         return min(times) if times else None
 
-    def _compute_until(self, now: float, later: float) -> None:
-        active = sum(r.weight for r in self.ranks.values() if r.computing())
+    def _compute_until(self, now: float, later: float, active: float) -> None:
         for rank in self.ranks.values():
             if rank.computing():
                 rank.work = max(0.0, rank.work - (later - now) * self._rate(rank, now, active))

@@ -256,7 +256,7 @@ def table(result: dict) -> str:
 def sharing(reps: int) -> dict:
     runs = {k: launch("loopback", 1, k, ["--sharing"], reps) for k in (1, 2, 4, 8)}
     ranks = {k: run["gemm_s"] for k, run in runs.items()}
-    return {"ranks": ranks, "slowdown": {k: v / ranks[1] for k, v in ranks.items()}, "cores": os.cpu_count(),
+    return {"ranks": ranks, "slowdown": {k: v / ranks[1] for k, v in ranks.items()}, "cores": machine.cores(),
             "collective_beside_gemms_s": {k: run["collective_s"] for k, run in runs.items() if k > 1}}
 
 
