@@ -54,6 +54,7 @@ class HardwareConfig:
     name: str = "auto"
     device: str = "auto"                  # auto | cpu | cuda
     backend: str = "auto"                 # auto | gloo | nccl
+    keep_freed_memory: bool = True        # CPU: glibc's malloc reuses freed blocks (machine.keep_freed_memory)
     peak_tflops: Optional[float] = None   # dense peak per device for the run's dtype
     devices_per_host: int = 1
     memory_gib: Optional[float] = None    # per device

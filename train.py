@@ -75,6 +75,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     """The training run. Returns the final metrics (also written to run.json)."""
     # --- Processes, devices, mesh ---
     device = launch.pick_device(cfg.hardware.device)
+    allocator = "allocator: torch's caching allocator" if device.type != "cpu" else machine.keep_freed_memory() \
+        if cfg.hardware.keep_freed_memory else "allocator: glibc's defaults (hardware.keep_freed_memory=false)"
     rank, world = launch.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
     layout = parallel.build_layout(cfg.parallel, rank, world, device)
     # Every generator a rank has, so that two runs of one config write identical checkpoints. Each
@@ -111,7 +113,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     if compiling:
         why += f": torch.compile of {engine.compile()}"
     if rank == 0:
-        log.info(why)
+        log.info("%s; %s", why, allocator)
     optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                       norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -135,7 +137,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                          "order": list(cfg.parallel.order), "group_setup_s": layout.setup_seconds,
                          "ranks": layout.all_coordinates()},
               "params": n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
-              "peak_tflops": peak, "peak_source": peak_source, "data": corpus.meta}
+              "peak_tflops": peak, "peak_source": peak_source, "allocator": allocator, "data": corpus.meta}
     run_log = metrics.RunLog(run_dir, record, cfg.logging.wandb, enabled=rank == 0)
     if rank == 0:
         log.info("run dir %s | %s params | %.3g FLOPs/token | world %d (dp %d, pp %d, tp %d) | %s | peak %.3g TFLOP/s (%s)",
