@@ -30,7 +30,9 @@ and MegaScale's switch that nanoGPT has no counterpart for (--variants fused):
 Throughput is tokens/s (batch * seq / median step time). The CPU model and whether it computes
 bf16 natively (AVX512-BF16, AMX) are printed first, with how much longer a bf16 GEMM takes than an
 fp32 one: AVX512 without BF16 emulates it at ~4x (timed), AVX2 alone at ~1000x, where the bf16
-rows say so rather than take hours. A speed-up holds for that CPU only.
+rows say so rather than take hours. A speed-up holds for that CPU only. --allocator sets the
+process's allocator for every contender alike: train.py's by default (on a CPU, glibc keeps freed
+blocks, machine.keep_freed_memory), and each contender's page faults a step are printed.
 """
 from __future__ import annotations
 
@@ -40,11 +42,13 @@ import functools
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -64,6 +68,7 @@ SHAPES = {  # the issue's shapes (nanoGPT's Shakespeare-char config at batch 8),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICE = torch.device("cpu")  # --device: cuda times the same contenders on a GPU
+ALLOCATOR = "torch's caching allocator"  # --allocator, on a CPU
 
 
 def shape_of(name: str) -> dict:
@@ -158,14 +163,18 @@ def timed(step, n: int, warmup: int) -> list:
     return out
 
 
-def interleaved(steppers: dict, n: int, warmup: int) -> dict:
-    """One round: every stepper warmed up, then n cycles of one timed step of each, in turn."""
+def interleaved(steppers: dict, n: int, warmup: int, faults: Optional[dict] = None) -> dict:
+    """One round: every stepper warmed up, then n cycles of one timed step of each, in turn. Each
+    stepper's minor page faults (the kernel mapping and zeroing fresh pages) go into faults."""
     for step in steppers.values():
         timed(step, 0, warmup)
     times = {name: [] for name in steppers}
     for _ in range(n):
         for name, step in steppers.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             times[name] += timed(step, 1, 0)
+            if faults is not None:
+                faults.setdefault(name, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     return times
 
 
@@ -174,21 +183,28 @@ def paired_ratios(base: list, times: list) -> list:
     return [b / t for b, t in zip(base, times)]
 
 
-def our_loop_times(shape: dict, dtype: str, compiled: bool, n: int, warmup: int) -> list:
+def our_loop_times(shape: dict, dtype: str, compiled: bool, n: int, warmup: int, allocator: str) -> list:
     """train.py's loop in this process (train.train), its step times from metrics.jsonl."""
     import train
-    cfg = config.compose(our_overrides(shape, dtype, 257, compiled) + [f"train.max_steps={warmup + n}"])
+    cfg = config.compose(our_overrides(shape, dtype, 257, compiled) + [f"train.max_steps={warmup + n}",
+                         f"hardware.keep_freed_memory={str(allocator == 'train').lower()}"])
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(open(os.devnull, "w")):
         train.train(cfg, Path(run_dir))
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time"] for r in rows[warmup:]]
 
 
+# The ops both models run with the same ATen kernels at the same shapes: the model's arithmetic,
+# which no step code can make cheaper (short of other kernels). The rest is each step's own.
+SHARED_KERNELS = ("aten::mm", "aten::_scaled_dot_product_flash_attention", "aten::gelu", "aten::native_layer_norm",
+                  "aten::embedding_dense_backward", "aten::index_select", "aten::_log_softmax", "aten::nll_loss")
+
+
 def profile_tables(args, rows: int = 12) -> str:
     """torch.profiler's table by op (self CPU time) of each contender's steady steps, eager: where
     ours spends what nanoGPT does not."""
     from torch.profiler import ProfilerActivity, profile
-    shape, out = shape_of(args.shape), []
+    shape, out, shared, totals = shape_of(args.shape), [], {}, {}
     dtype = args.dtype.split(",")[0]
     contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], False),
                   "ours": our_stepper(shape, dtype, False)}
@@ -199,8 +215,17 @@ def profile_tables(args, rows: int = 12) -> str:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             timed(step, args.steps, 0)
         per_step = sum(e.self_cpu_time_total for e in prof.key_averages()) / args.steps / 1e3
-        out.append(f"### {name} ({dtype}, eager): {per_step:,.0f} ms of CPU time per step, by op\n\n"
+        shared[name] = sum(e.self_cpu_time_total for e in prof.key_averages()
+                           if e.key.startswith(SHARED_KERNELS)) / args.steps / 1e3
+        totals[name] = per_step
+        out.append(f"### {name} ({dtype}, eager): {per_step:,.0f} ms of CPU time per step, {shared[name]:,.0f} of them in "
+                   f"the kernels both models run (matmuls, SDPA, GeLU, LayerNorm, embedding, loss), by op\n\n"
                    + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    # From nanoGPT's profile alone, so that the machine's drift between the two blocks stays out of it.
+    out.append(f"Ceiling: the kernels both models run take {shared['nanogpt']:,.0f} ms of nanoGPT's {totals['nanogpt']:,.0f} "
+               f"ms step; a step that ran only them would be {totals['nanogpt'] / shared['nanogpt']:.2f}x nanoGPT here. "
+               f"Beyond them ours spends {totals['ours'] - shared['ours']:,.0f} ms a step, nanoGPT "
+               f"{totals['nanogpt'] - shared['nanogpt']:,.0f}.")
     return "\n\n".join(out)
 
 
@@ -298,13 +323,14 @@ def bench(args) -> list:
             times = {name: [] for name in [*contenders, "ours+loop"]}
             ratios = {name: [] for name in contenders}
             round_ratios = {name: [] for name in contenders}
+            faults = {}
             for _ in range(args.rounds):
-                block = interleaved(contenders, args.steps, args.warmup)
+                block = interleaved(contenders, args.steps, args.warmup, faults)
                 for name, t in block.items():
                     times[name] += t
                     ratios[name] += paired_ratios(block["nanogpt"], t)
                     round_ratios[name].append(statistics.median(paired_ratios(block["nanogpt"], t)))
-                times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup)
+                times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup, args.allocator)
             base = tokens / statistics.median(times["nanogpt"])
             for name, t in times.items():
                 rate = tokens / statistics.median(t)
@@ -313,6 +339,7 @@ def bench(args) -> list:
                              "tokens_per_s": rate, "steps": len(t),
                              "vs_nanogpt": statistics.median(ratios[name]) if name in ratios else rate / base,
                              "interval": intervals.half_width(round_ratios[name]) if paired else None,
+                             "faults": statistics.median(faults[name]) if name in faults else None,
                              "round_ratios": round_ratios.get(name)})
     return rows
 
@@ -324,16 +351,19 @@ def table(rows: list, args) -> str:
     head = (f"{machine.cpu_model()} | {where} | threads {torch.get_num_threads()} | "
             f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab 257, no bias; median of "
             f"{args.rounds} rounds x {args.steps} steps, contenders in turn step by step; vs nanoGPT: the median "
-            f"of paired step-time ratios, ± a 95% interval over the rounds' medians, each round's median after\n")
-    lines = ["| dtype | mode | contender | tokens/s | vs nanoGPT | rounds |", "|---|---|---|---|---|---|"]
+            f"of paired step-time ratios, ± a 95% interval over the rounds' medians, each round's median after\n"
+            f"allocator, for every contender: {ALLOCATOR}\n")
+    lines = ["| dtype | mode | contender | tokens/s | vs nanoGPT | rounds | page faults a step |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "note" in r:
-            lines.append(f"| {r['dtype']} | - | {r['note']} | | | |")
+            lines.append(f"| {r['dtype']} | - | {r['note']} | | | | |")
         else:
             spread = f" ± {r['interval']:.2f}" if r.get("interval") is not None else ""
             per_round = ", ".join(f"{x:.2f}" for x in r["round_ratios"]) if r.get("round_ratios") else "unpaired"
+            faults = f"{r['faults']:,.0f}" if r.get("faults") is not None else ""
             lines.append(f"| {r['dtype']} | {r['mode']} | {r['contender']} | {r['tokens_per_s']:,.0f} | "
-                         f"{r['vs_nanogpt']:.2f}x{spread} | {per_round} |")
+                         f"{r['vs_nanogpt']:.2f}x{spread} | {per_round} | {faults} |")
     return head + "\n" + "\n".join(lines)
 
 
@@ -350,6 +380,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the cores)")
+    p.add_argument("--allocator", choices=("train", "default"), default="train", help="for the whole process, so "
+                   "for every contender alike: train.py's (on a CPU, glibc keeps freed blocks: "
+                   "machine.keep_freed_memory) or glibc's defaults")
     p.add_argument("--ops", action="store_true", help="instead: kernels.fused's ops at the step's shapes, eager and "
                    "fused, each against its memory-bandwidth bound (bytes moved / measured bandwidth)")
     p.add_argument("--profile", action="store_true", help="instead of timing: torch.profiler's table by op of "
@@ -361,8 +394,10 @@ def main(argv=None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    global DEVICE
+    global DEVICE, ALLOCATOR
     DEVICE = torch.device(args.device)
+    if DEVICE.type == "cpu":
+        ALLOCATOR = machine.keep_freed_memory() if args.allocator == "train" else "glibc's defaults"
     print(ops_table(args) if args.ops else profile_tables(args) if args.profile else table(bench(args), args))
     return 0
 
