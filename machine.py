@@ -13,6 +13,7 @@ numbers: torch version, CPU model, thread count.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -78,14 +79,13 @@ def keep_freed_memory() -> str:
     LD_PRELOAD do the same (Intel's launcher for PyTorch preloads one); this needs nothing installed.
     Blocks above 32 MiB are still mapped afresh. The cost: the heap keeps its peak, which every
     step reaches again anyway."""
-    import ctypes
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
-        return "allocator left as it is (no glibc here)"
+        return "allocator: the C library's defaults (not glibc)"
     if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1):
-        return "glibc malloc keeps freed blocks up to 32 MiB for reuse"
-    return "allocator left as it is (mallopt refused)"
+        return "allocator: glibc's malloc keeps freed blocks up to 32 MiB for reuse"
+    return "allocator: glibc's defaults (mallopt refused)"
 
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity). Matched by substring of the

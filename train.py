@@ -75,8 +75,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     """The training run. Returns the final metrics (also written to run.json)."""
     # --- Processes, devices, mesh ---
     device = launch.pick_device(cfg.hardware.device)
-    allocator = "allocator: torch's caching allocator" if device.type != "cpu" else machine.keep_freed_memory() \
-        if cfg.hardware.keep_freed_memory else "allocator: glibc's defaults (hardware.keep_freed_memory=false)"
+    allocator = host_allocator(cfg.hardware, device)
     rank, world = launch.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
     layout = parallel.build_layout(cfg.parallel, rank, world, device)
     # Every generator a rank has, so that two runs of one config write identical checkpoints. Each
@@ -280,6 +279,15 @@ def _agreed_precision(requested: str, device: torch.device, world: int) -> str:
         bf16.fill_(machine.resolve_precision(requested, device) == "bf16")
     dist.broadcast(bf16, src=0)
     return "bf16" if bf16.item() else "fp32"
+
+
+def host_allocator(hardware: config.HardwareConfig, device: torch.device) -> str:
+    """Set up the allocator of the memory the step's tensors live in; returns the log's words."""
+    if device.type != "cpu":
+        return "allocator: torch's caching allocator"
+    if not hardware.keep_freed_memory:
+        return "allocator: glibc's defaults (hardware.keep_freed_memory=false)"
+    return machine.keep_freed_memory()
 
 
 def compile_choice(setting, device: torch.device) -> tuple:

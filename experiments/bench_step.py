@@ -68,7 +68,7 @@ SHAPES = {  # the issue's shapes (nanoGPT's Shakespeare-char config at batch 8),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICE = torch.device("cpu")  # --device: cuda times the same contenders on a GPU
-ALLOCATOR = "torch's caching allocator"  # --allocator, on a CPU
+ALLOCATOR = "allocator: torch's caching allocator"  # --allocator, on a CPU
 
 
 def shape_of(name: str) -> dict:
@@ -352,7 +352,7 @@ def table(rows: list, args) -> str:
             f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab 257, no bias; median of "
             f"{args.rounds} rounds x {args.steps} steps, contenders in turn step by step; vs nanoGPT: the median "
             f"of paired step-time ratios, ± a 95% interval over the rounds' medians, each round's median after\n"
-            f"allocator, for every contender: {ALLOCATOR}\n")
+            f"{ALLOCATOR}, for every contender alike\n")
     lines = ["| dtype | mode | contender | tokens/s | vs nanoGPT | rounds | page faults a step |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     global DEVICE, ALLOCATOR
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cpu":
-        ALLOCATOR = machine.keep_freed_memory() if args.allocator == "train" else "glibc's defaults"
+        ALLOCATOR = machine.keep_freed_memory() if args.allocator == "train" else "allocator: glibc's defaults"
     print(ops_table(args) if args.ops else profile_tables(args) if args.profile else table(bench(args), args))
     return 0
 

@@ -28,7 +28,7 @@ def test_tiny_model_learns_on_the_embedded_corpus(tmp_path, cache_dir):
     assert run["data"]["python_version"] and run["data"]["content_hash"]
     assert run["flops_per_token"] > 0 and run["config"]["model"]["name"] == "tiny"
     assert run["peak_source"] == "measured" and run["peak_tflops"] > 0
-    assert run["allocator"] == "glibc malloc keeps freed blocks up to 32 MiB for reuse"
+    assert run["allocator"] == "allocator: glibc's malloc keeps freed blocks up to 32 MiB for reuse"
 
 
 def test_compile_is_obeyed_and_its_default_is_the_faster_measured():
