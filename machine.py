@@ -159,7 +159,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 # --- hardware=cpu_local: perfmodel's description of this machine ---
 
-LOCAL_MEASUREMENTS_VERSION = 4  # 2: the shape effect and attention's rate per dtype (the *_fp32 keys); 3: medians; 4: memory_efficiency
+LOCAL_MEASUREMENTS_VERSION = 5  # 2: the shape effect and attention's rate per dtype (the *_fp32 keys); 3: medians; 4: memory_efficiency; 5: with train.py's allocator
 
 
 def local_measurements_key() -> Dict[str, object]:
@@ -226,6 +226,8 @@ def measure_local_hardware() -> Dict[str, float]:
     tiny autograd ops (fixed cost per op), causal SDPA at a generic shape, gloo all-reduce.
     GEMMs go through F.linear, the oneDNN path nn.Linear and autocast take: on CPUs without native
     bf16 (AVX2 only), a bare bf16 `a @ b` falls back to a path ~10x slower."""
+    keep_freed_memory()  # as train.py runs on a CPU: the memory-bound kernels' times without fresh pages
+
     def gemm_rate(M, N, K, dtype):
         a, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
         return 2 * M * N * K / typical_time(lambda: F.linear(a, w))
