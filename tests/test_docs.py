@@ -282,18 +282,23 @@ def test_every_documented_command_runs(where, cmd):
 
 
 @pytest.mark.parametrize("cmd,why", [
-    ("srun --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 .venv/bin/python train.py model=13B", "does not fit"),
+    ("srun --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 .venv/bin/python train.py model=13B train.batch_size=32",
+     "does not fit in 80 GiB"),
+    ("srun --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 .venv/bin/python train.py model=13B", "train.batch_size"),
     ("sbatch --nodes 4 experiments/slurm/train.sbatch model=13B", "one rank per node"),
-    ("sudo python experiments/calibrate_comm.py --sharing", "venv's interpreter"),
+    ("sudo python experiments/calibrate_comm.py --sharing", "the venv's interpreter"),
     ("python train.py", "the venv is not activated"),
-    (".venv/bin/python train.py model.n_layer=2 --cfg job", "n_layer"),
-    (".venv/bin/python experiments/bench_step.py --nanogpt /tmp/n --no-such-flag", "exit 2"),
+    (".venv/bin/python train.py model.n_layer=2 --cfg job", "model.n_layer"),
+    (".venv/bin/python experiments/bench_step.py --nanogpt /tmp/n --no-such-flag", "unrecognized arguments"),
 ])
 def test_a_broken_command_fails_the_check(cmd, why, capsys):
-    """The checks catch what the docs once got wrong: a layout that cannot fit, a launch without its
-    GPUs, sudo or bare python outside the venv, a renamed key, an unknown flag."""
-    with pytest.raises((Exception, SystemExit, pytest.fail.Exception)):
+    """The checks catch what the docs once got wrong: a layout that cannot fit or does not divide the
+    batch, a launch without its GPUs, sudo or bare python outside the venv, a renamed key, an unknown
+    flag; each with the reason a user would see."""
+    with pytest.raises((Exception, SystemExit, pytest.fail.Exception)) as caught:
         check_command(cmd)
+    captured = capsys.readouterr()
+    assert why in f"{caught.value}\n{captured.out}\n{captured.err}"
 
 
 def test_relative_links_in_the_docs_resolve():
