@@ -292,9 +292,9 @@ def test_every_documented_command_runs(where, cmd):
     (".venv/bin/python experiments/bench_step.py --nanogpt /tmp/n --no-such-flag", "unrecognized arguments"),
 ])
 def test_a_broken_command_fails_the_check(cmd, why, capsys):
-    """The checks catch what a documented command can get wrong: a layout that cannot fit or does not divide the
-    batch, a launch without its GPUs, sudo or bare python outside the venv, a renamed key, an unknown
-    flag; each with the reason a user would see."""
+    """The checks catch what a documented command can get wrong: a layout that cannot fit or does not
+    divide the batch, a launch without its GPUs, sudo or bare python outside the venv, a renamed key,
+    an unknown flag; each with the reason a user would see."""
     with pytest.raises((Exception, SystemExit, pytest.fail.Exception)) as caught:
         check_command(cmd)
     captured = capsys.readouterr()
