@@ -42,7 +42,7 @@ class TrainConfig:
     eval_batches: int = 4
     recompute: str = "none"       # none | selective | full activation recomputation
     # torch.compile the model: true, false, or null (auto, the default): compiled on CUDA, eager on
-    # CPU, the faster of the two where each was measured (README, "The train step against nanoGPT")
+    # CPU, the faster of the two where each was measured (experiments/results/bench_step.md)
     compile: Optional[bool] = None
     gc_interval: int = 100        # Python's GC off during steps, run on every rank each N steps; 0: Python's own
 

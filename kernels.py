@@ -291,7 +291,7 @@ def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
     reference) with the fp32 cos/sin tables [T, D] rounded to qkv's dtype.
 
-    Written out rather than left to autograd (issue 22: one layer at its shape, fp32, forward and
+    Written out rather than left to autograd (one layer at bench_step's default shape, fp32, forward and
     backward, took 7.5 ms here against autograd's 14-18.6 ms). Autograd's rotation builds the rotated copy with a neg, a cat and
     two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
     gradients and copies them back into the projection's layout. Here each of q and k is a mul
@@ -300,8 +300,8 @@ def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
 
     fused (kernels.fused, true or triton): the same plain ops compiled by inductor, one kernel each
     way: forward, q and k read once and written rotated; backward, dq, dk and dv read once and the
-    projection's gradient written once (issue 22: 3.9 ms a layer forward and backward against the
-    written-out 8.0 ms, fp32, its shape; the half-width multiply-adds above run at ~1 GB/s)."""
+    projection's gradient written once (3.9 ms a layer forward and backward against the
+    written-out 8.0 ms, fp32, bench_step's default shape; the half-width multiply-adds above run at ~1 GB/s)."""
     if torch.compiler.is_compiling():
         return _heads_then_rope(qkv, head_dim, cos, sin)
     return (_FusedHeadsWithRope if fused else _HeadsWithRope).apply(qkv, head_dim, cos, sin)
@@ -318,7 +318,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """The reference rotation of x [..., T, D] by the tables [T, D]: x * cos + (-x2, x1) * sin, each
     half written out. Compiled (kernels.fused, or a compiled model), this form is one vectorized
     pass; the same sum with the rotated copy built by cat([-x2, x1]) compiled to a kernel 2-4x
-    slower (issue 22: q and k forward 2.80 against 0.73 ms at its shape, fp32)."""
+    slower (q and k forward 2.80 against 0.73 ms at bench_step's default shape, fp32)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -484,7 +484,7 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm, fus
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], fused=False) -> torch.Tensor:
     """Without a bias (model.bias=false) fused=true has nothing to fuse and keeps ATen's GeLU, one
     kernel each way, as layer_norm keeps ATen's LayerNorm: inductor's lone GeLU ran at 0.70x of it
-    here (forward and backward of [2048, 1536] fp32, 6.01 against 4.19 ms; issue 22's MLP)."""
+    here (forward and backward of [2048, 1536] fp32, 6.01 against 4.19 ms; bench_step's default MLP)."""
     if _use_triton(fused, x):
         return kernels_triton.TritonBiasGelu.apply(x, bias)
     return (_bias_gelu_fused if fused and bias is not None else _bias_gelu)(x, bias)

@@ -117,7 +117,7 @@ def shutdown() -> None:
     cycle still holds them), then destroy_process_group drops c10d's, so that the groups' gloo
     threads join here, while the interpreter is whole. Left to interpreter finalization, they
     abort a rank after a finished run: SIGABRT, "terminate called without an active exception"
-    (issue 19; pytorch#190489). After a failure it does nothing (torchtitan#1342): a group whose
+    (pytorch#190489). After a failure it does nothing (torchtitan#1342): a group whose
     peer is gone can block in its destructor, and the rank is failing anyway."""
     if _FAILED or not dist.is_initialized():
         return

@@ -72,7 +72,7 @@ def keep_freed_memory() -> str:
     By default glibc serves a block above its mmap threshold (128 KiB, rising on its own to at most
     32 MiB) with a fresh mapping that free() unmaps, and trims the top of its heap. A training step
     frees and allocates the same activation sizes every step, so the kernel faults in and zeroes
-    their pages every step: at issue 22's shape (6 layers, d 384, batch 8 x 256, fp32, 2 cores)
+    their pages every step: at bench_step's default shape (6 layers, d 384, batch 8 x 256, fp32, 2 cores)
     8,000-35,000 minor faults and 15-75 ms of system time a step, in nanoGPT's step and in ours.
     With the threshold at glibc's ceiling and trimming off, both take ~0 faults and their steps
     773-828 ms became 749-769 (experiments/bench_step.py --allocator). jemalloc or tcmalloc through
@@ -265,8 +265,8 @@ def measure_local_hardware() -> Dict[str, float]:
 
 def _elementwise_efficiency(copy_Bps: float) -> float:
     """The fraction of the copy's bandwidth that a transformer step's memory-bound kernels reach:
-    perfmodel prices them as bytes / (bandwidth * efficiency). It is fitted on (d), as issue 18
-    allows: the tiny model's forward and backward in one process (8 x 256 tokens). The bytes are
+    perfmodel prices them as bytes / (bandwidth * efficiency). It is fitted on the tiny
+    model's forward and backward in one process (8 x 256 tokens). The bytes are
     what the rehearsal counts (ledgers.Segment: every tensor read and written by a kernel that is
     neither a GEMM nor attention). The seconds are those kernels' own time in torch.profiler. On
     this EPYC they reach about a third of the copy's bandwidth: GeLU's erf and the loss's exp are

@@ -67,8 +67,8 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device,
     numpy's are single-threaded and always the same. Cached: every layer of every step asks for the
     same table. Inside torch.compile the table of max_seq_len positions is a constant of the graph,
     sliced to T: traced instead, the numpy calls became torch's pow, cos and sin fused into the
-    rotation's kernels, evaluated per element of q and k in every layer (issue 22: 218 of a compiled
-    step's 1,340 ms at its shape); and a constant of T itself would break the graph once T turns
+    rotation's kernels, evaluated per element of q and k in every layer (218 of a compiled step's 1,340 ms
+    at bench_step's default shape); and a constant of T itself would break the graph once T turns
     symbolic (a second sequence length)."""
     if torch.compiler.is_compiling():
         longest = seq_len if isinstance(seq_len, int) and seq_len > (max_seq_len or 0) else max_seq_len

@@ -1,5 +1,5 @@
 """A performance model: the step time, tokens/s, MFU and memory per GPU of a training config on a
-cluster you don't have (issue 8). Meta plans Llama runs with such a model; Megatron-LM ships only a
+cluster you don't have. Meta plans Llama runs with such a model; Megatron-LM ships only a
 memory estimate. Here it is also how a machine with no GPU checks that the MegaScale techniques'
 effects at cluster scale are understood.
 
@@ -655,7 +655,7 @@ def dp_time(cfg: config.Config, lay: Layout, net: Network, fwd_s: float, bwd_s: 
     longer than p chunk-steps of compute stalls the step, and the stalls add up over the chunks.
     (The code's buckets are finer, one per module: priced so, the emulated cluster's dp_on run is
     predicted within 8% instead of +61%, but Table 2's MegaScale column misses by 3.4 points at
-    one row. Issue 18 notes.)"""
+    one row.)"""
     if lay.dp == 1:
         return {"dp_comm": 0.0}
     params = max(rank_params(cfg.model, lay))

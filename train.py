@@ -293,10 +293,10 @@ def host_allocator(hardware: config.HardwareConfig, device: torch.device) -> str
 def compile_choice(setting, device: torch.device) -> tuple:
     """(whether to torch.compile, the log line saying why). train.compile=true or false is obeyed;
     null, the default, picks the faster of the two where each was measured, with
-    experiments/bench_step.py: on CUDA compiled (an H200 at the issue-22 shape in fp32: 270k tok/s
-    against eager's 191k), on CPU eager (this project's AMD EPYC: compiled steps no faster, 0.87x of
-    eager at 40bc0f2 and 1.02x at 4f7cf25, within the noise, and compiling costs start-up time:
-    README, "The train step against nanoGPT")."""
+    experiments/bench_step.py: on CUDA compiled (an H200 at bench_step's default shape in fp32: 270k tok/s
+    against eager's 191k), on CPU eager (this project's AMD EPYC: compiled steps no faster, 0.87x and
+    1.02x of eager in two measurements, within the noise, and compiling costs start-up time:
+    experiments/results/bench_step.md)."""
     if setting is not None:
         return setting, f"train.compile={str(setting).lower()}"
     if device.type == "cuda":

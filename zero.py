@@ -24,8 +24,8 @@ parameters. Megatron-LM's distributed optimizer is the model:
   parameter buffer itself: no copy at all.
 - One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the
   gradients stay where autograd puts them (param.grad, which the optimizer reads), as in plain
-  PyTorch. Copying them into the buffer, then zeroing it, cost ~10 ms of a 1.4 s step at the
-  issue-22 shape (experiments/bench_step.py).
+  PyTorch. Copying them into the buffer, then zeroing it, cost ~10 ms of a 1.4 s step at
+  bench_step's default shape (experiments/bench_step.py).
 Nothing here holds a full-size copy of the gradients or parameters besides the buffers.
 """
 from __future__ import annotations

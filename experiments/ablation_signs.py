@@ -1,8 +1,8 @@
-"""The sign of each measured Table 3 step, over repeated sweeps, beside both models' (issue 18).
+"""The sign of each measured Table 3 step, over repeated sweeps, beside both models'.
 
     python experiments/ablation_signs.py /tmp/d22 /tmp/d22r2 /tmp/d22r3
 
-Each argument is one sweep of the 9 ablation steps (make demo's, or the 2 x 2 one in the README),
+Each argument is one sweep of the 9 ablation steps (make demo's, or the 2 x 2 one in experiments/results/table3.md),
 already priced by `perfmodel.py validate`: this reads the newest row of each run from
 experiments/results/perfmodel_validation.jsonl. A step's change is in tokens/s (+LAMB triples
 the batch, so step time would not compare), per sweep. Its interval is the 95% Student-t

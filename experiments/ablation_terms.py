@@ -1,4 +1,4 @@
-"""Table 3 explained term by term, and how much each unstated assumption moves it (issue 18, point 4).
+"""Table 3 explained term by term, and how much each unstated assumption moves it.
 
     python experiments/ablation_terms.py [--figure PNG] [--sensitivity] [overrides ...]
 

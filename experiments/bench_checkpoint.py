@@ -1,4 +1,4 @@
-"""How long a checkpoint save holds training up: synchronous against asynchronous (issue 7's
+"""How long a checkpoint save holds training up: synchronous against asynchronous (the
 target: the async stall is at most 10% of the sync one).
 
     python experiments/bench_checkpoint.py                 # the small model (162M), one process

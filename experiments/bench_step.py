@@ -62,7 +62,7 @@ import optim  # noqa: E402
 import parallel  # noqa: E402
 from model import GPT, Attention  # noqa: E402
 
-SHAPES = {  # the issue's shapes (nanoGPT's Shakespeare-char config at batch 8), and conf/model/small.yaml
+SHAPES = {  # the default ("issue"): nanoGPT's Shakespeare-char config at batch 8; and conf/model/small.yaml
     "issue": dict(n_layers=6, d_model=384, n_heads=6, batch=8, seq=256),
     "small": None,
 }

@@ -1,4 +1,4 @@
-"""Calibrate gloo on this machine for perfmodel.py (issue 18, point 2): the latency and bandwidth of
+"""Calibrate gloo on this machine for perfmodel.py: the latency and bandwidth of
 each collective and of a send between ranks, over loopback or over the emulated cluster's throttled
 link, and how much compute slows when ranks share the cores.
 

@@ -1,6 +1,10 @@
+#!/usr/bin/env -S sh -c 'p="$(dirname "$0")/../.venv/bin/python"; [ -x "$p" ] || p=python3; exec "$p" "$0" "$@"'
 """An emulated multi-host cluster on one machine: one network namespace per host, bandwidth-limited links.
 
-    python experiments/emucluster.py --hosts 2 --ranks-per-host 1 --bandwidth 2gbit -- SCRIPT [ARGS...]
+    sudo experiments/emucluster.py --hosts 2 --ranks-per-host 1 --bandwidth 2gbit -- SCRIPT [ARGS...]
+
+The first line runs it under the repository's .venv interpreter (python3 where there is none), so
+it can be started directly, under sudo too.
 
 On a small CPU machine, gloo over loopback is bound by CPU time (copies, reductions), so the
 communication/compute overlap that MegaScale is about cannot show. A GPU cluster is different:

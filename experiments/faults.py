@@ -1,4 +1,4 @@
-"""Fault injection: one training job under torchrun --max-restarts takes every fault of issue 7
+"""Fault injection: one training job under torchrun --max-restarts takes every fault below
 in turn, and the table says, per fault, how fast it was detected, that the job restarted, how
 many steps were lost, and whether the final loss equals an uninterrupted run's.
 

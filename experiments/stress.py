@@ -1,5 +1,5 @@
 """Stress: run the multi-rank layouts the tests use again and again, under load, and count what
-went wrong. A rare abort after "done" (issue 19) fails CI on a fresh machine; this is where rare
+went wrong. A rare abort after "done" fails CI on a fresh machine; this is where rare
 things get counted.
 
     .venv/bin/python experiments/stress.py                        # every case, N=30, one CPU hog
@@ -81,7 +81,7 @@ def cases() -> dict:
     return found
 
 
-# The riskiest four, which CI runs at N=3: the resume that aborted (issue 19), the 8-rank layout
+# The riskiest four, which CI runs at N=3: the resume that aborted once, the 8-rank layout
 # with every overlap on, asynchronous saves across ranks, and the interleaved pipeline with overlap.
 CI_CASES = ["resume_pp2_vpp2", "tp2_pp2_dp2_overlap", "async_tp2_dp2", "pp2_vpp2_overlap"]
 assert all(name in cases() for name in CI_CASES)

@@ -133,7 +133,7 @@ CI_STRESS_RUNS = 3
 
 @pytest.fixture(scope="session")
 def ci_stress(tmp_path_factory, cache_dir):
-    """The CI stress pass (experiments/stress.py; issue 19): a case's CI_STRESS_RUNS runs beside one
+    """The CI stress pass (experiments/stress.py): a case's CI_STRESS_RUNS runs beside one
     CPU hog, on its first request, as stress.Tally. Its first run also serves the tests that check
     that case's result (one process's losses and weights), so the pass costs two runs a case."""
     sys.path.insert(0, str(ROOT / "experiments"))

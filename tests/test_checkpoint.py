@@ -145,7 +145,7 @@ def test_a_flat_range_is_covered_by_rectangles(shape, lo, hi, expected):
     assert covered == list(range(lo, hi))
 
 
-# --- What a crash leaves, and checkpoints of other models (issue 19's bad inputs) ---
+# --- What a crash leaves, and checkpoints of other models ---
 
 def test_a_crash_mid_save_loses_no_checkpoint(sync_run, tmp_path, cache_dir):
     """What a run killed while saving leaves: step 4's save half-written (step_4.partial: a data file

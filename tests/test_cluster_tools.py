@@ -180,7 +180,7 @@ def test_loopback_fallback():
 
 
 def test_without_root_it_runs_on_loopback():
-    """A launch by a user who is not root (issue 19's bad inputs): the same job, on loopback, and
+    """A launch by a user who is not root: the same job, on loopback, and
     it says why. The tests run as root here, and the venv's Python lives in root's home, out of
     another user's reach; so emucluster runs with os.geteuid answering a user's uid."""
     as_user = ("import os, runpy, sys; os.geteuid = lambda: 1000; sys.argv = sys.argv[1:]; "

@@ -1,4 +1,4 @@
-"""Fault tolerance (ft.py, experiments/faults.py): every fault of issue 7 injected into one real
+"""Fault tolerance (ft.py, experiments/faults.py): every fault of faults.py injected into one real
 torchrun job on 2 gloo ranks, detected, restarted from, and finishing with the uninterrupted
 run's loss, bit for bit (resume at the same layout is exact)."""
 import gc

@@ -1,4 +1,4 @@
-"""The project's import graph has no circles (issue 23).
+"""The project's import graph has no circles.
 
 The graph is read from the source with `ast`, not by importing anything: every import statement of
 every top-level module (*.py in the repo root) and of experiments/*.py counts, the lazy ones inside

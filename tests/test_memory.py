@@ -82,7 +82,7 @@ def test_one_step_on_the_dp_link_costs_what_the_formula_says(zero, tmp_path):
     """Bytes rank 0 puts on the wire over DP in one step at dp2 (ring: all-reduce 2(n-1)/n of the
     tensor, reduce-scatter and all-gather (n-1)/n), bf16 weights: ZeRO-0 all-reduces fp32
     gradients (4 B a parameter); ZeRO-1 and 2 reduce-scatter them (2 B) and all-gather the bf16
-    parameters (1 B): 3 B, where e17bd15's ZeRO-1 (fp32 all-reduce, fp32 all-gather) moved 6."""
+    parameters (1 B): 3 B, where an earlier ZeRO-1 (fp32 all-reduce, fp32 all-gather) moved 6."""
     cfg = config.compose(["model=tiny", "model.vocab_size=512", "train.seq_len=64", "train.batch_size=8",
                           "precision=bf16", "parallel.dp=2", f"parallel.zero_stage={zero}", "rehearse.ranks=[0]"])
     record = rehearsal.rehearse_rank(cfg, 0, 2, tmp_path)

@@ -134,8 +134,8 @@ def test_rope_tables_are_the_correctly_rounded_angles():
 
 def test_compiled_model_takes_the_rope_tables_as_constants_in_one_graph_per_length():
     """Inside torch.compile the tables are the cached numpy-built ones, a constant of the graph:
-    traced, they became pow/cos/sin evaluated per element of q and k in every layer (issue 22:
-    a sixth of a compiled step). A second sequence length (symbolic) still makes one graph, and
+    traced, they became pow/cos/sin evaluated per element of q and k in every layer (a
+    sixth of a compiled step). A second sequence length (symbolic) still makes one graph, and
     the compiled forward is the eager one."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layers=2, n_heads=2, d_model=32, vocab_size=64, max_seq_len=64))

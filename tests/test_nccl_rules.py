@@ -1,6 +1,6 @@
 """NCCL's matching and blocking rules (nccl_rules.py), and the pipeline's plan under them.
 
-Each deadlock a review found in the pipeline of e17bd15 is put back as a minimal reproduction (one
+Each deadlock a review found in an earlier version of the pipeline is put back as a minimal reproduction (one
 shared channel for every message, tags ignored, as NCCL does) and must be caught; the plan of
 pipeline.py (a channel per message kind and direction) must pass the same layouts, the paper's
 included, training and evaluation, overlap off and on."""
@@ -9,7 +9,7 @@ import pytest
 import pipeline
 from nccl_rules import Op, check
 
-SHARED = lambda message: ()  # e17bd15: one process group for every pipeline message
+SHARED = lambda message: ()  # the earlier version: one process group for every pipeline message
 
 
 def caught(pp, vpp, microbatches, overlap, backward=True):

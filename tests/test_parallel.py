@@ -25,7 +25,7 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "dp2_zero1": (2, ["parallel.zero_stage=1"]),
     "tp2_dp2": (4, ["parallel.tp=2", "parallel.zero_stage=1"]),
     "pp2_dp2": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=2"]),
-    # The overlap switches change when collectives run, never the maths (issue 5): each layout the
+    # The overlap switches change when collectives run, never the maths: each layout the
     # 3D matrix has, with its overlap on, equals the single process.
     "tp2_overlap_chunked": (2, ["parallel.tp=2", "parallel.overlap.tp=chunked", "parallel.overlap.tp_chunks=2"]),
     "tp2_overlap_domino": (2, ["parallel.tp=2", "parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"]),

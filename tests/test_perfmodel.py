@@ -516,7 +516,7 @@ def test_banded_keys_are_the_scores_the_banded_kernel_computes(seq, window, bloc
     """perfmodel.banded_keys against kernels.attention_banded itself, run on meta with the fused
     kernels' stand-ins (ledgers.cuda_attention: SDPA scores every key given a mask, half without):
     the first blocks' own call is masked wherever the window is shorter than they are, so it
-    scores its whole square, not the causal half (issue 18: the half priced +SWA 20% cheaper at
+    scores its whole square, not the causal half (the half priced +SWA 20% cheaper at
     the 2 x 2 ablation's shape, seq 256, window 64, block 128)."""
     import kernels
     from ledgers import FlopLedger, cuda_attention

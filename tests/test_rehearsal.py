@@ -1,8 +1,8 @@
 """The rehearsal (rehearsal.py): chosen ranks of a job of any size run through the real code on the
 meta device and the fake backend, and their records are the truth about communication, FLOPs and
 memory. Checked here: it records what a real run posts, op by op and rank by rank; it holds a
-175B rank in ~2 GiB; NCCL's rules are enforced on what it records, and each defect the review of
-e17bd15 found is caught when put back; bad layouts stop in one line."""
+175B rank in ~2 GiB; NCCL's rules are enforced on what it records, and each defect a review of an
+earlier version found is caught when put back; bad layouts stop in one line."""
 import json
 from pathlib import Path
 
@@ -124,7 +124,7 @@ AGREE = ["hardware=a100_cluster", "precision=bf16", "model=175B", "model.n_layer
          "model.n_heads=16", "model.vocab_size=8192", "train.seq_len=1024", "train.batch_size=4",
          "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "parallel.microbatches=2",
          "parallel.zero_stage=1", "kernels.attention=unfused", "rehearse.steps=2"]
-VARIANTS = {  # the issue's pairs (baseline vs PTB, ZeRO-1 vs ZeRO-2, SWA, recompute); PTB and ZeRO-2 touch
+VARIANTS = {  # pairs that differ in one term (baseline vs PTB, ZeRO-1 vs ZeRO-2, SWA, recompute); PTB and ZeRO-2 touch
     # different terms and share a rehearsal. (Flash with full recomputation is not here: perfmodel
     # misses ~18 MB of its peak working set, an open disagreement.)
     "baseline": [],
@@ -216,7 +216,7 @@ def test_submitit_multirun_rehearses_before_submitting(fake_sbatch, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("precheck failed"), proc.stderr
 
 
-# --- The guard: each GPU-path defect of the e17bd15 review, put back, fails a CPU test ---
+# --- The guard: each GPU-path defect a review of an earlier version found, put back, fails a CPU test ---
 
 TINY_3D = ["model.vocab_size=512", "precision=fp32", "parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
            "parallel.microbatches=2", "parallel.zero_stage=1"]
@@ -240,7 +240,7 @@ def test_a_cpu_tensor_in_the_loss_all_reduce_is_named(monkeypatch, tmp_path):
     (NCCL) group."""
     import parallel
 
-    def agree(loss, stop, layout, grad_norm=None):  # e17bd15's
+    def agree(loss, stop, layout, grad_norm=None):  # the earlier version's
         t = torch.tensor([0.0, float(stop)], dtype=torch.float64)
         torch.distributed.all_reduce(t)
         return t
@@ -266,7 +266,7 @@ def test_a_host_read_per_microbatch_is_named(monkeypatch, tmp_path):
 
 def test_one_channel_for_every_pipeline_message_is_a_deadlock(monkeypatch, tmp_path):
     """Finding 2, recorded rather than planned: every pipeline message on one process group (the
-    mesh's pp group), as e17bd15 sent them; the cross-rank check sees the wait close."""
+    mesh's pp group), as an earlier version sent them; the cross-rank check sees the wait close."""
     import parallel
     build = parallel.build_layout
 

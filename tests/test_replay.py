@@ -229,7 +229,7 @@ def test_the_materialized_core_attention_is_priced_as_the_batched_gemms_it_runs(
     their shapes, not as fused-attention FLOPs, and the replay prices them as the analytical model
     does, per layer and microbatch QK^T and PV forward and their four gradients: two [T,T,d] and
     four [T,d,T] GEMMs over the rank's heads. (Priced at the fused kernel's efficiency instead, the
-    baseline's attention cost ~2x what it measured beside SDPA's on the CPU, issue 18's +SWA.)"""
+    baseline's attention cost ~2x what it measured beside SDPA's on the CPU, at Table 3's +SWA step.)"""
     _, _, records, cfg, hw, world = priced(rehearsed, "unfused")
     record = records[0]
     work = [ev["work"] for ev in step_events(record)]

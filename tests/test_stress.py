@@ -1,4 +1,4 @@
-"""The CI stress pass (issue 19): the riskiest cases of experiments/stress.py, CI_STRESS_RUNS runs
+"""The CI stress pass: the riskiest cases of experiments/stress.py, CI_STRESS_RUNS runs
 each beside a CPU hog. A rank that aborts after "done", a hang, a stray warning or a run that does
 not repeat bitwise fails CI here rather than at random on a fresh machine."""
 import json

@@ -232,7 +232,7 @@ def test_step_time_breakdown_parts_or_total(ablation_dir):
     assert figures.breakdown(records[0]) == ([("total (no breakdown logged)", 0.5)], False)
 
 
-# --- What crashes leave in run dirs (issue 19's bad inputs) ---
+# --- What crashes leave in run dirs ---
 
 def test_a_corrupt_metrics_line_is_skipped_and_said(tmp_path, capsys):
     """A crash's partial last line and a garbled one in the middle: tables and figures use the rest,
@@ -271,7 +271,7 @@ def test_figures_of_a_sweep_whose_jobs_all_crashed_is_one_line(tmp_path, capsys)
     assert not (tmp_path / "figs").exists()
 
 
-# --- What each step's switch acts on in the run's layout, and over which fabric (issue 24) ---
+# --- What each step's switch acts on in the run's layout, and over which fabric ---
 
 def mesh(tp: int, pp: int, dp: int) -> dict:
     """run.json's layout for order [dp, pp, tp] (TP on consecutive ranks)."""

@@ -166,7 +166,7 @@ def _two_jobs_then_exit(rank, world, port, cache, run_dir):
 
 
 def test_a_rank_ends_with_every_thread_joined(tmp_path, cache_dir):
-    """What issue 19's SIGABRT after "done" came from: the process groups outlived the run (the ZeRO
+    """What a SIGABRT after "done" came from: the process groups outlived the run (the ZeRO
     hooks' cycle through autograd's C++ hook table kept each job's model and layout, and a cache
     kept the checkpoint's group), so gloo's threads were torn down in interpreter finalization.
     Now each job's model goes when the job ends, and at exit no gloo thread or run thread is left."""
@@ -198,7 +198,7 @@ def test_precision_auto_is_rank_0s_decision_on_every_rank(tmp_path):
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["bf16", "bf16"]
 
 
-# --- Bad input on the launch paths (issue 19) ---
+# --- Bad input on the launch paths ---
 
 def test_a_slurm_job_with_fewer_tasks_than_the_layout_is_one_line(tmp_path, cache_dir):
     """srun gave 2 tasks to a layout of 4 ranks: task 0 says so in one line, every task exits 2
