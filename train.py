@@ -195,6 +195,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                 break
         if step > start_step and (status == "interrupted" or cfg.checkpoint.interval) and saver.last_step != step:
             beat.progress(step, "checkpoint")
+            faults.before_save(step, saver)
             save(saver, step, engine, optimizer, scheduler, loader, cfg)
         saver.wait()  # an asynchronous save still being written completes before the run ends
         beat.progress(step, "done")
