@@ -377,7 +377,10 @@ def test_submitit_job_saves_at_the_stop_step_requeues_and_resumes(local_slurm, t
     submitter = subprocess.Popen(
         [sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm", *PREEMPTED, "hydra.job.name=preempted",
          "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",
-         "hydra.launcher.timeout_min=10", "hydra.launcher.partition=debug",
+         # submitit takes a signal within 10 minutes of a job's start as its time limit (the
+         # 80% of its time it counts on is min(0.8 x 10, 10 - 10) minutes), and requeues it only
+         # while such limits number at most max_num_timeout, as conf/scale/cluster.yaml allows
+         "hydra.launcher.timeout_min=10", "hydra.launcher.max_num_timeout=1", "hydra.launcher.partition=debug",
          "++hydra.launcher.additional_parameters={overcommit: true}", f"hydra.sweep.dir={sweep}"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
