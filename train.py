@@ -190,10 +190,12 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             faults.after_step(step, ckpt_dir, saver)
             if stop_now:
                 status = "interrupted"
-                log.warning("stop requested: saving a checkpoint at step %d and exiting cleanly", step)
+                log.warning("stop requested: saving a checkpoint at step %d and exiting cleanly (%s)",
+                            step, stop.signal_name or "another rank's signal")
                 break
         if step > start_step and (status == "interrupted" or cfg.checkpoint.interval) and saver.last_step != step:
             beat.progress(step, "checkpoint")
+            faults.before_save(step, saver)
             save(saver, step, engine, optimizer, scheduler, loader, cfg)
         saver.wait()  # an asynchronous save still being written completes before the run ends
         beat.progress(step, "done")
@@ -217,6 +219,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     run_log.finish(status, final)
     if rank == 0:
         print(final_line(final, cfg), flush=True)
+    if status == "interrupted":  # saved: now the launcher may requeue the job (and exit)
+        stop.hand_back()
     return final  # the process group stays up for the next job of a multirun (launch.init_distributed)
 
 
@@ -390,21 +394,38 @@ def _progress(cfg, rank: int, start: int):
 
 
 class _StopFlag:
-    """Ctrl-C and SIGTERM (preemption) ask for a stop at the next step boundary, so the run saves a
-    checkpoint and exits cleanly instead of dying mid-step. A second Ctrl-C stops at once."""
+    """Ctrl-C, SIGTERM and SLURM's warning before a preemption or the time limit (USR1 or USR2, as
+    sbatch --signal sends it) ask for a stop at the next step that every rank agrees on
+    (parallel.agree), so the run saves a checkpoint there and exits cleanly instead of dying
+    mid-step. A launcher's own handler for USR1/USR2 (submitit's: requeue the job, then exit) is
+    held back and run by hand_back once that checkpoint is written. A second Ctrl-C stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    LAUNCHER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
     def __init__(self):
         self.requested = False
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.signal_name = ""
+        self._held_back: dict = {}  # signum -> the launcher's handler, run after the stop's save
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        previous = self._previous[signum]
+        if signum in self.LAUNCHER_SIGNALS and callable(previous):
+            self._held_back[signum] = previous
 
     def restore(self):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+    def hand_back(self) -> None:
+        """Run the launcher handlers held back (submitit's on rank 0 requeues the job and exits)."""
+        for signum, handler in self._held_back.items():
+            handler(signum, None)
 
 
 def record_pending(cfg: config.Config, run_dir: Path) -> float:

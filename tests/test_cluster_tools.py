@@ -265,25 +265,26 @@ def wait_for_job(job_id: str, timeout: float) -> str:
     return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
 
 
-@pytest.mark.slurm
-def test_sbatch_training_job_requeues_on_preemption_and_resumes(local_slurm, tmp_path, cache_dir):
-    """experiments/slurm/train.sbatch on the local cluster: a 2-rank tp2 CPU job (srun, then torchrun
-    rendezvous) gets the preemption signal mid-run, checkpoints, requeues itself, resumes from
-    its checkpoint in the same run dir, and finishes every step, each logged once."""
-    run_dir, output = tmp_path / "run", tmp_path / "job.out"
-    env = dict(os.environ, PYTHON=sys.executable, NPROC="2", RUN_DIR=str(run_dir), OMP_NUM_THREADS="1",
-               MEGAREPRO_CACHE=str(cache_dir), HF_DATASETS_OFFLINE="1")
-    steps = 40
-    job_id = subprocess.run(
-        ["sbatch", "--parsable", f"--output={output}", f"--chdir={REPO}", "--cpus-per-task=2", "--time=10",
-         str(TRAIN_SBATCH), *TINY, "parallel.tp=2", f"train.max_steps={steps}", "checkpoint.interval=5"],
-        capture_output=True, text=True, check=True, timeout=30, env=env).stdout.strip().split(";")[0]
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
+# The preempted runs: 2 ranks at tp2, saving only where a preemption stops them (checkpoint.interval=0).
+PREEMPTED = [*TINY, "parallel.tp=2", "train.max_steps=40", "checkpoint.interval=0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache_dir):
+    """PREEMPTED's losses, run straight through by torchrun outside SLURM."""
+    from conftest import read_metrics, run_train
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    run_train(run_dir, PREEMPTED, cache_dir, nproc=2)
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def preempt_when_running(run_dir: Path, signal_job) -> None:
+    """Signal the job once its run has logged 8 steps, then let the requeued job start at once."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 8):
-        assert time.monotonic() < deadline, output.read_text() if output.exists() else "no output"
+        assert time.monotonic() < deadline, "the job logged no steps in 240 s"
         time.sleep(0.5)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+    job_id = signal_job()
     # SLURM holds a requeued job back for a while (its begin time moves ~2 minutes ahead); a
     # test need not wait for that, so release it once it is pending again
     deadline = time.monotonic() + 120
@@ -300,14 +301,46 @@ def test_sbatch_training_job_requeues_on_preemption_and_resumes(local_slurm, tmp
         time.sleep(0.5)
     time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+
+
+def assert_resumed_from_the_stop_step(run_dir: Path, uninterrupted: list, log: str) -> None:
+    """One checkpoint, at the step the preemption stopped at; the requeued run resumed from it and
+    logged each later step once, with the uninterrupted run's losses, bit for bit."""
+    saved = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert len(saved) == 1, saved
+    stop = int(saved[0].name.split("_")[1])
+    assert f"saving a checkpoint at step {stop} and exiting cleanly" in log and f"(step {stop})" in log, log[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41)) and 8 <= stop < 40, log[-3000:]
+    assert [r["loss"] for r in rows] == uninterrupted
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "finished" and record["final"]["steps"] == 40
+
+
+@pytest.mark.slurm
+def test_sbatch_training_job_requeues_on_preemption_and_resumes(local_slurm, tmp_path, cache_dir, uninterrupted):
+    """experiments/slurm/train.sbatch on the local cluster (a node with no GPUs: --gpus-per-node=0):
+    a 2-rank CPU job (srun, then torchrun rendezvous) gets the preemption signal mid-run, saves at
+    the step its ranks agree on, requeues itself, and resumes from that step in the same run dir.
+    Its save is slowed past torchrun's default grace after SIGTERM (30 s), as a 175B save is, and
+    still completes."""
+    run_dir, output = tmp_path / "run", tmp_path / "job.out"
+    env = dict(os.environ, PYTHON=sys.executable, NPROC="2", RUN_DIR=str(run_dir), OMP_NUM_THREADS="1",
+               MEGAREPRO_CACHE=str(cache_dir), HF_DATASETS_OFFLINE="1", MEGAREPRO_FAULT="slow_save@32")
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", f"--output={output}", f"--chdir={REPO}", "--gpus-per-node=0", "--time=10",
+         str(TRAIN_SBATCH), *PREEMPTED],
+        capture_output=True, text=True, check=True, timeout=30, env=env).stdout.strip().split(";")[0]
+
+    def signal_batch_shell():
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+        return job_id
+    preempt_when_running(run_dir, signal_batch_shell)
     state = wait_for_job(job_id, 400)
     text = output.read_text()
     assert "JobState=COMPLETED" in state and "Restarts=1" in state, state + text[-3000:]
     assert "preemption signal" in text and "requeueing job" in text, text[-3000:]
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1)), text[-3000:]
-    record = json.loads((run_dir / "run.json").read_text())
-    assert record["status"] == "finished" and record["final"]["steps"] == steps
+    assert_resumed_from_the_stop_step(run_dir, uninterrupted, text)
 
 
 @pytest.mark.slurm
@@ -332,3 +365,36 @@ def test_submitit_multirun_runs_each_job_as_slurm_tasks(local_slurm, tmp_path, c
     for run in runs.values():
         assert run.status == "ok" and run.world == 2 and run.final["steps"] == 4, run
     assert "| +PTB (a) |" in tables.ablation_table(list(runs.values()))  # (a): TP ran over loopback
+
+
+@pytest.mark.slurm
+def test_submitit_job_saves_at_the_stop_step_requeues_and_resumes(local_slurm, tmp_path, cache_dir, uninterrupted):
+    """hydra/launcher=submitit_slurm: USR2 to the job's tasks (as SLURM sends it before the time
+    limit) makes its ranks save at an agreed step before submitit's handler requeues the job; the
+    requeued job resumes from that step, and the multirun that submitted it ends when it finishes."""
+    sweep = tmp_path / "sweep"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGAREPRO_CACHE=str(cache_dir), HF_DATASETS_OFFLINE="1")
+    submitter = subprocess.Popen(
+        [sys.executable, "train.py", "-m", "hydra/launcher=submitit_slurm", *PREEMPTED, "hydra.job.name=preempted",
+         "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",
+         # submitit takes a signal within 10 minutes of a job's start as its time limit (the
+         # 80% of its time it counts on is min(0.8 x 10, 10 - 10) minutes), and requeues it only
+         # while such limits number at most max_num_timeout, as conf/scale/cluster.yaml allows
+         "hydra.launcher.timeout_min=10", "hydra.launcher.max_num_timeout=1", "hydra.launcher.partition=debug",
+         "++hydra.launcher.additional_parameters={overcommit: true}", f"hydra.sweep.dir={sweep}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def signal_tasks():
+        job_id = subprocess.run(["squeue", "-h", "-n", "preempted", "-o", "%i"], capture_output=True,
+                                text=True, check=True).stdout.split()[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        return job_id
+    try:
+        preempt_when_running(sweep / "0", signal_tasks)
+        out, _ = submitter.communicate(timeout=400)
+    finally:
+        submitter.kill()
+    assert submitter.returncode == 0, out[-3000:]
+    logs = "".join(f.read_text() for f in sorted((sweep / ".submitit").rglob("*_log.*")))
+    assert "Requeued job" in logs, logs[-3000:]  # submitit's handler, on rank 0
+    assert_resumed_from_the_stop_step(sweep / "0", uninterrupted, logs)

@@ -42,6 +42,15 @@ def test_every_study_has_a_cluster_variant():
     assert CLUSTER_VARIANTS == ["convergence", "megascale_ablation", "strong_scaling"]
 
 
+@pytest.mark.parametrize("experiment", CLUSTER_VARIANTS)
+def test_every_cluster_study_checkpoints_periodically_in_the_background(experiment):
+    """A job at the paper's scale that fails loses at most checkpoint.interval steps (a preemption
+    or a time limit: none, train.py saves where it stops), and a save stalls it only while it is
+    copied to host memory."""
+    cfg = config.compose([f"experiment={experiment}", "scale=cluster"])
+    assert cfg.checkpoint.interval > 0 and cfg.checkpoint.async_save
+
+
 @pytest.mark.parametrize("step", range(9))
 @pytest.mark.parametrize("experiment", ["megascale_ablation"])
 def test_cluster_variants_validate_as_a_dry_run(experiment, step):

@@ -285,3 +285,44 @@ def test_a_dry_run_with_derived_dp_sizes_the_world_it_is_given(monkeypatch, caps
     train.dry_run(cfg)
     lines = [line for line in capsys.readouterr().out.splitlines() if "pipeline rank" in line]
     assert lines and all("tp=8 pp=8 dp=2 " in line for line in lines), lines
+
+
+# A launcher's preemption handler, as submitit's behaves on rank 0 (core/job_environment.py:
+# checkpoint_and_try_requeue requeues the job, then sys.exit(-1)); what it saw is written down.
+LAUNCHER = """
+import json, os, pathlib, runpy, signal, sys, threading, time
+run = pathlib.Path(sys.argv[1])
+def requeue(signum, frame):
+    saved = [p.name for p in (run / "checkpoints").glob("step_*") if (p / "manifest.json").is_file()]
+    steps = len((run / "metrics.jsonl").read_text().splitlines())
+    (run / "launcher.json").write_text(json.dumps({"saved": saved, "steps": steps}))
+    sys.exit(-1)
+signal.signal(signal.SIGUSR2, requeue)
+def preempt():  # SLURM's warning, sent once the run is a few steps in
+    while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
+        time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGUSR2)
+threading.Thread(target=preempt, daemon=True).start()
+sys.argv = ["train.py", *sys.argv[2:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_launchers_preemption_handler_runs_after_the_stop_steps_checkpoint(tmp_path, cache_dir):
+    """USR2 with a launcher's handler installed (submitit's): the run stops at a step, saves it, and
+    only then hands the signal to the launcher's handler, which requeues and exits; the handler
+    finds that step's checkpoint complete, and resume=auto would start from it."""
+    import subprocess
+    import sys
+    from conftest import ROOT, train_env
+    args = SMALL + ["train.max_steps=2000", "precision=fp32", "checkpoint.interval=0", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(tmp_path), *args], cwd=ROOT, env=train_env(cache_dir),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 255, proc.stderr[-3000:]  # the launcher's sys.exit(-1)
+    seen = json.loads((tmp_path / "launcher.json").read_text())
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    stop = steps[-1]
+    assert steps == list(range(1, stop + 1)) and 3 <= stop < 2000
+    assert seen == {"saved": [checkpoint.step_dir(tmp_path / "checkpoints", stop).name], "steps": stop}
+    assert f"saving a checkpoint at step {stop} and exiting cleanly (SIGUSR2)" in proc.stderr + proc.stdout
+    assert json.loads((tmp_path / "run.json").read_text())["status"] == "interrupted"

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     sbatch_args, overrides = split(list(sys.argv[1:] if argv is None else argv))
     skip = "--no-precheck" in sbatch_args
     sbatch_args = [a for a in sbatch_args if a != "--no-precheck"]
-    world = option(sbatch_args, "--nodes", 1) * option(sbatch_args, "--gpus-per-node", 1)
+    world = option(sbatch_args, "--nodes", 1) * option(sbatch_args, "--gpus-per-node", 8)  # train.sbatch's default
     jobs = config.preflight(overrides, remote_world=world)  # bad input: one line, exit 2
     if not skip and jobs and jobs[0][1].rehearse.precheck:
         print(f"precheck: rehearsing rank 0 of a {world}-rank job before submitting", flush=True)
