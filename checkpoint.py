@@ -55,7 +55,7 @@ log = logging.getLogger("checkpoint")
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None     # None: <run dir>/checkpoints
-    interval: int = 0             # steps between saves; 0 saves only at the end
+    interval: int = 0             # steps between saves (and at the end); 0 saves only when a signal stops the run
     keep: int = 3                 # newest complete checkpoints kept; older ones are deleted
     async_save: bool = False      # snapshot to host memory, then write in the background
 
