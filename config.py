@@ -330,6 +330,7 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     if cfg.hardware.device in ("cuda", "auto") and not (cfg.dry_run or remote):  # a dry run needs no hardware
         import torch
         import launch
+        launch.set_cuda_connections(cfg.parallel.tp, cfg.hardware.device)  # CUDA reads it when it starts: below
         if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
                               "use hardware.device=cpu (or auto) on this machine")

@@ -47,6 +47,9 @@ config.register()
 def main(dict_cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
     cfg = config.to_object(dict_cfg)
+    connections = launch.set_cuda_connections(cfg.parallel.tp, cfg.hardware.device)  # before anything starts CUDA
+    if connections:
+        log.warning(connections)
     try:
         config.validate(cfg)
     except ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
@@ -155,7 +158,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         recorder = rehearsal.Recorder(layout, device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
     bar = _progress(cfg, rank, start_step)
     eval_set = sampling.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
-                                 layout.dp_rank, layout.dp) if cfg.train.eval_interval > 0 else []
+                                 layout.dp_rank, layout.dp, pin_memory=device.type == "cuda") \
+        if cfg.train.eval_interval > 0 else []
     try:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             CLOCK.start_step(device)
@@ -166,7 +170,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             with recorder if recording else contextlib.nullcontext():
                 if recording:
                     recorder.step = step - start_step
-                loss, grad_norm = parallel.train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
+                loss, grad_norm = parallel.train_step(engine, optimizer, inputs.to(device, non_blocking=True),
+                                                     targets.to(device, non_blocking=True), cfg, autocast_dtype)
                 scheduler.step()
                 agreed = parallel.agree(loss, stop.requested, layout, grad_norm)
                 # The step's one host read: loss, stop flag and grad norm together, once the step has run.
@@ -264,7 +269,8 @@ def breakdown(timing: dict) -> dict:
 
 @torch.no_grad()
 def evaluate(engine, batches, device, autocast_dtype, layout) -> float:
-    total = sum(engine.forward_backward(x.to(device), y.to(device), autocast_dtype, backward=False) for x, y in batches)
+    total = sum(engine.forward_backward(x.to(device, non_blocking=True), y.to(device, non_blocking=True), autocast_dtype,
+                                        backward=False) for x, y in batches)
     return parallel.read_agreed(parallel.agree(total / len(batches), False, layout), layout)[0]
 
 
