@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -97,16 +98,39 @@ DEVICE_PEAK_TFLOPS = {
 }
 
 
+def gpu_key(device_name: str) -> Optional[str]:
+    """The DEVICE_PEAK_TFLOPS key a CUDA device name matches ("NVIDIA H100 80GB HBM3" -> "H100"), or None."""
+    return next((key for key in sorted(DEVICE_PEAK_TFLOPS, key=len, reverse=True) if key in device_name), None)
+
+
+def other_gpu_problem(hardware, device_name: str) -> Optional[tuple]:
+    """(why, fix) when the hardware config describes another GPU than the one this run is on, else
+    None. Refused rather than warned about: its peak_tflops is what MFU divides by (scale=cluster
+    pins a100_cluster, 312 TFLOP/s, so an H100 run would read 3.2x too high) and its spec numbers
+    what perfmodel prices the run with, so every row the run writes would describe the wrong
+    machine, and a warning among thousands of ranks' start-up lines is easily missed."""
+    if not hardware.gpu or gpu_key(device_name) == hardware.gpu:
+        return None
+    here = gpu_key(device_name)
+    configs = sorted(p.stem for p in (Path(__file__).resolve().parent / "conf" / "hardware").glob("*.yaml")
+                     if here and re.search(rf"^gpu:\s*{re.escape(here)}\s*(#|$)", p.read_text(), re.M))
+    fix = f"hardware={configs[0]} (the config of this GPU)" if configs else "a hardware config describing this GPU"
+    return (f"hardware={hardware.name} describes {hardware.gpu} GPUs ({hardware.peak_tflops or 0:g} TFLOP/s peak) but this "
+            f"run is on {device_name!r}" + (f" ({DEVICE_PEAK_TFLOPS[here]:g} TFLOP/s)" if here else ""),
+            f"use {fix}, or hardware.gpu=null hardware.peak_tflops=null to take this GPU's peak from the device table")
+
+
 def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[float] = None) -> tuple[float, str]:
-    """Peak FLOP/s per device that MFU divides by, and where the number came from."""
+    """Peak FLOP/s per device that MFU divides by, and where the number came from. An override is
+    a hardware config's, checked against the device the run is on (other_gpu_problem)."""
     if override:
         return float(override), "config"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key in sorted(DEVICE_PEAK_TFLOPS, key=len, reverse=True):
-            if key in name:
-                scale = 1.0 if dtype == torch.bfloat16 else 0.5  # TF32 tensor cores run at half the bf16 rate
-                return DEVICE_PEAK_TFLOPS[key] * scale, f"table:{key}"
+        key = gpu_key(name)
+        if key:
+            scale = 1.0 if dtype == torch.bfloat16 else 0.5  # TF32 tensor cores run at half the bf16 rate
+            return DEVICE_PEAK_TFLOPS[key] * scale, f"table:{key}"
         log.warning("unknown GPU %r: set hardware.peak_tflops for a meaningful MFU", name)
         return float("nan"), "unknown"
     return measured_cpu_peak(dtype), "measured"
