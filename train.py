@@ -29,6 +29,7 @@ import checkpoint
 import config
 import data
 import ft
+import kernels
 import launch
 import machine
 import metrics
@@ -116,6 +117,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         why += f": torch.compile of {engine.compile()}"
     if rank == 0:
         log.info("%s; %s", why, allocator)
+    ran = backends(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
     optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                       norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -139,7 +141,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                          "order": list(cfg.parallel.order), "group_setup_s": layout.setup_seconds,
                          "ranks": layout.all_coordinates()},
               "params": n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
-              "peak_tflops": peak, "peak_source": peak_source, "allocator": allocator, "data": corpus.meta}
+              "peak_tflops": peak, "peak_source": peak_source, "allocator": allocator, "data": corpus.meta,
+              "backends": ran}
     run_log = metrics.RunLog(run_dir, record, cfg.logging.wandb, enabled=rank == 0)
     if rank == 0:
         log.info("run dir %s | %s params | %.3g FLOPs/token | world %d (dp %d, pp %d, tp %d) | %s | peak %.3g TFLOP/s (%s)",
@@ -294,6 +297,25 @@ def host_allocator(hardware: config.HardwareConfig, device: torch.device) -> str
     if not hardware.keep_freed_memory:
         return "allocator: glibc's defaults (hardware.keep_freed_memory=false)"
     return machine.keep_freed_memory()
+
+
+def backends(cfg: config.Config, device: torch.device, dtype: torch.dtype, precision: str, compiled: bool) -> dict:
+    """What computed the run, for run.json and the tables under each study: the attention backend
+    (and SDPA's kernel, kernels.describe_attention), the precision, whether fp32 matmuls were
+    allowed TF32 (CUDA; None elsewhere), whether the step was compiled, the fused operators. Logs
+    it, and warns where kernels.attention=auto did not get flash-attn on a GPU."""
+    m = cfg.model
+    attention = kernels.describe_attention(cfg.kernels.attention, device, dtype, cfg.train.seq_len, m.d_model // m.n_heads,
+                                           m.attention.window, m.dropout, cfg.kernels.attention_block)
+    ran = {"attention": attention, "precision": precision, "compiled": compiled, "fused": cfg.kernels.fused,
+           "tf32": torch.backends.cuda.matmul.allow_tf32 if device.type == "cuda" else None}
+    log.info("attention %s%s | %s | TF32 %s | %s", attention["ran"],
+             f" (SDPA: {attention['sdpa_kernel']})" if attention["sdpa_kernel"] else "", precision,
+             {True: "on", False: "off", None: "n/a"}[ran["tf32"]], "compiled" if compiled else "eager")
+    if attention["fallback"]:
+        log.warning("kernels.attention=auto runs %s on this GPU, not flash-attn: %s (run.json: backends)",
+                    attention["ran"], attention["fallback"])
+    return ran
 
 
 def compile_choice(setting, device: torch.device) -> tuple:
