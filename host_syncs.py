@@ -44,35 +44,36 @@ def _problem(source, target: torch.device, non_blocking: bool, device: torch.dev
     return "" if non_blocking else "without non_blocking"
 
 
-def factory(recorder, name: str, original):
-    """torch.tensor / torch.as_tensor with the rule in front."""
+def factory(recorder, name: str, original, site):
+    """torch.tensor / torch.as_tensor with the rule in front; site() names the caller's line."""
     def make(data, *args, **kwargs):
         target = kwargs.get("device", args[1] if name == "as_tensor" and len(args) > 1 else None)
-        _check(recorder, name, data, _device(target), False)
+        _check(recorder, name, data, _device(target), False, site)
         return original(data, *args, **kwargs)
     return make
 
 
-def copy(recorder, name: str, original):
-    """Tensor.to / Tensor.cuda / Tensor.copy_ with the rule in front."""
+def copy(recorder, name: str, original, site):
+    """Tensor.to / Tensor.cuda / Tensor.copy_ with the rule in front; site() names the caller's line."""
     def call(self, *args, **kwargs):
         if name == "to":
             target, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
             if target is not None:
-                _check(recorder, name, self, target, non_blocking)
+                _check(recorder, name, self, target, non_blocking, site)
         elif name == "cuda":
-            _check(recorder, name, self, torch.device("cuda"), kwargs.get("non_blocking", args[1] if len(args) > 1 else False))
+            _check(recorder, name, self, torch.device("cuda"), kwargs.get("non_blocking", args[1] if len(args) > 1 else False),
+                   site)
         else:
-            _check(recorder, name, args[0], self.device, kwargs.get("non_blocking", args[1] if len(args) > 1 else False))
+            _check(recorder, name, args[0], self.device, kwargs.get("non_blocking", args[1] if len(args) > 1 else False),
+                   site)
         return original(self, *args, **kwargs)
     return call
 
 
-def _check(recorder, name: str, source, target: torch.device, non_blocking: bool) -> None:
+def _check(recorder, name: str, source, target: torch.device, non_blocking: bool, site) -> None:
     if not steady(recorder.step):
         return
     problem = _problem(source, target, bool(non_blocking), recorder.device)
     if problem:
-        from rehearsal import _site
-        recorder.violations.append(f"host-to-device copy ({name}) {problem} at {_site()}: a host sync inside a "
+        recorder.violations.append(f"host-to-device copy ({name}) {problem} at {site()}: a host sync inside a "
                                    f"step (pin the source and copy non_blocking, or make the tensor once)")

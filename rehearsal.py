@@ -146,10 +146,10 @@ class Recorder:
                 setattr(torch.Tensor, name, _host_read(self, name, self._saved[f"Tensor.{name}"]))
             for name in host_syncs.COPIES:
                 self._saved[f"Tensor.{name}"] = getattr(torch.Tensor, name)
-                setattr(torch.Tensor, name, host_syncs.copy(self, name, self._saved[f"Tensor.{name}"]))
+                setattr(torch.Tensor, name, host_syncs.copy(self, name, self._saved[f"Tensor.{name}"], _site))
             for name in host_syncs.FACTORIES:
                 self._saved[f"torch.{name}"] = getattr(torch, name)
-                setattr(torch, name, host_syncs.factory(self, name, self._saved[f"torch.{name}"]))
+                setattr(torch, name, host_syncs.factory(self, name, self._saved[f"torch.{name}"], _site))
         return self
 
     def __exit__(self, *exc):
