@@ -55,7 +55,7 @@ class HardwareConfig:
     device: str = "auto"                  # auto | cpu | cuda
     backend: str = "auto"                 # auto | gloo | nccl
     keep_freed_memory: bool = True        # CPU: glibc's malloc reuses freed blocks (machine.keep_freed_memory)
-    peak_tflops: Optional[float] = None   # dense peak per device for the run's dtype
+    peak_tflops: Optional[float] = None   # dense peak per device for the run's dtype (CUDA: bf16's; TF32 takes half)
     # The GPU this config describes (a key of machine.DEVICE_PEAK_TFLOPS: A100, H100, ...): a run
     # on another GPU is refused (its MFU would divide by this one's peak). None: any device.
     gpu: Optional[str] = None

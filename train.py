@@ -131,7 +131,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     # MFU is rank 0's to log, and so is the measurement of a CPU's peak: ranks measuring side by
     # side on shared cores would each see a fraction of it (and cost a second of start-up each).
-    peak, peak_source = machine.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops) if rank == 0 \
+    peak, peak_source = machine.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops,
+                                              cfg.hardware.peak_tflops_fp32) if rank == 0 \
         else (float("nan"), "rank 0's")
     meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, world, peak)
     record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),

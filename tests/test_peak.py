@@ -50,3 +50,16 @@ def test_a_gpu_without_a_config_of_its_own_is_told_to_drop_the_pin(gpu):
     gpu["name"] = "NVIDIA H100 80GB HBM3"  # the auto config names no GPU: the table's peak for whatever runs
     config.validate(config.compose(BASE + ["hardware=auto"]))
     assert machine.peak_tflops(torch.device("cuda", 0), torch.bfloat16) == (989.0, "table:H100")
+
+
+def test_an_fp32_run_divides_by_the_fp32_peak_unless_tf32_is_on(gpu, monkeypatch):
+    """torch leaves TF32 off for matmuls: an fp32 run on an A100 reaches 19.5 TFLOP/s, not TF32's 156."""
+    gpu["name"] = "NVIDIA A100-SXM4-80GB"
+    cuda, a100 = torch.device("cuda", 0), config.compose(BASE + ["hardware=a100_cluster"]).hardware
+    monkeypatch.setattr(machine, "tf32_matmuls", lambda: False)
+    assert machine.peak_tflops(cuda, torch.float32) == (19.5, "table:A100 fp32")
+    assert machine.peak_tflops(cuda, torch.float32, a100.peak_tflops, a100.peak_tflops_fp32) == (19.5, "config:fp32")
+    assert machine.peak_tflops(cuda, torch.bfloat16, a100.peak_tflops, a100.peak_tflops_fp32) == (312.0, "config")
+    monkeypatch.setattr(machine, "tf32_matmuls", lambda: True)
+    assert machine.peak_tflops(cuda, torch.float32) == (156.0, "table:A100 tf32")
+    assert machine.peak_tflops(cuda, torch.float32, a100.peak_tflops, a100.peak_tflops_fp32) == (156.0, "config tf32")
