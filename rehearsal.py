@@ -16,7 +16,8 @@ Each rank writes rehearsal.json (rehearse.out, default the run dir):
 - the pipeline's order of chunk forwards and backwards; the checkpoint's bytes.
 With rehearse.nccl_rules (on by default) it also enforces NCCL's rules: every collective's tensor
 on the compute device (meta stands in for CUDA: a CPU tensor there is named with its call site),
-no host read of a device tensor beyond the step's one, and, across the rehearsed ranks and the
+no host read of a device tensor beyond the step's one, no host-to-device copy that waits for the
+host inside a step (host_syncs.py), and, across the rehearsed ranks and the
 pipeline plan of the whole layout, FIFO matching and no deadlock (nccl_rules.check).
 
 torch's pieces are used where they fit: the fake backend (FakeStore, a process group whose
