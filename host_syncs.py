@@ -44,6 +44,17 @@ def _problem(source, target: torch.device, non_blocking: bool, device: torch.dev
     return "" if non_blocking else "without non_blocking"
 
 
+def install(recorder, saved: dict, site) -> None:
+    """Puts the rule in front of torch's copies while `recorder` records, keeping the originals in
+    `saved` as "Tensor.<name>" and "torch.<name>" (the recorder puts them back on exit)."""
+    for name in COPIES:
+        saved[f"Tensor.{name}"] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, copy(recorder, name, saved[f"Tensor.{name}"], site))
+    for name in FACTORIES:
+        saved[f"torch.{name}"] = getattr(torch, name)
+        setattr(torch, name, factory(recorder, name, saved[f"torch.{name}"], site))
+
+
 def factory(recorder, name: str, original, site):
     """torch.tensor / torch.as_tensor with the rule in front; site() names the caller's line."""
     def make(data, *args, **kwargs):

@@ -17,8 +17,8 @@ Each rank writes rehearsal.json (rehearse.out, default the run dir):
 With rehearse.nccl_rules (on by default) it also enforces NCCL's rules: every collective's tensor
 on the compute device (meta stands in for CUDA: a CPU tensor there is named with its call site),
 no host read of a device tensor beyond the step's one, no host-to-device copy that waits for the
-host inside a step (host_syncs.py), and, across the rehearsed ranks and the
-pipeline plan of the whole layout, FIFO matching and no deadlock (nccl_rules.check).
+host inside a step (host_syncs.py), and, across the rehearsed ranks and the pipeline plan of the
+whole layout, FIFO matching and no deadlock (nccl_rules.check).
 
 torch's pieces are used where they fit: the fake backend (FakeStore, a process group whose
 collectives do nothing), the meta device, FlopCounterMode's FLOP formulas. What they lack is
@@ -145,12 +145,7 @@ class Recorder:
             for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
                 self._saved[f"Tensor.{name}"] = getattr(torch.Tensor, name)
                 setattr(torch.Tensor, name, _host_read(self, name, self._saved[f"Tensor.{name}"]))
-            for name in host_syncs.COPIES:
-                self._saved[f"Tensor.{name}"] = getattr(torch.Tensor, name)
-                setattr(torch.Tensor, name, host_syncs.copy(self, name, self._saved[f"Tensor.{name}"], _site))
-            for name in host_syncs.FACTORIES:
-                self._saved[f"torch.{name}"] = getattr(torch, name)
-                setattr(torch, name, host_syncs.factory(self, name, self._saved[f"torch.{name}"], _site))
+            host_syncs.install(self, self._saved, _site)
         return self
 
     def __exit__(self, *exc):
