@@ -55,7 +55,10 @@ class HardwareConfig:
     device: str = "auto"                  # auto | cpu | cuda
     backend: str = "auto"                 # auto | gloo | nccl
     keep_freed_memory: bool = True        # CPU: glibc's malloc reuses freed blocks (machine.keep_freed_memory)
-    peak_tflops: Optional[float] = None   # dense peak per device for the run's dtype
+    peak_tflops: Optional[float] = None   # dense peak per device for the run's dtype (CUDA: bf16's; TF32 takes half)
+    # The GPU this config describes (a key of machine.DEVICE_PEAK_TFLOPS: A100, H100, ...): a run
+    # on another GPU is refused (its MFU would divide by this one's peak). None: any device.
+    gpu: Optional[str] = None
     devices_per_host: int = 1
     memory_gib: Optional[float] = None    # per device
     intra_host_GBps: Optional[float] = None   # per device, one direction (NVLink)
@@ -330,6 +333,7 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     if cfg.hardware.device in ("cuda", "auto") and not (cfg.dry_run or remote):  # a dry run needs no hardware
         import torch
         import launch
+        launch.set_cuda_connections(cfg.parallel.tp, cfg.hardware.device)  # CUDA reads it when it starts: below
         if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("hardware.device", "cuda was asked for but no CUDA device is visible",
                               "use hardware.device=cpu (or auto) on this machine")
@@ -340,6 +344,11 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
             if sharing:
                 raise ConfigError("hardware.device", sharing, f"start at most {visible} rank(s) per node, one per "
                                   f"GPU (torchrun --nproc_per_node, srun --ntasks-per-node), or hardware.device=cpu")
+            import machine
+            problem = cfg.hardware.gpu and machine.other_gpu_problem(
+                cfg.hardware, torch.cuda.get_device_name(launch.pick_device("cuda")))
+            if problem:
+                raise ConfigError("hardware.gpu", *problem)
     if cfg.kernels.attention == "flash" and not (cfg.dry_run or remote):
         import kernels
         problem = kernels.flash_attn_problem()

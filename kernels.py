@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 import kernels_triton
 
@@ -217,8 +218,12 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
     return torch.cat(outs, dim=2)
 
 
-# flash-attn's sliding window (window_size) arrived in 2.3.0; older versions raise TypeError on it.
-FLASH_ATTN_RANGE = ">=2.3,<3"
+# flash-attn's sliding window (window_size) arrived in 2.3.0. From 2.7.0 its functions are torch
+# custom ops (torch.library.custom_op, flash_attn::_flash_attn_forward/_backward, PR
+# Dao-AILab/flash-attention#1139, merged in August 2024 after 2.6.3): torch.compile keeps them in
+# its graph, where 2.3-2.6's pybind calls broke the graph at every layer's attention. 3.x is
+# another API. pyproject.toml's `gpu` extra pins the same range.
+FLASH_ATTN_RANGE = ">=2.7,<3"
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,9 +236,10 @@ def flash_attn_problem() -> Optional[tuple]:
         return (f"the flash-attn package ({FLASH_ATTN_RANGE}) is not installed",
                 "`make gpu` on a CUDA host, or kernels.attention=auto|banded|sdpa")
     version = tuple(int(part) for part in re.findall(r"\d+", flash_attn.__version__)[:2])
-    if not (2, 3) <= version < (3, 0):
-        return (f"flash-attn {flash_attn.__version__} is installed, and sliding windows (window_size) need "
-                f"{FLASH_ATTN_RANGE}", "`make gpu` installs one; kernels.attention=auto runs without it")
+    if not (2, 7) <= version < (3, 0):
+        return (f"flash-attn {flash_attn.__version__} is installed, and this code needs {FLASH_ATTN_RANGE} (sliding "
+                f"windows, and functions torch.compile keeps in its graph)",
+                "`make gpu` installs one; kernels.attention=auto runs without it")
     return None
 
 
@@ -246,19 +252,45 @@ def flash_attn_importable() -> bool:
     return flash_attn_problem() is None
 
 
-def _flash_available(q) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_importable()
-
-
 def pick_attention_impl(q, window: Optional[int], block: int = DEFAULT_BLOCK) -> str:
     """What impl="auto" runs: flash where it can, else banded once it skips enough, else sdpa."""
-    if _flash_available(q):
+    return choose_attention(q.is_cuda, q.dtype, q.shape[-2], window, block)
+
+
+def choose_attention(is_cuda: bool, dtype: torch.dtype, T: int, window: Optional[int], block: int = DEFAULT_BLOCK) -> str:
+    if is_cuda and dtype in (torch.float16, torch.bfloat16) and flash_attn_importable():
         return "flash"
     # Banded does about T·(W + block) work; masked SDPA T² and causal SDPA T²/2. Below 2·(W + block)
     # the saving is too small to pay for the extra calls and the copy of K and V.
-    if window is not None and q.shape[-2] >= 2 * (window + block):
+    if window is not None and T >= 2 * (window + block):
         return "banded"
     return "sdpa"
+
+
+def describe_attention(impl: str, device: torch.device, dtype: torch.dtype, T: int, head_dim: int,
+                       window: Optional[int], dropout: float, block: int = DEFAULT_BLOCK) -> dict:
+    """Which attention a run's layers call, for run.json and the tables: the backend (impl="auto"
+    resolved as pick_attention_impl resolves it), the SDPA kernel torch dispatches the sdpa and
+    banded backends' calls to (torch._fused_sdp_choice on a one-head stand-in of the run's shape,
+    dtype and mask: flash_attention, efficient_attention, cudnn_attention or math), and why auto did
+    not take flash on a GPU, where it would have ("fallback")."""
+    ran = choose_attention(device.type == "cuda", dtype, T, window, block) if impl == "auto" else impl
+    fallback = None
+    if impl == "auto" and ran != "flash" and device.type == "cuda":
+        problem = flash_attn_problem()
+        fallback = f"{problem[0]}" if problem else f"flash-attn needs bf16/fp16, the run computes in {dtype}"
+    kernel = sdpa_kernel(device, dtype, T, head_dim, window, dropout) if ran in ("sdpa", "banded") else None
+    return {"requested": impl, "ran": ran, "sdpa_kernel": kernel, "fallback": fallback}
+
+
+def sdpa_kernel(device: torch.device, dtype: torch.dtype, T: int, head_dim: int, window: Optional[int],
+                dropout: float) -> str:
+    """The kernel torch's SDPA dispatches attention_sdpa's call to on this device (the banded
+    backend's calls carry a mask too): torch's own choice for a one-head stand-in."""
+    q = torch.zeros(1, 1, T, head_dim, dtype=dtype, device=device)
+    masked = window is not None and window < T
+    mask = window_mask(T, window, device) if masked else None
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, mask, dropout, not masked)).name.lower()
 
 
 def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",

@@ -25,6 +25,29 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def set_cuda_connections(tp: int, device: str) -> Optional[str]:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 for a run with tp > 1 that may use CUDA (device cuda or auto),
+    set before CUDA starts: train.py's main calls this first, and every launch path (torchrun,
+    experiments/slurm/train.sbatch, the submitit launcher) ends in that main, which alone knows tp.
+    With one hardware queue the GPU starts kernels in the order the host issued them, so the TP
+    collective issued before the GEMM it hides under gets its SMs first; with several queues the
+    GEMM can take every SM and the collective waits for it (Megatron-LM sets 1 for the same
+    overlap and warns when it is not). Left at CUDA's default for tp = 1, where DP and PP overlap
+    want their streams' kernels to run side by side. A value the user set is kept. Returns a
+    warning for the log, or None."""
+    if tp <= 1 or device == "cpu":
+        return None
+    current = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if current is not None and current != "1":
+        return (f"CUDA_DEVICE_MAX_CONNECTIONS={current} is set and tp={tp}: the GPU may run a GEMM before the TP "
+                f"collective meant to overlap it; unset it (this run then sets 1) or set 1")
+    if current is None and torch.cuda.is_initialized():
+        return ("CUDA started before CUDA_DEVICE_MAX_CONNECTIONS=1 could be set for tp > 1: set it in the environment "
+                "of the launch")
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return None
+
+
 def ranks_on_this_node() -> Optional[int]:
     """How many ranks run on this node: torchrun's LOCAL_WORLD_SIZE, else SLURM's tasks on this
     node (SLURM_STEP_TASKS_PER_NODE inside srun, else SLURM_TASKS_PER_NODE: "8(x4),2" means 8 on

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -95,19 +96,64 @@ DEVICE_PEAK_TFLOPS = {
     "GH200": 989.0, "B200": 2250.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0, "A10": 125.0,
     "V100": 125.0, "MI300X": 1307.0, "MI250X": 383.0,
 }
+# Dense fp32 without TF32 (the same datasheets; the CDNA parts' fp32 matrix rate): what an fp32
+# run's matmuls reach while torch leaves TF32 off, its default. With TF32 allowed they run on the
+# tensor cores at half the bf16 rate.
+DEVICE_PEAK_FP32_TFLOPS = {
+    "A100": 19.5, "A800": 19.5, "H100 PCIe": 51.0, "H100": 67.0, "H800": 67.0, "H200": 67.0, "GH200": 67.0,
+    "L40S": 91.6, "L4": 30.3, "A10": 31.2, "V100": 15.7, "MI300X": 163.4, "MI250X": 95.7,
+}
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[float] = None) -> tuple[float, str]:
-    """Peak FLOP/s per device that MFU divides by, and where the number came from."""
+def tf32_matmuls() -> bool:
+    """Whether torch lets fp32 matmuls on CUDA run in TF32 (torch.backends.cuda.matmul.allow_tf32,
+    which torch.set_float32_matmul_precision("high") also turns on)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def gpu_key(device_name: str) -> Optional[str]:
+    """The DEVICE_PEAK_TFLOPS key a CUDA device name matches ("NVIDIA H100 80GB HBM3" -> "H100"), or None."""
+    return next((key for key in sorted(DEVICE_PEAK_TFLOPS, key=len, reverse=True) if key in device_name), None)
+
+
+def other_gpu_problem(hardware, device_name: str) -> Optional[tuple]:
+    """(why, fix) when the hardware config describes another GPU than the one this run is on, else
+    None. Refused rather than warned about: its peak_tflops is what MFU divides by (scale=cluster
+    pins a100_cluster, 312 TFLOP/s, so an H100 run would read 3.2x too high) and its spec numbers
+    what perfmodel prices the run with, so every row the run writes would describe the wrong
+    machine, and a warning among thousands of ranks' start-up lines is easily missed."""
+    if not hardware.gpu or gpu_key(device_name) == hardware.gpu:
+        return None
+    here = gpu_key(device_name)
+    configs = sorted(p.stem for p in (Path(__file__).resolve().parent / "conf" / "hardware").glob("*.yaml")
+                     if here and re.search(rf"^gpu:\s*{re.escape(here)}\s*(#|$)", p.read_text(), re.M))
+    fix = f"hardware={configs[0]} (the config of this GPU)" if configs else "a hardware config describing this GPU"
+    return (f"hardware={hardware.name} describes {hardware.gpu} GPUs ({hardware.peak_tflops or 0:g} TFLOP/s peak) but this "
+            f"run is on {device_name!r}" + (f" ({DEVICE_PEAK_TFLOPS[here]:g} TFLOP/s)" if here else ""),
+            f"use {fix}, or hardware.gpu=null hardware.peak_tflops=null to take this GPU's peak from the device table")
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[float] = None,
+                override_fp32: Optional[float] = None) -> tuple[float, str]:
+    """Peak FLOP/s per device that MFU divides by, and where the number came from. The overrides
+    are a hardware config's (checked against the device the run is on: other_gpu_problem):
+    peak_tflops (on CUDA the bf16 peak, halved for fp32 on TF32), and for an fp32 run on CUDA
+    without TF32, peak_tflops_fp32 before it."""
+    plain_fp32 = device.type == "cuda" and dtype == torch.float32 and not tf32_matmuls()
+    if plain_fp32 and override_fp32:
+        return float(override_fp32), "config:fp32"
+    tf32 = device.type == "cuda" and dtype == torch.float32 and not plain_fp32  # TF32 tensor cores: half the bf16 rate
     if override:
-        return float(override), "config"
+        return float(override) * (0.5 if tf32 else 1.0), "config" + (" tf32" if tf32 else "")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key in sorted(DEVICE_PEAK_TFLOPS, key=len, reverse=True):
-            if key in name:
-                scale = 1.0 if dtype == torch.bfloat16 else 0.5  # TF32 tensor cores run at half the bf16 rate
-                return DEVICE_PEAK_TFLOPS[key] * scale, f"table:{key}"
-        log.warning("unknown GPU %r: set hardware.peak_tflops for a meaningful MFU", name)
+        key = gpu_key(name)
+        if key and plain_fp32 and key in DEVICE_PEAK_FP32_TFLOPS:
+            return DEVICE_PEAK_FP32_TFLOPS[key], f"table:{key} fp32"
+        if key and not plain_fp32:
+            return DEVICE_PEAK_TFLOPS[key] * (0.5 if tf32 else 1.0), f"table:{key}" + (" tf32" if tf32 else "")
+        log.warning("no fp32 peak known for GPU %r: set hardware.peak_tflops for a meaningful MFU" if key else
+                    "unknown GPU %r: set hardware.peak_tflops for a meaningful MFU", name)
         return float("nan"), "unknown"
     return measured_cpu_peak(dtype), "measured"
 

@@ -222,6 +222,16 @@ class Lamb(torch.optim.Optimizer):
                 buffers[p] = torch.empty_like(p, memory_format=torch.preserve_format)
         return [buffers[p] for p in params]
 
+    def _on_device(self, values: tuple, device) -> torch.Tensor:
+        """`values` as a tensor on `device`, made once. torch.tensor(list, device=cuda) copies from
+        pageable host memory and waits for the copy (a host sync), and the slots with grads and the
+        owner flags are the same every step, so the tensor is kept, keyed by its values."""
+        made = self.__dict__.setdefault("_device_constants", {})
+        key = (values, str(device))
+        if key not in made:
+            made[key] = torch.tensor(values, device=device)
+        return made[key]
+
     def _trust_ratios(self, work) -> list[Optional[torch.Tensor]]:
         """Per group: a vector of r for its tensors with grads, or None where r = 1 throughout."""
         trusting = [g["trust_ratio"] for g in self.param_groups]
@@ -235,8 +245,8 @@ class Lamb(torch.optim.Optimizer):
         if live:
             params = [p for ps, _, _ in live for p in ps]
             updates = [u for _, us, _ in live for u in us]
-            index = torch.tensor([i for _, _, idx in live for i in idx], device=device)
-            owner = torch.tensor([float(getattr(p, "_norm_owner", True)) for p in params], device=device)
+            index = self._on_device(tuple(i for _, _, idx in live for i in idx), device)
+            owner = self._on_device(tuple(float(getattr(p, "_norm_owner", True)) for p in params), device)
             p_norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
             u_norms = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
             squares[:, index] = torch.stack([p_norms, u_norms]).square() * owner
@@ -251,7 +261,7 @@ class Lamb(torch.optim.Optimizer):
                 ratios.append(None)
                 offset += n_slots[k]
                 continue
-            idx = torch.tensor(slots, device=device) + offset
+            idx = self._on_device(tuple(s + offset for s in slots), device)
             pn, un = p_norm[idx], u_norm[idx]
             r = pn / un
             if group["trust_clamp"] is not None:

@@ -584,7 +584,8 @@ def agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tens
     reader divides by dp*tp) and the stop flag over all ranks, in one all-reduce on the device:
     every rank must stop at the same step or the others hang in a collective. The grad norm (the
     same on every rank already) rides along, so the host reads all three at once."""
-    t = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
+    # The flag is filled on the device (a kernel argument), not copied there from host memory.
+    t = torch.stack([loss.float(), torch.full((), float(stop), dtype=torch.float32, device=loss.device)])
     if layout.world > 1:
         with CLOCK.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
             dist.all_reduce(t)

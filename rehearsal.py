@@ -16,8 +16,9 @@ Each rank writes rehearsal.json (rehearse.out, default the run dir):
 - the pipeline's order of chunk forwards and backwards; the checkpoint's bytes.
 With rehearse.nccl_rules (on by default) it also enforces NCCL's rules: every collective's tensor
 on the compute device (meta stands in for CUDA: a CPU tensor there is named with its call site),
-no host read of a device tensor beyond the step's one, and, across the rehearsed ranks and the
-pipeline plan of the whole layout, FIFO matching and no deadlock (nccl_rules.check).
+no host read of a device tensor beyond the step's one, no host-to-device copy that waits for the
+host inside a step (host_syncs.py), and, across the rehearsed ranks and the pipeline plan of the
+whole layout, FIFO matching and no deadlock (nccl_rules.check).
 
 torch's pieces are used where they fit: the fake backend (FakeStore, a process group whose
 collectives do nothing), the meta device, FlopCounterMode's FLOP formulas. What they lack is
@@ -43,6 +44,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+import host_syncs
 from ledgers import FlopLedger, MemoryLedger, categories, cuda_attention
 
 HERE = str(Path(__file__).resolve().parent)
@@ -121,8 +123,9 @@ class Recorder:
     """Patches torch.distributed's collectives and point-to-point while active. fake=True does
     nothing but record and hand back completed works (the rehearsal); fake=False records and
     calls through (a real run, to compare with its rehearsal). With nccl_rules, a tensor that is
-    not on `device` is a violation naming the call site, and so is every host read of a
-    device tensor except the step's one (named_read)."""
+    not on `device` is a violation naming the call site, and so are every host read of a
+    device tensor except the step's one (named_read) and every host-to-device copy that
+    syncs inside a step (host_syncs.py)."""
 
     def __init__(self, layout, device: torch.device, fake: bool, nccl_rules: bool = True):
         self.layout, self.device, self.fake, self.nccl_rules = layout, torch.device(device), fake, nccl_rules
@@ -142,12 +145,15 @@ class Recorder:
             for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
                 self._saved[f"Tensor.{name}"] = getattr(torch.Tensor, name)
                 setattr(torch.Tensor, name, _host_read(self, name, self._saved[f"Tensor.{name}"]))
+            host_syncs.install(self, self._saved, _site)
         return self
 
     def __exit__(self, *exc):
         for name, fn in self._saved.items():
             if name.startswith("Tensor."):
                 setattr(torch.Tensor, name[7:], fn)
+            elif name.startswith("torch."):
+                setattr(torch, name[6:], fn)
             else:
                 setattr(dist, name, fn)
         self._saved.clear()
@@ -266,7 +272,7 @@ def _dim_names(layout) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _is_this_file(name: str) -> bool:
-    return str(Path(name).resolve()) == THIS
+    return str(Path(name).resolve()) in (THIS, str(Path(host_syncs.__file__).resolve()))
 
 
 def _site() -> str:

@@ -179,11 +179,12 @@ class TPSharedLoader:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         import torch.distributed as dist
-        if self.is_reader:
-            tokens = torch.stack(next(self.loader)).to(self.device)
+        tokens = torch.empty((2, *self.shape), dtype=torch.int64, device=self.device)
+        if self.is_reader:  # straight from the loader's (pinned, on CUDA) batch: no pageable stack between
+            for row, part in zip(tokens, next(self.loader)):
+                row.copy_(part, non_blocking=True)
         else:
             self.loader.skip()
-            tokens = torch.empty((2, *self.shape), dtype=torch.int64, device=self.device)
         dist.broadcast(tokens, src=self.src, group=self.group)
         return tokens[0], tokens[1]
 
@@ -204,19 +205,21 @@ def train_loader(corpus: Corpus, cfg: DataConfig, seq_len: int, sampler: Sampler
     megascale: the next batches are prepared in the background (data.prefetch deep) while the
                current step computes and synchronises gradients, and under TP one rank per TP
                group reads them for the whole group (TPSharedLoader)."""
+    pin = device.type == "cuda"  # a pinned batch is copied to the GPU asynchronously, a pageable one with a host sync
     if cfg.pipeline == "naive":
-        return Loader(corpus, "train", seq_len, sampler, prefetch=0)
+        return Loader(corpus, "train", seq_len, sampler, prefetch=0, pin_memory=pin)
     reader = tp_group is None or tp_rank == 0
-    loader = Loader(corpus, "train", seq_len, sampler, prefetch=cfg.prefetch if reader else 0)
+    loader = Loader(corpus, "train", seq_len, sampler, prefetch=cfg.prefetch if reader else 0, pin_memory=pin)
     if tp_group is None:
         return loader
     return TPSharedLoader(loader, tp_group, reader, (sampler.global_batch // sampler.dp_size, seq_len), device)
 
 
 def eval_batches(corpus: Corpus, seq_len: int, n_batches: int, global_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 dp_rank: int = 0, dp_size: int = 1, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same held-out batches on every call: n_batches * global_batch sequences spread evenly over
-    the val split (repeating only if it is smaller), each global batch sliced per DP rank."""
+    the val split (repeating only if it is smaller), each global batch sliced per DP rank (pinned
+    with pin_memory, for asynchronous copies to a GPU)."""
     n_val = corpus.num_sequences("val", seq_len)
     if n_val < 1:
         raise ValueError(f"the val split has no sequence of length {seq_len}: raise data.val_fraction or disable eval")
@@ -225,5 +228,5 @@ def eval_batches(corpus: Corpus, seq_len: int, n_batches: int, global_batch: int
     total = n_batches * global_batch
     picks = (np.arange(total) * n_val) // total if total <= n_val else np.arange(total) % n_val
     rows, local = corpus.sequences("val", seq_len), global_batch // dp_size
-    return [_rows_to_batch(rows[picks[b * global_batch + dp_rank * local: b * global_batch + (dp_rank + 1) * local]], False)
+    return [_rows_to_batch(rows[picks[b * global_batch + dp_rank * local: b * global_batch + (dp_rank + 1) * local]], pin_memory)
             for b in range(n_batches)]

@@ -29,6 +29,7 @@ import checkpoint
 import config
 import data
 import ft
+import kernels
 import launch
 import machine
 import metrics
@@ -47,6 +48,9 @@ config.register()
 def main(dict_cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
     cfg = config.to_object(dict_cfg)
+    connections = launch.set_cuda_connections(cfg.parallel.tp, cfg.hardware.device)  # before anything starts CUDA
+    if connections:
+        log.warning(connections)
     try:
         config.validate(cfg)
     except ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
@@ -113,6 +117,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         why += f": torch.compile of {engine.compile()}"
     if rank == 0:
         log.info("%s; %s", why, allocator)
+    ran = backends(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
     optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                       norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -126,7 +131,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     # MFU is rank 0's to log, and so is the measurement of a CPU's peak: ranks measuring side by
     # side on shared cores would each see a fraction of it (and cost a second of start-up each).
-    peak, peak_source = machine.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops) if rank == 0 \
+    peak, peak_source = machine.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops,
+                                              cfg.hardware.peak_tflops_fp32) if rank == 0 \
         else (float("nan"), "rank 0's")
     meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, world, peak)
     record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
@@ -136,7 +142,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                          "order": list(cfg.parallel.order), "group_setup_s": layout.setup_seconds,
                          "ranks": layout.all_coordinates()},
               "params": n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
-              "peak_tflops": peak, "peak_source": peak_source, "allocator": allocator, "data": corpus.meta}
+              "peak_tflops": peak, "peak_source": peak_source, "allocator": allocator, "data": corpus.meta,
+              "backends": ran}
     run_log = metrics.RunLog(run_dir, record, cfg.logging.wandb, enabled=rank == 0)
     if rank == 0:
         log.info("run dir %s | %s params | %.3g FLOPs/token | world %d (dp %d, pp %d, tp %d) | %s | peak %.3g TFLOP/s (%s)",
@@ -155,7 +162,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         recorder = rehearsal.Recorder(layout, device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
     bar = _progress(cfg, rank, start_step)
     eval_set = sampling.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
-                                 layout.dp_rank, layout.dp) if cfg.train.eval_interval > 0 else []
+                                 layout.dp_rank, layout.dp, pin_memory=device.type == "cuda") \
+        if cfg.train.eval_interval > 0 else []
     try:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             CLOCK.start_step(device)
@@ -166,7 +174,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             with recorder if recording else contextlib.nullcontext():
                 if recording:
                     recorder.step = step - start_step
-                loss, grad_norm = parallel.train_step(engine, optimizer, inputs.to(device), targets.to(device), cfg, autocast_dtype)
+                loss, grad_norm = parallel.train_step(engine, optimizer, inputs.to(device, non_blocking=True),
+                                                     targets.to(device, non_blocking=True), cfg, autocast_dtype)
                 scheduler.step()
                 agreed = parallel.agree(loss, stop.requested, layout, grad_norm)
                 # The step's one host read: loss, stop flag and grad norm together, once the step has run.
@@ -268,7 +277,8 @@ def breakdown(timing: dict) -> dict:
 
 @torch.no_grad()
 def evaluate(engine, batches, device, autocast_dtype, layout) -> float:
-    total = sum(engine.forward_backward(x.to(device), y.to(device), autocast_dtype, backward=False) for x, y in batches)
+    total = sum(engine.forward_backward(x.to(device, non_blocking=True), y.to(device, non_blocking=True), autocast_dtype,
+                                        backward=False) for x, y in batches)
     return parallel.read_agreed(parallel.agree(total / len(batches), False, layout), layout)[0]
 
 
@@ -292,6 +302,25 @@ def host_allocator(hardware: config.HardwareConfig, device: torch.device) -> str
     if not hardware.keep_freed_memory:
         return "allocator: glibc's defaults (hardware.keep_freed_memory=false)"
     return machine.keep_freed_memory()
+
+
+def backends(cfg: config.Config, device: torch.device, dtype: torch.dtype, precision: str, compiled: bool) -> dict:
+    """What computed the run, for run.json and the tables under each study: the attention backend
+    (and SDPA's kernel, kernels.describe_attention), the precision, whether fp32 matmuls were
+    allowed TF32 (CUDA; None elsewhere), whether the step was compiled, the fused operators. Logs
+    it, and warns where kernels.attention=auto did not get flash-attn on a GPU."""
+    m = cfg.model
+    attention = kernels.describe_attention(cfg.kernels.attention, device, dtype, cfg.train.seq_len, m.d_model // m.n_heads,
+                                           m.attention.window, m.dropout, cfg.kernels.attention_block)
+    ran = {"attention": attention, "precision": precision, "compiled": compiled, "fused": cfg.kernels.fused,
+           "tf32": torch.backends.cuda.matmul.allow_tf32 if device.type == "cuda" else None}
+    log.info("attention %s%s | %s | TF32 %s | %s", attention["ran"],
+             f" (SDPA: {attention['sdpa_kernel']})" if attention["sdpa_kernel"] else "", precision,
+             {True: "on", False: "off", None: "n/a"}[ran["tf32"]], "compiled" if compiled else "eager")
+    if attention["fallback"]:
+        log.warning("kernels.attention=auto runs %s on this GPU, not flash-attn: %s (run.json: backends)",
+                    attention["ran"], attention["fallback"])
+    return ran
 
 
 def compile_choice(setting, device: torch.device) -> tuple:

@@ -23,3 +23,7 @@ if [ -n "$nanogpt" ]; then
   timeout "${BENCH_TIMEOUT:-200}" "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda \
       ${BENCH_ARGS:---dtype bf16 --compile both --variants fused --rounds 2 --steps 20} 2>&1 | tee "$out/bench_step.log"
 fi
+
+# Host syncs: a few LAMB steps (with clipping, the loader's pinned batch and agree) under
+# torch.cuda.set_sync_debug_mode("error"), which raises at any copy or read that waits for the GPU.
+timeout "${SYNC_TIMEOUT:-120}" "$python" experiments/host_sync_check.py --device cuda 2>&1 | tee "$out/host_sync_check.log"

@@ -97,6 +97,7 @@ class Run:
     without: List[int] = field(default_factory=list)  # earlier ablation steps this row lacks (pending)
     config: dict = field(default_factory=dict)   # run.json's resolved config
     layout: dict = field(default_factory=dict)   # run.json's layout as built (sizes, every rank's coordinates)
+    backends: dict = field(default_factory=dict)  # run.json's: attention backend, precision, TF32, compiled
 
     @property
     def measured(self) -> bool:
@@ -151,7 +152,8 @@ def run_from_record(record: dict, status: str, where: str) -> Run:
                scale=study.get("scale") or "unknown", fabric=study.get("fabric") or "unknown", status=status,
                final=record.get("final") or {}, world=record.get("world_size") or _gpus_in(label),
                batch=train.get("batch_size"), seq_len=train.get("seq_len"), started=attempts[-1].get("started", ""),
-               without=list(study.get("without") or []), config=cfg, layout=record.get("layout") or {})
+               without=list(study.get("without") or []), config=cfg, layout=record.get("layout") or {},
+               backends=record.get("backends") or {})
 
 
 def _gpus_in(label: str) -> Optional[int]:
@@ -281,6 +283,29 @@ def _name(text: str, run: Optional[Run]) -> str:
     return text + (" (stopped)" if run is not None and run.status == "stopped" and run.measured else "")
 
 
+def describe_backends(ran: dict) -> str:
+    """run.json's backends in a few words: "attention sdpa (SDPA flash_attention), bf16, TF32 off, eager"."""
+    if not ran:
+        return "not recorded"
+    attention = ran.get("attention") or {}
+    text = f"attention {attention.get('ran', '?')}"
+    text += f" (SDPA {attention['sdpa_kernel']})" if attention.get("sdpa_kernel") else ""
+    text += f" (auto without flash-attn: {attention['fallback']})" if attention.get("fallback") else ""
+    tf32 = {True: "TF32 on", False: "TF32 off"}.get(ran.get("tf32"), "TF32 n/a")
+    return f"{text}, {ran.get('precision', '?')}, {tf32}, {'compiled' if ran.get('compiled') else 'eager'}"
+
+
+def backends_note(rows: Sequence[Tuple[str, Optional[Run]]]) -> List[str]:
+    """The note under a table naming what computed its measured rows, rows alike grouped."""
+    alike: Dict[str, List[str]] = {}
+    for name, run in rows:
+        if run is not None and run.measured:
+            alike.setdefault(describe_backends(run.backends), []).append(name)
+    if len(alike) == 1:
+        return [f"Ran (every measured row): {next(iter(alike))}."]
+    return ["Ran: " + "; ".join(f"{', '.join(names)}: {what}" for what, names in alike.items()) + "."] if alike else []
+
+
 def best_per_step(runs: List[Run]) -> Dict[object, Run]:
     """One run per ablation step (or per label, without a step): a measurement beats any other
     status, then the newest attempt wins (a rerun after a fix)."""
@@ -329,6 +354,7 @@ def _ablation_group(key: Tuple[str, str], runs: List[Run]) -> Table:
              f"measurement of it. Exposed comm: median per step, n/a where the run did not log it."]
     if "pending" in [r["status"] for r in records]:
         notes.append("pending: the step's switch has not landed yet; the later steps ran without it (their rows say so).")
+    notes += backends_note([(f"step {order[i]}", run) for i, (_, run, _, _) in enumerate(rows)])
     return Table(title, ["step", "MFU", "ΔMFU", "tokens/s", "step time", "exposed comm"], cells, records,
                  notes + footnotes)
 
@@ -389,7 +415,7 @@ def _scaling_group(key: Tuple[str, str], runs: List[Run]) -> Table:
         records.append(rec)
     title = _title("Table 2 strong scaling (strong_scaling)", key, [r["status"] for r in records])
     notes = ["Scaling efficiency: (tokens/s / GPUs) / (tokens/s / GPUs of the fewest-GPU measured run "
-             "at the same batch)."]
+             "at the same batch)."] + backends_note([(f"{r.world} GPUs, batch {r.batch}", r) for r in runs])
     return Table(title, ["GPUs", "batch", "step time", "tokens/s", "MFU", "scaling eff."], cells, records, notes)
 
 
@@ -416,6 +442,7 @@ def _convergence_group(key: Tuple[str, str], runs: List[Run]) -> Table:
                           "n/a" if val is None else f"{val:.3f}"])
         records.append(rec)
     title = _title("Convergence (convergence)", key, [r["status"] for r in records])
+    notes = notes + backends_note([(r.label or Path(r.dir).name, r) for r in runs])
     return Table(title, ["variant", "tokens seen", "final loss", "val loss"], cells, records, notes)
 
 

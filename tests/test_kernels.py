@@ -159,7 +159,11 @@ def test_flash_attn_without_a_window_is_refused_in_one_line_and_auto_falls_back(
         line = str(err.value)
         assert "\n" not in line and line.startswith("config error: kernels.attention")
         assert "2.1.2" in line and kernels.FLASH_ATTN_RANGE in line and "make gpu" in line
+        # 2.6's functions are pybind calls that break torch.compile's graph at every layer; 2.7's are custom ops
         monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.6.3"))
+        kernels.flash_attn_problem.cache_clear()
+        assert "torch.compile" in kernels.flash_attn_problem()[0]
+        monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.7.4.post1"))
         kernels.flash_attn_problem.cache_clear()
         assert kernels.flash_attn_problem() is None
     finally:

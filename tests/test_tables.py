@@ -38,11 +38,13 @@ def curve(step_time: float, parts: bool = False, mfu: float | None = None, steps
 
 def write_run(job: Path, study: dict, status: str, result: dict | None = None, world: int = 1, batch: int = 8,
               rows: list = (), started: str = "2025-01-01T00:00:00", config: dict | None = None,
-              layout: dict | None = None) -> None:
+              layout: dict | None = None, backends: dict | None = None) -> None:
     job.mkdir(parents=True)
     record = {"config": {"train": {"batch_size": batch, "seq_len": 16}, "study": study, **(config or {})},
               "study": study, "status": status, "world_size": world,
               "attempts": [{"started": started, "status": status}]}
+    if backends:
+        record["backends"] = backends
     if layout:
         record["layout"] = layout
     if result:
@@ -62,21 +64,30 @@ def ablation_study(step: int, label: str, without=()) -> dict:
     return {"name": "megascale_ablation", "step": step, "label": label, "without": list(without), **CPU}
 
 
+# run.json's backends as train.py records them: the baseline's unfused attention in fp32 on a CPU,
+# and step 6 on a GPU where kernels.attention=auto found no flash-attn.
+UNFUSED = {"attention": {"requested": "unfused", "ran": "unfused", "sdpa_kernel": None, "fallback": None},
+           "precision": "fp32", "compiled": False, "fused": False, "tf32": None}
+AUTO_WITHOUT_FLASH = {"attention": {"requested": "auto", "ran": "sdpa", "sdpa_kernel": "flash_attention",
+                                    "fallback": "flash-attn is not installed"},
+                      "precision": "bf16", "compiled": True, "fused": True, "tf32": False}
+
+
 @pytest.fixture
 def ablation_dir(tmp_path) -> Path:
     """Steps 0-8 with: two ok, a job that died (2), a pending one (3), a missing one (4), train.py's
     "finished" (7, run without the pending step 3) and "interrupted" (8), a later failed rerun of step 1, and a run with no study."""
     root = tmp_path / "ablation"
     write_run(root / "0", ablation_study(0, "baseline (Megatron-LM)"), "ok", final(0.30, 1000, 0.5),
-              rows=curve(0.5, mfu=0.30))
+              rows=curve(0.5, mfu=0.30), backends=UNFUSED)
     write_run(root / "1", ablation_study(1, "+PTB"), "ok", final(0.35, 1200, 0.42, exposed_comm_s=0.05),
-              rows=curve(0.42, parts=True, mfu=0.35))
+              rows=curve(0.42, parts=True, mfu=0.35), backends=UNFUSED)
     write_dead_job(root / "2", ablation_study(2, "+SWA"))
     write_run(root / "3", ablation_study(3, "+TP overlap"), "pending")
     write_run(root / "4", ablation_study(5, "+DP overlap"), "ok", final(0.40, 1400, 0.36, exposed_comm_s=0.02),
               rows=curve(0.36, mfu=0.40))
     write_run(root / "5", ablation_study(6, "+efficient operators"), "ok", final(0.42, 1500, 1 / 3),
-              rows=curve(0.33, mfu=0.42))
+              rows=curve(0.33, mfu=0.42), backends=AUTO_WITHOUT_FLASH)
     write_run(root / "6", ablation_study(7, "+misc (data pipeline)", without=[3]), "finished", final(0.4204, 1520, 0.33),
               rows=curve(0.33, mfu=0.4204))  # +0.04 points: inside the noise
     write_run(root / "7", ablation_study(8, "+LAMB (batch x3)"), "interrupted", final(0.50, 4000, 0.5), batch=24,
@@ -129,7 +140,11 @@ against the previous step with a measurement, ± the 95% interval of the differe
 whose interval holds zero. n/a: the step's switch has nothing to act on in this layout, so the row is not a \
 measurement of it. Exposed comm: median per step, n/a where the run did not log it.
 
-pending: the step's switch has not landed yet; the later steps ran without it (their rows say so)."""
+pending: the step's switch has not landed yet; the later steps ran without it (their rows say so).
+
+Ran: step 0, step 1: attention unfused, fp32, TF32 n/a, eager; step 5, step 7, step 8: not recorded; step 6: \
+attention sdpa (SDPA flash_attention) (auto without flash-attn: flash-attn is not installed), bf16, TF32 off, \
+compiled."""
 
 SCALING = """\
 Table 2 strong scaling (strong_scaling): scale cpu, fabric emulated:2x2@1gbit (4 ok, 1 failed)
@@ -142,7 +157,9 @@ Table 2 strong scaling (strong_scaling): scale cpu, fabric emulated:2x2@1gbit (4
 | 2 | 16 | 2 s | 2,000 | 50.0% | 100.0% |
 | 4 | 16 | 1.11 s | 3,600 | 45.0% | 90.0% |
 
-Scaling efficiency: (tokens/s / GPUs) / (tokens/s / GPUs of the fewest-GPU measured run at the same batch)."""
+Scaling efficiency: (tokens/s / GPUs) / (tokens/s / GPUs of the fewest-GPU measured run at the same batch).
+
+Ran (every measured row): not recorded."""
 
 CONVERGENCE = """\
 Convergence (convergence): scale cpu, fabric loopback (2 ok, 1 failed)
@@ -151,7 +168,9 @@ Convergence (convergence): scale cpu, fabric loopback (2 ok, 1 failed)
 |---|---|---|---|
 | AdamW | 1.28k | 3.000 | 3.200 |
 | LAMB x4 | 5.12k | 3.000 | n/a |
-| LAMB x3 | failed |  |  |"""
+| LAMB x3 | failed |  |  |
+
+Ran (every measured row): not recorded."""
 
 
 def test_ablation_table_exact(ablation_dir):
