@@ -143,16 +143,37 @@ class Chunks:
                                                       size=self.shape))
                 for o, t in self.pieces]
 
-    def copy_to_host(self) -> "Chunks":
-        return Chunks(self.shape, [(o, _host_copy(t)) for o, t in self.pieces])
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """Stage 1 of an asynchronous save: GPU -> pinned host memory (a plain copy on CPU)."""
-    if t.device.type == "cuda":
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t, non_blocking=True)
-    return t.detach().clone()
+class Staging:
+    """Stage 1 of an asynchronous save: every tensor of a rank's state copied into one host buffer
+    (pinned where the state is on a GPU, so the copies are asynchronous DMA), made at the first
+    save and reused by every later one. Pinning is a page-locking system call that costs far more
+    than the copy, and pinned blocks allocated per piece per save would grow the host's pinned
+    pool by a checkpoint's share every save. The caller waits for the previous save's writer
+    before staging again: the buffer holds one snapshot at a time."""
+
+    ALIGN = 64  # bytes: every piece starts aligned for any dtype's view
+
+    def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None  # uint8, the rank's whole snapshot
+
+    def stage(self, state: dict) -> dict:
+        tensors = [t for v in state.values() for t in
+                   ([t for _, t in v.pieces] if isinstance(v, Chunks) else [v] if torch.is_tensor(v) else [])]
+        sizes = [-(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN for t in tensors]
+        if self.buffer is None or self.buffer.numel() < sum(sizes):
+            pin = any(t.device.type == "cuda" for t in tensors)
+            self.buffer = None  # the old one goes before the new one is allocated
+            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+        views, offset = {}, 0
+        for t, size in zip(tensors, sizes):
+            nbytes = t.numel() * t.element_size()
+            view = self.buffer[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            views[id(t)] = view.copy_(t.detach(), non_blocking=True)
+            offset += size
+        return {k: Chunks(v.shape, [(o, views[id(t)]) for o, t in v.pieces]) if isinstance(v, Chunks)
+                else views[id(v)] if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def flat_range_rectangles(shape, lo: int, hi: int) -> list:
@@ -317,6 +338,7 @@ class Saver:
         self.failed: list = []   # steps whose save failed (the previous checkpoints stay)
         self.write_error: Optional[OSError] = None  # ft.py's fault injection: a full disk, once
         self.write_delay = 0.0                       # and a slow one
+        self.staging = Staging()                     # the asynchronous saves' host buffer
 
     def save(self, step: int, state: dict) -> None:
         import time
@@ -326,8 +348,7 @@ class Saver:
         if not self.async_save:
             self._write_logging_failure(step, state)
         else:
-            staged = {k: v.copy_to_host() if isinstance(v, Chunks) else
-                      (_host_copy(v) if torch.is_tensor(v) else v) for k, v in state.items()}
+            staged = self.staging.stage(state)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the non-blocking copies have landed before training moves on
             self._thread = threading.Thread(target=self._write_in_background, args=(step, staged),
