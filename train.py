@@ -144,7 +144,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
 
     # --- The loop ---
     stop = _StopFlag()
-    beat, faults = ft.Heartbeat(run_dir, rank, world, cfg.ft), ft.Faults(rank, run_dir)
+    first_step_work = ", ".join(["torch.compile of every chunk"] * compiling + ["the communicators' set-up"] * (world > 1))
+    beat, faults = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work), ft.Faults(rank, run_dir)
     collector = ft.CollectGarbage(cfg.train.gc_interval)
     step, history, status = start_step, [], "finished"
     # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
