@@ -71,6 +71,11 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Opt
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        # A bound device makes NCCL create the world's communicator now, and every later group an
+        # ncclCommSplit of it; send/recv then use their group's communicator instead of one
+        # 2-rank communicator per pair of ranks, made at the pair's first message (pytorch#129140).
+        kwargs["device_id"] = device
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's store outlives a restart (--max-restarts) and gloo's keys in it are not per
         # attempt: a restarted rank can read a dead rank's address and hang connecting to it. So

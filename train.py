@@ -77,7 +77,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     device = launch.pick_device(cfg.hardware.device)
     allocator = host_allocator(cfg.hardware, device)
     rank, world = launch.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
-    layout = parallel.build_layout(cfg.parallel, rank, world, device)
+    layout = parallel.build_layout(cfg.parallel, rank, world, device, timeout_s=cfg.ft.collective_timeout)
     # Every generator a rank has, so that two runs of one config write identical checkpoints. Each
     # rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
     # heads and sequence slices each TP rank holds, and for each pipeline stage's layers (Megatron's
