@@ -2,8 +2,12 @@
 fault injection that tests them (MegaScale section 4: >90% effective training time over 100+
 restarts comes from detecting a broken rank fast and restarting from the newest checkpoint).
 
-- Heartbeat: every rank's training loop says where it is (step, phase). A thread writes that to
-  <run dir>/heartbeat/rank<K>.json (atomically) for anyone to read, and watches it: a rank whose
+- Heartbeat: every rank's training loop says where it is (step, phase). A thread watches it, and
+  writes it to <run dir>/heartbeat/rank<K>.json (atomically) for anyone to read, when it has
+  changed, at most every ft.hang_timeout/10 seconds after the first step (a shared file system
+  sees W/30 files a second at the default 300 s, not W every ft.heartbeat_interval: the files are
+  read only when a hang is reported, and a rank that stopped has written its last state by
+  then). A rank whose
   progress stops for ft.hang_timeout seconds logs who is behind (its own or another rank's last
   step and phase: a rank waiting in a collective is usually waiting for that one) and exits with
   HANG_EXIT, so that torchrun (--max-restarts) or SLURM (requeue) restarts the job, which resumes
@@ -67,6 +71,7 @@ class Heartbeat:
         self.step, self.phase, self.changed = 0, "start", time.monotonic()
         # The first step's allowance holds until a later step or another phase than its own begins.
         self.first_step, self.first_step_work, self.first_step_s = None, first_step_work, None
+        self.published, self.published_at = None, float("-inf")  # the state in the file, and when written
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
@@ -95,15 +100,24 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.heartbeat_interval):
-            self._publish()
+            if self._due():
+                self._publish()
             idle = time.monotonic() - self.changed
             if idle > self.timeout() and self.phase != "done":
                 self._report_hang(idle)
 
+    def _due(self) -> bool:
+        """Whether the file is to be rewritten: the state changed, and hang_timeout/10 has passed
+        since the last write (every change while the first step runs: it has few)."""
+        interval = 0.0 if self.first_step_s is None else self.cfg.hang_timeout / 10
+        return (self.step, self.phase) != self.published and time.monotonic() - self.published_at >= interval
+
     def _publish(self) -> None:
+        idle = time.monotonic() - self.changed
         beat = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt(),
-                "step": self.step, "phase": self.phase, "idle_s": round(time.monotonic() - self.changed, 3),
-                "time": time.time()}
+                "step": self.step, "phase": self.phase, "idle_s": round(idle, 3), "time": time.time(),
+                "since": time.time() - idle}  # (a reader's idle time: its own clock less "since")
+        self.published, self.published_at = (self.step, self.phase), time.monotonic()
         path = self.dir / f"rank{self.rank}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(beat))
@@ -111,11 +125,14 @@ class Heartbeat:
 
     def _report_hang(self, idle: float) -> None:
         """Name the rank that is behind (lowest step, then longest idle) and exit for a restart."""
+        self._publish()
         beats = []
         for k in range(self.world):
             try:
-                beats.append(json.loads((self.dir / f"rank{k}.json").read_text()))
-            except (OSError, ValueError):
+                beat = json.loads((self.dir / f"rank{k}.json").read_text())
+                beat["idle_s"] = time.time() - beat.get("since", beat["time"] - beat["idle_s"])
+                beats.append(beat)
+            except (OSError, ValueError, KeyError):
                 beats.append({"rank": k, "step": -1, "phase": "no heartbeat", "idle_s": float("inf"), "host": "?"})
         behind = min(beats, key=lambda b: (b["step"], -b["idle_s"]))
         log.error("hang: no progress on rank %d for %.0f s (step %d, %s); rank %d on %s is behind at step %d, "

@@ -119,7 +119,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
 
     # --- Resume ---
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.ft.collective_timeout)
     start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader, saver.group, cfg.model)
 
     # --- Logging ---

@@ -126,3 +126,32 @@ def test_the_first_steps_allowance_ends_with_the_first_step(monkeypatch, tmp_pat
         assert hangs and hangs[0] > 0.5
     finally:
         beat.close()
+
+
+def test_the_heartbeat_file_is_written_at_most_every_tenth_of_the_hang_timeout(monkeypatch, tmp_path):
+    """A shared file system sees a rank's heartbeat file rewritten once per hang_timeout/10, not per
+    heartbeat_interval (~100 checks here, one a step); a rank that stops has its last state in the
+    file within that time, which is what a hang report reads."""
+    cfg = ft.FTConfig(hang_timeout=2.0, first_step_timeout=30, heartbeat_interval=0.01)
+    writes, replace = [], ft.os.replace
+    monkeypatch.setattr(ft.os, "replace", lambda a, b: (writes.append(time.monotonic()), replace(a, b)))
+    beat = ft.Heartbeat(tmp_path, 0, 1, cfg)
+    try:
+        beat.progress(1, "data")
+        beat.progress(1, "compute")
+        time.sleep(0.1)
+        start, step = time.monotonic(), 1
+        while time.monotonic() - start < 1.0:
+            step += 1
+            beat.progress(step, "data")
+            beat.progress(step, "compute")
+            time.sleep(0.01)
+        later = [t for t in writes if t > start]
+        assert 1 <= len(later) <= 1.0 / 0.2 + 2, len(later)
+        assert all(b - a >= 0.2 - 1e-3 for a, b in zip(later, later[1:]))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and json.loads((tmp_path / "heartbeat" / "rank0.json").read_text())["step"] != step:
+            time.sleep(0.05)
+        assert json.loads((tmp_path / "heartbeat" / "rank0.json").read_text())["step"] == step
+    finally:
+        beat.close()
