@@ -101,7 +101,7 @@ def test_the_hang_timer_spares_a_slow_first_step_but_not_a_later_hang(tmp_path, 
     assert proc.returncode == ft.HANG_EXIT, proc.stderr[-2000:]
     events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "hang_detected"] == [2]
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    assert [r["step"] for r in read_metrics(tmp_path)] in ([1], [1, 2])  # step 2 hangs after its row, if flushed
     took = re.search(r"step 1 took (\d+\.\d) s", proc.stdout + proc.stderr)
     assert took and float(took.group(1)) >= 5
 
