@@ -435,3 +435,26 @@ def test_every_group_gets_the_configured_timeout():
     for found, dp_is_world in results:
         assert len(found) == 8 and set(found.values()) == {77.0}, found
         assert dp_is_world
+
+
+def test_a_cuda_rank_binds_its_device_at_init(monkeypatch):
+    """On CUDA, init_process_group gets the rank's device (NCCL then creates the world's
+    communicator at once and splits it for every later group) and the configured timeout; what
+    torch.distributed receives is checked, as no GPU is here."""
+    import launch
+    seen = {}
+    for key, value in dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(launch.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(launch.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(launch.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(launch.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(launch.atexit, "register", lambda fn: None)
+    assert launch.init_distributed(torch.device("cuda", 0), timeout_s=77) == (0, 2)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 0)
+    assert seen["timeout"].total_seconds() == 77
+    seen.clear()
+    launch.init_distributed(torch.device("cpu"), timeout_s=77)
+    assert seen["backend"] == "gloo" and "device_id" not in seen
