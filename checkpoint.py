@@ -143,16 +143,37 @@ class Chunks:
                                                       size=self.shape))
                 for o, t in self.pieces]
 
-    def copy_to_host(self) -> "Chunks":
-        return Chunks(self.shape, [(o, _host_copy(t)) for o, t in self.pieces])
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """Stage 1 of an asynchronous save: GPU -> pinned host memory (a plain copy on CPU)."""
-    if t.device.type == "cuda":
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t, non_blocking=True)
-    return t.detach().clone()
+class Staging:
+    """Stage 1 of an asynchronous save: every tensor of a rank's state copied into one host buffer
+    (pinned where the state is on a GPU, so the copies are asynchronous DMA), made at the first
+    save and reused by every later one. Pinning is a page-locking system call that costs far more
+    than the copy, and pinned blocks allocated per piece per save would grow the host's pinned
+    pool by a checkpoint's share every save. The caller waits for the previous save's writer
+    before staging again: the buffer holds one snapshot at a time."""
+
+    ALIGN = 64  # bytes: every piece starts aligned for any dtype's view
+
+    def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None  # uint8, the rank's whole snapshot
+
+    def stage(self, state: dict) -> dict:
+        tensors = [t for v in state.values() for t in
+                   ([t for _, t in v.pieces] if isinstance(v, Chunks) else [v] if torch.is_tensor(v) else [])]
+        sizes = [-(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN for t in tensors]
+        if self.buffer is None or self.buffer.numel() < sum(sizes):
+            pin = any(t.device.type == "cuda" for t in tensors)
+            self.buffer = None  # the old one goes before the new one is allocated
+            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+        views, offset = {}, 0
+        for t, size in zip(tensors, sizes):
+            nbytes = t.numel() * t.element_size()
+            view = self.buffer[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            views[id(t)] = view.copy_(t.detach(), non_blocking=True)
+            offset += size
+        return {k: Chunks(v.shape, [(o, views[id(t)]) for o, t in v.pieces]) if isinstance(v, Chunks)
+                else views[id(v)] if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def flat_range_rectangles(shape, lo: int, hi: int) -> list:
@@ -300,16 +321,16 @@ class Saver:
     interleave with training's. With async_save, save() snapshots to host memory and returns; a
     thread writes, then rank 0 writes the manifest and prunes old checkpoints."""
 
-    def __init__(self, ckpt_dir: Path, keep: int = 3, async_save: bool = False):
+    def __init__(self, ckpt_dir: Path, keep: int = 3, async_save: bool = False, timeout_s: Optional[float] = None):
         self.ckpt_dir, self.keep, self.async_save = Path(ckpt_dir), keep, async_save
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         from launch import checkpoint_group
-        self.group = checkpoint_group() if self.distributed else None
+        self.group = checkpoint_group(timeout_s) if self.distributed else None  # no connection made yet
         if self.rank == 0:
             recover(self.ckpt_dir)
-        if self.distributed:  # no rank writes a step_<N>.partial before rank 0 has cleared the old ones
-            dist.barrier(group=self.group)
+        if self.distributed:  # no rank looks for or writes a checkpoint before rank 0 has recovered them
+            dist.barrier()     # (the world group's: its connections exist already)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.last_step: Optional[int] = None
@@ -317,6 +338,7 @@ class Saver:
         self.failed: list = []   # steps whose save failed (the previous checkpoints stay)
         self.write_error: Optional[OSError] = None  # ft.py's fault injection: a full disk, once
         self.write_delay = 0.0                       # and a slow one
+        self.staging = Staging()                     # the asynchronous saves' host buffer
 
     def save(self, step: int, state: dict) -> None:
         import time
@@ -326,8 +348,7 @@ class Saver:
         if not self.async_save:
             self._write_logging_failure(step, state)
         else:
-            staged = {k: v.copy_to_host() if isinstance(v, Chunks) else
-                      (_host_copy(v) if torch.is_tensor(v) else v) for k, v in state.items()}
+            staged = self.staging.stage(state)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the non-blocking copies have landed before training moves on
             self._thread = threading.Thread(target=self._write_in_background, args=(step, staged),
@@ -361,8 +382,8 @@ class Saver:
         """Into step_<N>.partial: DCP's files, then the manifest; then rank 0 renames it step_<N>."""
         folder = step_dir(self.ckpt_dir, step)
         partial = folder.with_name(folder.name + PARTIAL)
-        write_dcp(partial, state, self.group, error=error, delay=self.write_delay)
-        mark_complete_together(partial, self.group)
+        written = write_dcp(partial, state, self.group, error=error, delay=self.write_delay)
+        mark_complete_together(partial, self.group, written)
         if self.rank == 0:
             publish(partial, folder)
             prune(self.ckpt_dir, self.keep)
@@ -384,13 +405,13 @@ class Saver:
             raise RuntimeError(f"the background checkpoint save failed: {error}") from error
 
 
-def _dcp(op, state: dict, **kwargs) -> None:
+def _dcp(op, state: dict, **kwargs):
     """dcp.save or dcp.load, in one process when torch.distributed is not initialised (where DCP
     warns that it assumes so: that is the intent here)."""
     single = not dist.is_initialized()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        op(state, no_dist=single, **kwargs)
+        return op(state, no_dist=single, **kwargs)
 
 
 def _storage_failure(e: BaseException) -> bool:
@@ -418,45 +439,51 @@ class _Writer(dcp.FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def write_dcp(folder: Path, state: dict, group=None, error: Optional[OSError] = None, delay: float = 0.0) -> None:
-    """DCP save by every rank of the group (one process when not distributed)."""
+def write_dcp(folder: Path, state: dict, group=None, error: Optional[OSError] = None, delay: float = 0.0):
+    """DCP save by every rank of the group (one process when not distributed); returns DCP's
+    metadata of the whole checkpoint, which every rank receives."""
     folder.mkdir(parents=True, exist_ok=True)
     for blob in state.values():
         if isinstance(blob, io.BytesIO):
             blob.seek(0)
-    _dcp(dcp.save, state, storage_writer=_Writer(folder, error, delay), planner=_SavePlanner(), process_group=group)
+    return _dcp(dcp.save, state, storage_writer=_Writer(folder, error, delay), planner=_SavePlanner(),
+                process_group=group)
 
 
-def own_files(folder: Path, rank: int) -> list:
-    """The files rank `rank` wrote in a DCP folder (__<rank>_<n>.distcp; rank 0 also .metadata)."""
-    return [p.name for p in sorted(folder.iterdir()) if p.is_file() and
-            (p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata"))]
+def own_files(written, rank: int) -> list:
+    """The files rank `rank` wrote (__<rank>_<n>.distcp; rank 0 also .metadata), from DCP's
+    metadata of the checkpoint: no rank lists a folder that holds a file per rank."""
+    names = {info.relative_path for info in written.storage_data.values()}
+    return sorted(n for n in names if n.startswith(f"__{rank}_")) + [".metadata"] * (rank == 0)
 
 
 def file_digests(folder: Path, names: list) -> dict:
     return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
 
 
-def mark_complete_together(folder: Path, group=None) -> None:
-    """Every rank of the group hashes the files it wrote, at once, and rank 0 writes the manifest:
-    at 175B a checkpoint is ~2 TB, which one rank alone would read for longer than the hang and
-    collective timeouts allow."""
+def mark_complete_together(folder: Path, group=None, written=None) -> None:
+    """Every rank of the group hashes the files it wrote (`written`: DCP's metadata of the save;
+    None: read from the folder), at once, and rank 0, alone, gathers the digests and writes the
+    manifest: at 175B a checkpoint is ~2 TB, which one rank alone would read for longer than the
+    hang and collective timeouts allow."""
     rank = dist.get_rank(group) if group is not None else 0
-    mine = file_digests(folder, own_files(folder, dist.get_rank() if group is not None else 0))
+    written = written if written is not None else dcp.FileSystemReader(folder).read_metadata()
+    mine = file_digests(folder, own_files(written, dist.get_rank() if group is not None else 0))
     everyone = [mine]
     if group is not None:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        everyone = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0, group=group)
     if rank == 0:
         mark_complete(folder, {k: v for d in everyone for k, v in d.items()})
 
 
 def mark_complete(folder: Path, files: Optional[dict] = None) -> Path:
-    """Write the manifest (every file's size and sha256; `files` when the ranks hashed their own)
-    last, atomically: a step folder without it is an interrupted save and is never loaded."""
-    on_disk = [p.name for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(MANIFEST)]
-    files = dict(files or {})
-    files.update(file_digests(folder, [n for n in on_disk if n not in files]))
+    """Write the manifest (every file's size and sha256; `files` when the ranks hashed their own,
+    so that no rank lists a folder holding a file per rank) last, atomically: a step folder
+    without it is an interrupted save and is never loaded."""
+    if files is None:  # one process: every file in the folder (the ranks' own lists, when given, name them all)
+        on_disk = [p.name for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(MANIFEST)]
+        files = file_digests(folder, on_disk)
     files = dict(sorted(files.items()))
     tmp = folder / f"{MANIFEST}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -494,30 +521,46 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
 def problem(folder: Path, checksums: bool = True, group=None) -> Optional[str]:
     """Why a step folder must not be loaded, or None: no manifest, or a file missing, of another
     size (truncated), or with another sha256 than the manifest lists. With a process group, every
-    rank of it calls this and reads every world-th file (in parallel), and all get the answer."""
+    rank of it calls this and checks every world-th file (in parallel: a file-system call or two
+    per file it checks, not per file of the checkpoint), and one all-reduce of the first failure
+    (the manifest's order; -1: the manifest itself) gives every rank the same answer."""
+    files, why = _manifest_files(folder)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    names = list(files or {})
+    first = -1 if why else 2 * len(names)  # 2 x (the first failing file's place) + 1 if its checksum failed
+    for k in range(rank, len(names) if files else 0, world):
+        path, meta = folder / names[k], files[names[k]]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = None
+        if size != meta["bytes"] or (checksums and _sha256(path) != meta["sha256"]):
+            first = 2 * k + (size == meta["bytes"])
+            break
+    if group is not None:
+        verdict = torch.tensor([first], dtype=torch.int64)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+        first = int(verdict.item())
+    if first == -1:
+        return why or f"{folder}'s {MANIFEST} is missing or unreadable on another rank"
+    if first == 2 * len(names):
+        return None
+    path = folder / names[first // 2]
+    return (f"{path} does not match its manifest's sha256" if first % 2 else
+            f"{path} is missing or not the size its manifest lists (truncated?)")
+
+
+def _manifest_files(folder: Path) -> tuple:
+    """(the manifest's {file: {bytes, sha256}}, None), or (None, why it cannot be used)."""
     if not (folder / MANIFEST).exists():
-        return f"{folder} has no {MANIFEST}: an interrupted save"
+        return None, f"{folder} has no {MANIFEST}: an interrupted save"
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
     except (ValueError, KeyError, TypeError) as err:  # written atomically, so a hand edit or a bad copy
-        return f"{folder}'s {MANIFEST} is unreadable ({type(err).__name__})"
+        return None, f"{folder}'s {MANIFEST} is unreadable ({type(err).__name__})"
     if ".metadata" not in files:
-        return f"{folder}'s manifest lists no DCP .metadata"
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    why = None
-    for k, (name, meta) in enumerate(files.items()):
-        path = folder / name
-        if not path.exists() or path.stat().st_size != meta["bytes"]:
-            why = f"{path} is missing or not the size its manifest lists (truncated?)"
-            break
-        if checksums and k % world == rank and _sha256(path) != meta["sha256"]:
-            why = f"{path} does not match its manifest's sha256"
-            break
-    if group is None:
-        return why
-    found = [None] * world
-    dist.all_gather_object(found, why, group=group)
-    return next((w for w in found if w is not None), None)
+        return None, f"{folder}'s manifest lists no DCP .metadata"
+    return files, None
 
 
 def latest(ckpt_dir: Path, group=None) -> Optional[Path]:

@@ -2,13 +2,19 @@
 fault injection that tests them (MegaScale section 4: >90% effective training time over 100+
 restarts comes from detecting a broken rank fast and restarting from the newest checkpoint).
 
-- Heartbeat: every rank's training loop says where it is (step, phase). A thread writes that to
-  <run dir>/heartbeat/rank<K>.json (atomically) for anyone to read, and watches it: a rank whose
+- Heartbeat: every rank's training loop says where it is (step, phase). A thread watches it, and
+  writes it to <run dir>/heartbeat/rank<K>.json (atomically) for anyone to read, when it has
+  changed, at most every ft.hang_timeout/10 seconds after the first step (a shared file system
+  sees W/30 files a second at the default 300 s, not W every ft.heartbeat_interval: the files are
+  read only when a hang is reported, and a rank that stopped has written its last state by
+  then). A rank whose
   progress stops for ft.hang_timeout seconds logs who is behind (its own or another rank's last
   step and phase: a rank waiting in a collective is usually waiting for that one) and exits with
   HANG_EXIT, so that torchrun (--max-restarts) or SLURM (requeue) restarts the job, which resumes
-  from the newest complete checkpoint. Collectives themselves time out after
-  ft.collective_timeout seconds (the process group's timeout).
+  from the newest complete checkpoint. A run's first step has ft.first_step_timeout instead: it
+  compiles every chunk (torch.compile) and creates the communicators (NCCL connects each group at
+  its first collective), minutes at the paper's scale, and rank 0 logs how long it took and why.
+  Collectives themselves time out after ft.collective_timeout seconds (the process group's timeout).
 - Stragglers: every ft.straggler_interval steps the ranks' compute times are gathered; a rank more
   than ft.straggler_threshold slower than the median is logged with its host.
 - GC: Python's collector is off during steps and runs on every rank at the same step, every
@@ -16,7 +22,8 @@ restarts comes from detecting a broken rank fast and restarting from the newest 
 - Faults (MEGAREPRO_FAULT, for tests and experiments/faults.py): kill:RANK@STEP (SIGKILL itself),
   hang:RANK@STEP (sleeps forever), disk_full@STEP (the save at that step fails with ENOSPC),
   truncate@STEP (truncates the newest checkpoint's data, then SIGKILLs itself), slow_save@SECONDS
-  (each background checkpoint write takes that much longer). Several, comma-separated; each
+  (each background checkpoint write takes that much longer), slow_first_step@SECONDS (the run's
+  first step takes that much longer, as one that compiles and connects does). Several, comma-separated; each
   fires only in the attempt (restart) it names with #ATTEMPT, default 0.
 """
 from __future__ import annotations
@@ -44,6 +51,7 @@ HANG_EXIT = 75  # what a rank exits with when it finds the job hung (EX_TEMPFAIL
 class FTConfig:
     collective_timeout: float = 600.0   # seconds a collective may wait before it fails
     hang_timeout: float = 300.0         # seconds without progress before a rank reports a hang and exits
+    first_step_timeout: float = 3600.0  # the same for a run's first step, which compiles and connects
     heartbeat_interval: float = 1.0     # seconds between heartbeat writes and checks
     straggler_interval: int = 50        # steps between gathers of per-rank compute time; 0: off
     straggler_threshold: float = 0.2    # a rank this much slower than the median is reported
@@ -57,16 +65,34 @@ def attempt() -> int:
 class Heartbeat:
     """This rank's progress, published and watched by a daemon thread."""
 
-    def __init__(self, run_dir: Path, rank: int, world: int, cfg: FTConfig):
+    def __init__(self, run_dir: Path, rank: int, world: int, cfg: FTConfig, first_step_work: str = ""):
         self.dir, self.rank, self.world, self.cfg = Path(run_dir) / "heartbeat", rank, world, cfg
         self.dir.mkdir(parents=True, exist_ok=True)
         self.step, self.phase, self.changed = 0, "start", time.monotonic()
+        # The first step's allowance holds until a later step or another phase than its own begins.
+        self.first_step, self.first_step_work, self.first_step_s = None, first_step_work, None
+        self.published, self.published_at = None, float("-inf")  # the state in the file, and when written
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
     def progress(self, step: int, phase: str) -> None:
-        self.step, self.phase, self.changed = step, phase, time.monotonic()
+        now = time.monotonic()
+        if self.first_step is None:
+            self.first_step = (step, now)
+        elif self.first_step_s is None and (step > self.first_step[0] or phase not in ("data", "compute")):
+            self.first_step_s = now - self.first_step[1]
+            if self.rank == 0:
+                log.info("step %d took %.1f s%s; the hang timer now allows %g s without progress", self.first_step[0],
+                         self.first_step_s, f" ({self.first_step_work})" if self.first_step_work else "",
+                         self.cfg.hang_timeout)
+        self.step, self.phase, self.changed = step, phase, now
+
+    def timeout(self) -> float:
+        """Seconds without progress that make a hang: more while the first step runs."""
+        if self.first_step_s is None:
+            return max(self.cfg.hang_timeout, self.cfg.first_step_timeout)
+        return self.cfg.hang_timeout
 
     def close(self) -> None:
         self._stop.set()
@@ -74,15 +100,24 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.heartbeat_interval):
-            self._publish()
+            if self._due():
+                self._publish()
             idle = time.monotonic() - self.changed
-            if idle > self.cfg.hang_timeout and self.phase != "done":
+            if idle > self.timeout() and self.phase != "done":
                 self._report_hang(idle)
 
+    def _due(self) -> bool:
+        """Whether the file is to be rewritten: the state changed, and hang_timeout/10 has passed
+        since the last write (every change while the first step runs: it has few)."""
+        interval = 0.0 if self.first_step_s is None else self.cfg.hang_timeout / 10
+        return (self.step, self.phase) != self.published and time.monotonic() - self.published_at >= interval
+
     def _publish(self) -> None:
+        idle = time.monotonic() - self.changed
         beat = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt(),
-                "step": self.step, "phase": self.phase, "idle_s": round(time.monotonic() - self.changed, 3),
-                "time": time.time()}
+                "step": self.step, "phase": self.phase, "idle_s": round(idle, 3), "time": time.time(),
+                "since": time.time() - idle}  # (a reader's idle time: its own clock less "since")
+        self.published, self.published_at = (self.step, self.phase), time.monotonic()
         path = self.dir / f"rank{self.rank}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(beat))
@@ -90,11 +125,14 @@ class Heartbeat:
 
     def _report_hang(self, idle: float) -> None:
         """Name the rank that is behind (lowest step, then longest idle) and exit for a restart."""
+        self._publish()
         beats = []
         for k in range(self.world):
             try:
-                beats.append(json.loads((self.dir / f"rank{k}.json").read_text()))
-            except (OSError, ValueError):
+                beat = json.loads((self.dir / f"rank{k}.json").read_text())
+                beat["idle_s"] = time.time() - beat.get("since", beat["time"] - beat["idle_s"])
+                beats.append(beat)
+            except (OSError, ValueError, KeyError):
                 beats.append({"rank": k, "step": -1, "phase": "no heartbeat", "idle_s": float("inf"), "host": "?"})
         behind = min(beats, key=lambda b: (b["step"], -b["idle_s"]))
         log.error("hang: no progress on rank %d for %.0f s (step %d, %s); rank %d on %s is behind at step %d, "
@@ -162,11 +200,17 @@ class Faults:
     def __init__(self, rank: int, run_dir: Path):
         self.rank, self.run_dir = rank, Path(run_dir)
         self.plan = [(k, r, v) for k, r, v in planned_faults() if r is None or r == rank]
+        self.stepped = False  # whether the run's first step is over
 
     def _mine(self, kind: str, step: int) -> bool:
         return any(k == kind and int(v) == step for k, _, v in self.plan)
 
     def after_step(self, step: int, ckpt_dir: Path, saver) -> None:
+        delay = max([v for k, _, v in self.plan if k == "slow_first_step"], default=0.0) * (not self.stepped)
+        self.stepped = True
+        if delay:
+            self._note("slow_first_step", step)
+            time.sleep(delay)
         if self._mine("kill", step):
             self._note("kill", step)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -87,6 +87,7 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Opt
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return 0, 1
+    raise_open_files_limit()
     if dist.is_initialized():  # the next job of a Hydra multirun in the same processes
         return dist.get_rank(), dist.get_world_size()
     if backend == "auto":
@@ -94,6 +95,11 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: Opt
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        # A bound device makes NCCL create the world's communicator now, and every later group an
+        # ncclCommSplit of it; send/recv then use their group's communicator instead of one
+        # 2-rank communicator per pair of ranks, made at the pair's first message (pytorch#129140).
+        kwargs["device_id"] = device
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's store outlives a restart (--max-restarts) and gloo's keys in it are not per
         # attempt: a restarted rank can read a dead rank's address and hang connecting to it. So
@@ -116,15 +122,41 @@ _CHECKPOINT_GROUP: dict = {}
 _FAILED = False  # a job of this process raised: shutdown leaves the groups alone
 
 
-def checkpoint_group():
+def checkpoint_group(timeout_s: Optional[float] = None):
     """One gloo group over all ranks for checkpoint traffic (checkpoint.Saver), so that a background
     save's collectives never interleave with training's; made once per process group (a
-    multirun's jobs share it)."""
+    multirun's jobs share it). Its connections are made lazily (TORCH_GLOO_LAZY_INIT), each pair
+    of ranks at its first message: gloo's default connects every pair at creation, W-1 sockets per
+    rank and W-1 store reads each (W^2 in all, past a default `ulimit -n` of 1024 from 1,024 ranks
+    on). Lazily, a rank connects only to the peers its collectives reach: DCP's coordinator (rank 0)
+    to each rank it gathers plans from, every other rank to O(log W) peers (tests/test_checkpoint.py
+    counts them)."""
     world = dist.group.WORLD
     if world not in _CHECKPOINT_GROUP:
         _CHECKPOINT_GROUP.clear()
-        _CHECKPOINT_GROUP[world] = dist.new_group(backend="gloo")
+        before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # read when the gloo backend is constructed
+        try:
+            kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+            _CHECKPOINT_GROUP[world] = dist.new_group(backend="gloo", **kwargs)
+        finally:
+            if before is None:
+                del os.environ["TORCH_GLOO_LAZY_INIT"]
+            else:
+                os.environ["TORCH_GLOO_LAZY_INIT"] = before
     return _CHECKPOINT_GROUP[world]
+
+
+def raise_open_files_limit() -> None:
+    """The soft limit on open files up to the hard one: DCP's coordinator holds a socket per rank it
+    gathers from, and a default soft `ulimit -n` of 1024 is below that from 1,024 ranks on."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # an unlimited hard limit above the kernel's nr_open
+            pass
 
 
 def mark_failed() -> None:

@@ -6,6 +6,7 @@ rehearsal.py both run. Joining the job's process group is launch.py's.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -120,6 +121,7 @@ class Layout:
     tp_rank: int = 0
     mesh: Optional[object] = None          # torch DeviceMesh, or None for a single process
     setup_seconds: float = 0.0             # time to build every process group
+    group_options: Optional[object] = None  # the backend's options every group gets (its timeout)
     pp_channels: dict = field(default_factory=dict)  # pipeline messages: (kind, direction) -> group
 
     def group(self, dim: str):
@@ -138,10 +140,14 @@ class Layout:
         return found
 
 
-def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.device) -> Layout:
+def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.device,
+                 timeout_s: Optional[float] = None) -> Layout:
     """One DeviceMesh over the dims in cfg.order (outermost first). init_device_mesh creates every
     dimension's groups in one pass with no per-group global barrier: MegaScale cut process-group
-    set-up on 2,048 GPUs from 1047 s to under 5 s by avoiding exactly those barriers."""
+    set-up on 2,048 GPUs from 1047 s to under 5 s by avoiding exactly those barriers. With NCCL
+    and a device bound at init (launch.init_distributed), each dimension is one ncclCommSplit of
+    the world's communicator. Every group gets the world's timeout (timeout_s): new_group's own
+    default is torch's (10 min for NCCL, 30 for gloo), whatever the world group was given."""
     import time
     dp = data_parallel_size(cfg, world)
     sizes = {"dp": dp, "pp": cfg.pp, "tp": cfg.tp}
@@ -150,10 +156,15 @@ def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.devic
         return layout
     from torch.distributed.device_mesh import init_device_mesh
     names = tuple(cfg.order)
+    layout.group_options = group_options(timeout_s)
+    # A dimension over every rank is the world group itself (init_device_mesh reuses it unless
+    # given options), so only the smaller ones get the options.
+    override = {n: layout.group_options for n in names if layout.group_options is not None and sizes[n] < world}
     t0 = time.perf_counter()
-    layout.mesh = init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    layout.mesh = init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names,
+                                   backend_override=override or None)
     if cfg.pp > 1:
-        layout.pp_channels = _pipeline_channels(layout.mesh, names)
+        layout.pp_channels = _pipeline_channels(layout.mesh, names, timeout_s)
     layout.setup_seconds = time.perf_counter() - t0
     coords = layout.mesh.get_coordinate()
     for name, coord in zip(names, coords):
@@ -161,7 +172,18 @@ def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.devic
     return layout
 
 
-def _pipeline_channels(mesh, names: tuple) -> dict:
+def group_options(timeout_s: Optional[float]):
+    """The default backend's options carrying `timeout_s` (None: torch's defaults; the rehearsal's
+    fake backend takes none)."""
+    backend = dist.get_backend()
+    if timeout_s is None or backend not in ("nccl", "gloo"):
+        return None
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return options
+
+
+def _pipeline_channels(mesh, names: tuple, timeout_s: Optional[float] = None) -> dict:
     """One process group per kind of pipeline message and direction, over the same ranks as the
     mesh's pp groups (pipeline.py says why NCCL needs them apart). The mesh's own pp group carries
     activations to the next rank; three copies carry the rest. Every rank creates every copy, in
@@ -170,7 +192,8 @@ def _pipeline_channels(mesh, names: tuple) -> dict:
     grid = mesh.mesh.movedim(pp_dim, -1).reshape(-1, mesh.mesh.shape[pp_dim]).tolist()
     channels = {("A", "up"): mesh.get_group("pp")}
     for key in (("A", "down"), ("G", "up"), ("G", "down")):
-        channels[key], _ = dist.new_subgroups_by_enumeration(grid)
+        channels[key], _ = dist.new_subgroups_by_enumeration(
+            grid, timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
     return channels
 
 
@@ -555,7 +578,7 @@ def _norm_group(layout: Layout):
         return None
     if layout.pp == 1:
         return dist.group.WORLD
-    return layout.mesh["dp", "tp"]._flatten("dp_tp").get_group()
+    return layout.mesh["dp", "tp"]._flatten("dp_tp", backend_override=layout.group_options).get_group()
 
 
 def build(model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none",

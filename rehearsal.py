@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import host_syncs
+import rank_costs
 from ledgers import FlopLedger, MemoryLedger, categories, cuda_attention
 
 HERE = str(Path(__file__).resolve().parent)
@@ -427,6 +428,7 @@ class _Run:
             "checkpoint_bytes": self.saved, "schedule": self.first_step, "crash": self.crash,
             "comm": self.recorder.events, "violations": self.recorder.violations, "seconds": seconds,
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "costs": rank_costs.costs(rank, world, self.recorder.events, cfg.ft),  # communicators, sockets, fs calls
         }
 
 
@@ -598,7 +600,8 @@ def main(cfg, overrides: list, run_dir: Path) -> int:
         problems += [f"rank {rec['rank']} crashed: {rec['crash']}"] if rec.get("crash") else []
     remember(cfg, world, records)
     summary = {"world": world, "ranks": cfg.rehearse.ranks, "seconds": time.perf_counter() - started,
-               "problems": problems, "table": [table_row(r) for r in records]}
+               "problems": problems, "table": [table_row(r) for r in records],
+               "costs": [{"rank": r["rank"], **r["costs"]} for r in records if "costs" in r]}
     (out / "rehearsal.json").write_text(json.dumps(summary, indent=1))
     print(render(summary, cfg))
     fits = all(rec["memory"]["fits"] for rec in records)

@@ -81,7 +81,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     device = launch.pick_device(cfg.hardware.device)
     allocator = host_allocator(cfg.hardware, device)
     rank, world = launch.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
-    layout = parallel.build_layout(cfg.parallel, rank, world, device)
+    layout = parallel.build_layout(cfg.parallel, rank, world, device, timeout_s=cfg.ft.collective_timeout)
     # Every generator a rank has, so that two runs of one config write identical checkpoints. Each
     # rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
     # heads and sequence slices each TP rank holds, and for each pipeline stage's layers (Megatron's
@@ -124,7 +124,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
 
     # --- Resume ---
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.ft.collective_timeout)
     start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader, saver.group, cfg.model)
 
     # --- Logging ---
@@ -151,7 +151,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
 
     # --- The loop ---
     stop = _StopFlag()
-    beat, faults = ft.Heartbeat(run_dir, rank, world, cfg.ft), ft.Faults(rank, run_dir)
+    first_step_work = ", ".join(["torch.compile of every chunk"] * compiling + ["the communicators' set-up"] * (world > 1))
+    beat, faults = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work), ft.Faults(rank, run_dir)
     collector = ft.CollectGarbage(cfg.train.gc_interval)
     step, history, status = start_step, [], "finished"
     # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a

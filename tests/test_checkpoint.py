@@ -214,3 +214,51 @@ def test_a_checkpoint_of_other_shapes_is_refused_by_load(sync_run):
     opt = optim.build_optimizer(engine.named_optimizer_parameters(), optim.OptimConfig(), 1e-3)
     with pytest.raises(ConfigError, match=r"holds model/\S+ as \[\d+(, \d+)*\], this model as .*another model"):
         checkpoint.load(checkpoint.step_dir(sync_run / "checkpoints", 4), engine, opt, None, None)
+
+
+def test_async_saves_reuse_one_staging_buffer(tmp_path):
+    """Every asynchronous save stages into the same host buffer (allocated once, by the first), and
+    each checkpoint still holds the values of its own step: the second snapshot does not leak into
+    the first's files, nor the first's into the second."""
+    weight, moment = torch.arange(12.0).view(3, 4), torch.ones(5)
+    saver = checkpoint.Saver(tmp_path, keep=0, async_save=True)
+    storages = []
+    for step in (1, 2):
+        state = {"model/w": checkpoint.Chunks((6, 4), [((3, 0), weight)]), "optim/m": moment,
+                 "step": checkpoint._blob(step)}
+        saver.save(step, state)
+        storages.append(saver.staging.buffer.untyped_storage().data_ptr())
+        weight.mul_(10), moment.add_(1)  # training goes on while the snapshot is written
+    saver.wait()
+    assert storages[0] == storages[1]
+    for step, scale in ((1, 1.0), (2, 10.0)):
+        folder = checkpoint.step_dir(tmp_path, step)
+        assert checkpoint.problem(folder) is None and checkpoint.read_blob(folder, "step") == step
+        back = {"model/w": checkpoint.Chunks((6, 4), [((3, 0), torch.zeros(3, 4))]), "optim/m": torch.zeros(5)}
+        checkpoint._read_alone(folder, back)
+        assert torch.equal(back["model/w"].pieces[0][1], torch.arange(12.0).view(3, 4) * scale)
+        assert torch.equal(back["optim/m"], torch.full((5,), float(step)))
+
+
+def test_checkpointing_costs_each_rank_no_connection_per_rank(tmp_path):
+    """On 8 real gloo ranks: making the checkpoint group and the start's barrier connect nothing and
+    read nothing from the store (gloo's default, a full mesh, costs W-1 of each per rank); a save and a resume check
+    connect each rank but DCP's coordinator to fewer than W-1 peers, and the check costs a rank a
+    stat and an open or two for each file it checks, one file in W, not two calls per file of the
+    checkpoint; no rank but the one writing the manifest lists the step folder."""
+    from ckpt_costs_probe import checkpoint_costs
+    from conftest import spawn
+    world = 8
+    spawn(checkpoint_costs, world, str(tmp_path))
+    costs = [json.loads((tmp_path / f"costs{r}.json").read_text()) for r in range(world)]
+    # (gloo's one listening socket per group, which a lazy group opens too)
+    assert all(c["start"]["sockets"] <= 1 and c["start"]["store_reads"] == 0 for c in costs), [c["start"] for c in costs]
+    assert all(c["verify"]["why"] is None for c in costs)
+    files = world + 1  # a .distcp per rank and DCP's .metadata
+    for rank, c in enumerate(costs):
+        mine = len(range(rank, files, world))
+        assert c["verify"]["fs"]["stat"] <= 2 + mine and c["verify"]["fs"].get("listed", 0) == 0, (rank, c)
+        assert c["verify"]["fs"]["open"] <= 1 + mine, (rank, c)
+        if rank > 0:
+            assert c["save"]["fs"].get("listed", 0) == 0, (rank, c)
+            assert c["verify"]["sockets"] < world - 1 and c["verify"]["store_reads"] < world - 1, (rank, c)

@@ -187,3 +187,22 @@ def test_train_py_on_one_gpu_follows_the_cpu_run_and_resumes(precision, switches
     resumed = tmp_path / "resumed"
     run_train(resumed, args + [f"resume={checkpoint.step_dir(straight / 'checkpoints', 6)}"], cache_dir, launch="real")
     assert [r["loss"] for r in read_metrics(resumed)] == pytest.approx(losses[6:], rel=DRIFT[precision] / 3)
+
+
+def test_async_saves_stage_gpu_state_into_one_pinned_buffer(tmp_path):
+    """Asynchronous saves of GPU tensors copy them (non-blocking) into one pinned host buffer, made
+    at the first save and reused; each checkpoint holds its own step's values, though training
+    changes the GPU tensors while the previous snapshot is written."""
+    weight = torch.arange(12.0, device="cuda").view(3, 4)
+    saver = checkpoint.Saver(tmp_path, keep=0, async_save=True)
+    buffers = []
+    for step in (1, 2):
+        saver.save(step, {"model/w": checkpoint.Chunks((3, 4), [((0, 0), weight)])})
+        buffers.append(saver.staging.buffer)
+        weight.mul_(10)
+    saver.wait()
+    assert buffers[0] is buffers[1] and buffers[0].is_pinned()
+    for step, scale in ((1, 1.0), (2, 10.0)):
+        back = {"model/w": checkpoint.Chunks((3, 4), [((0, 0), torch.zeros(3, 4))])}
+        checkpoint._read_alone(checkpoint.step_dir(tmp_path, step), back)
+        assert torch.equal(back["model/w"].pieces[0][1], torch.arange(12.0).view(3, 4) * scale)

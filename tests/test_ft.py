@@ -2,7 +2,10 @@
 torchrun job on 2 gloo ranks, detected, restarted from, and finishing with the uninterrupted
 run's loss, bit for bit (resume at the same layout is exact)."""
 import gc
+import json
+import re
 import sys
+import time
 
 import pytest
 
@@ -85,3 +88,70 @@ def test_a_slow_rank_is_reported(monkeypatch):
         (0, "h0", 1.0), (1, "h0", 1.05), (2, "h1", 1.6), (3, "h1", 0.95)]))
     Layout.world = 4
     assert [(r, h) for r, h, _, _ in ft.stragglers(1.0, Layout, 0.2)] == [(2, "h1")]
+
+
+def test_the_hang_timer_spares_a_slow_first_step_but_not_a_later_hang(tmp_path, cache_dir):
+    """A first step that takes 5 s longer (as one that compiles and connects does) under a 2 s
+    hang timeout runs to its end, and rank 0 logs how long it took; a hang in step 2 is still
+    caught (exit HANG_EXIT, recorded at step 2)."""
+    from conftest import SMALL, read_metrics, run_train
+    proc = run_train(tmp_path, SMALL + ["train.max_steps=5", "ft.hang_timeout=2", "ft.first_step_timeout=60",
+                                        "ft.heartbeat_interval=0.2"], cache_dir, check=False,
+                     MEGAREPRO_FAULT="slow_first_step@5,hang@2")
+    assert proc.returncode == ft.HANG_EXIT, proc.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "hang_detected"] == [2]
+    assert [r["step"] for r in read_metrics(tmp_path)] in ([1], [1, 2])  # step 2 hangs after its row, if flushed
+    took = re.search(r"step 1 took (\d+\.\d) s", proc.stdout + proc.stderr)
+    assert took and float(took.group(1)) >= 5
+
+
+def test_the_first_steps_allowance_ends_with_the_first_step(monkeypatch, tmp_path):
+    """The heartbeat's own clock: while step 1 runs it waits first_step_timeout, after it hang_timeout."""
+    cfg = ft.FTConfig(hang_timeout=0.5, first_step_timeout=30, heartbeat_interval=0.05)
+    beat = ft.Heartbeat(tmp_path, 0, 1, cfg, "torch.compile of every chunk")
+    hangs = []
+    monkeypatch.setattr(beat, "_report_hang", hangs.append)
+    try:
+        beat.progress(1, "data")
+        beat.progress(1, "compute")
+        assert beat.timeout() == 30
+        time.sleep(1.0)
+        assert hangs == []
+        beat.progress(2, "data")
+        assert beat.timeout() == 0.5 and beat.first_step_s >= 1.0
+        deadline = time.monotonic() + 30
+        while not hangs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hangs and hangs[0] > 0.5
+    finally:
+        beat.close()
+
+
+def test_the_heartbeat_file_is_written_at_most_every_tenth_of_the_hang_timeout(monkeypatch, tmp_path):
+    """A shared file system sees a rank's heartbeat file rewritten once per hang_timeout/10, not per
+    heartbeat_interval (~100 checks here, one a step); a rank that stops has its last state in the
+    file within that time, which is what a hang report reads."""
+    cfg = ft.FTConfig(hang_timeout=2.0, first_step_timeout=30, heartbeat_interval=0.01)
+    writes, replace = [], ft.os.replace
+    monkeypatch.setattr(ft.os, "replace", lambda a, b: (writes.append(time.monotonic()), replace(a, b)))
+    beat = ft.Heartbeat(tmp_path, 0, 1, cfg)
+    try:
+        beat.progress(1, "data")
+        beat.progress(1, "compute")
+        time.sleep(0.1)
+        start, step = time.monotonic(), 1
+        while time.monotonic() - start < 1.0:
+            step += 1
+            beat.progress(step, "data")
+            beat.progress(step, "compute")
+            time.sleep(0.01)
+        later = [t for t in writes if t > start]
+        assert 1 <= len(later) <= 1.0 / 0.2 + 2, len(later)
+        assert all(b - a >= 0.2 - 1e-3 for a, b in zip(later, later[1:]))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and json.loads((tmp_path / "heartbeat" / "rank0.json").read_text())["step"] != step:
+            time.sleep(0.05)
+        assert json.loads((tmp_path / "heartbeat" / "rank0.json").read_text())["step"] == step
+    finally:
+        beat.close()

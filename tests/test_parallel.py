@@ -396,3 +396,65 @@ def test_dp_overlap_layers_compute_with_this_steps_weights(mode):
         assert result["stale"] == 0.0
     else:
         assert result["stale"] > 0 or "modified by an inplace operation" in (result["error"] or "")
+
+
+def _group_timeouts(rank, world, port, out):
+    """One spawned gloo rank: the timeout of every group a layout holds, the world's given at init
+    as train.py gives it (launch.init_distributed) and the layout's at build_layout."""
+    import datetime
+    import torch.distributed as dist
+    import parallel
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=77))
+    layout = parallel.build_layout(parallel.ParallelConfig(tp=2, pp=2, microbatches=2), rank, world,
+                                   torch.device("cpu"), timeout_s=77)
+    groups = {**{n: layout.group(n) for n in ("dp", "pp", "tp")}, **{str(k): g for k, g in layout.pp_channels.items()},
+              "dp_tp": parallel._norm_group(layout)}
+    found = {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for name, g in groups.items()}
+    whole = parallel.build_layout(parallel.ParallelConfig(), rank, world, torch.device("cpu"), timeout_s=77)
+    out.put((found, whole.group("dp") is dist.group.WORLD))
+    dist.destroy_process_group()
+
+
+def test_every_group_gets_the_configured_timeout():
+    """Mesh dimensions, pipeline channels and the flattened dp x tp group all time out after the
+    configured seconds, not torch's 30-minute default; a dimension over every rank is the world
+    group itself, not a second group over the same ranks."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = forked.context()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_group_timeouts, args=(r, 4, port, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    for found, dp_is_world in results:
+        assert len(found) == 8 and set(found.values()) == {77.0}, found
+        assert dp_is_world
+
+
+def test_a_cuda_rank_binds_its_device_at_init(monkeypatch):
+    """On CUDA, init_process_group gets the rank's device (NCCL then creates the world's
+    communicator at once and splits it for every later group) and the configured timeout; what
+    torch.distributed receives is checked, as no GPU is here."""
+    import launch
+    seen = {}
+    for key, value in dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(launch.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(launch.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(launch.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(launch.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(launch.atexit, "register", lambda fn: None)
+    assert launch.init_distributed(torch.device("cuda", 0), timeout_s=77) == (0, 2)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 0)
+    assert seen["timeout"].total_seconds() == 77
+    seen.clear()
+    launch.init_distributed(torch.device("cpu"), timeout_s=77)
+    assert seen["backend"] == "gloo" and "device_id" not in seen
