@@ -102,6 +102,8 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        if self.observer is not None and self.observer.version != self.published_ops:
+            self._publish()  # the run's last state, once, whatever the rate bound left unwritten
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.heartbeat_interval):

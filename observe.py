@@ -11,7 +11,7 @@ while it runs, and on a hang the rank it started from.
 - Spans: the phases the heartbeat is told (data, compute, eval, checkpoint) and every wait
   overlap.WaitClock times (comm, bubble), with wall-clock start and duration; the op log's waits
   say which group (tp, pp, dp) each wait was on.
-- Snapshots: the heartbeat thread (ft.Heartbeat) writes <run dir>/observe/rank<K>.json (temporary
+- Snapshots: the heartbeat thread (ft.Heartbeat) writes <run dir>/observe/attempt<A>/rank<K>.json (temporary
   file, then rename) with the ring, the spans, the main thread's Python stack and who wrote it
   (rank, host, pid, attempt, dp/pp/tp coordinates), at the heartbeat file's own bounded rate
   (at most every ft.hang_timeout/10 seconds once the first step is over, and only when
@@ -184,7 +184,7 @@ class Recorder:
                 "hash": dict(self.hash), "members": dict(self.members), "stack": main_stack()}
 
     def write(self, run_dir: Path, exiting: str = "") -> Path:
-        folder = Path(run_dir) / "observe"
+        folder = snapshot_dir(run_dir, _attempt())
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.rank}.json"
         tmp = path.with_suffix(".tmp")
@@ -282,12 +282,18 @@ def dim_names(layout) -> dict:
 
 # --- Where a hang started, from every rank's snapshot ---
 
-def read_snapshots(run_dir: Path, world: int) -> dict:
-    """{rank: its snapshot, or None where it has none (or an unreadable one)}."""
+def snapshot_dir(run_dir: Path, attempt: int) -> Path:
+    """Where an attempt's snapshots go: each restart keeps its own, so a crashed attempt's last
+    state stays beside the next attempt's."""
+    return Path(run_dir) / "observe" / f"attempt{attempt}"
+
+
+def read_snapshots(run_dir: Path, world: int, attempt: int) -> dict:
+    """{rank: its snapshot in that attempt, or None where it has none (or an unreadable one)}."""
     out = {}
     for rank in range(world):
         try:
-            out[rank] = json.loads((Path(run_dir) / "observe" / f"rank{rank}.json").read_text())
+            out[rank] = json.loads((snapshot_dir(run_dir, attempt) / f"rank{rank}.json").read_text())
         except (OSError, ValueError):
             out[rank] = None
     return out
@@ -413,4 +419,4 @@ def report_hang(recorder: Recorder, run_dir: Path, world: int, grace_s: float) -
         # once one exits, so this one waits a little for rank 0 to have read the snapshots.
         time.sleep(min(2.0, grace_s))
         return None
-    return localize(read_snapshots(run_dir, world))
+    return localize(read_snapshots(run_dir, world, _attempt()))
