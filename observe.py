@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 HERE = str(Path(__file__).resolve().parent)
-THIS = str(Path(__file__).resolve())
+WRAPPERS = {str(Path(HERE) / name) for name in ("observe.py", "rehearsal.py")}  # their frames are not call sites
 
 COLLECTIVES = {  # torch.distributed function -> op name
     "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
@@ -224,11 +224,12 @@ class _Skipped:
 
 
 def call_site() -> str:
-    """The first frame outside torch and this file: the project's line that posted the op."""
+    """The first frame outside torch and the wrappers (this file's, the rehearsal's): the project's
+    line that posted the op."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(HERE) and name != THIS:
+        if name.startswith(HERE) and name not in WRAPPERS:
             return f"{Path(name).name}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
