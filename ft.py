@@ -149,8 +149,7 @@ class Heartbeat:
         behind = min(beats, key=lambda b: (b["step"], -b["idle_s"]))
         root = None
         if self.observer is not None:
-            import observe
-            root = observe.report_hang(self.observer, self.dir.parent, self.world, self.cfg.hang_timeout / 10)
+            root = self.observer.report_hang(self.dir.parent, self.world, self.cfg.hang_timeout / 10)
             if root is not None:
                 log.error("hang started at rank %d on %s %s: %s: %s", root["rank"], root["host"], root["coords"],
                           root["reason"], root["detail"])

@@ -31,6 +31,7 @@ import collections
 import json
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -173,6 +174,17 @@ class Recorder:
             return work
         call.__wrapped__ = original
         return call
+
+    def report_hang(self, run_dir: Path, world: int, grace_s: float) -> Optional[dict]:
+        """On this rank's hang timeout (ft.Heartbeat): write its snapshot at once; rank 0 then reads
+        every rank's and returns where the hang started (the other ranks return None)."""
+        self.write(run_dir, exiting="hang")
+        if self.rank != 0 or not self.cfg.localize:
+            # Rank 0 times out within a few heartbeats of this rank; the launcher stops every rank
+            # once one exits, so this one waits a little for rank 0 to have read the snapshots.
+            time.sleep(min(2.0, grace_s))
+            return None
+        return localize(read_snapshots(run_dir, world, _attempt()))
 
     # --- the snapshot ---
 
@@ -340,8 +352,10 @@ def localize(snaps: dict) -> dict:
             f"rank {r} ({blocked[r][OP]} #{blocked[r][SEQ]} of {blocked[r][GROUP]} at {blocked[r][SITE]})"
             for r in cycle[:-1]) + f" -> rank {rank}", blocked[cycle[0]])
     if blocked[rank] is None:
+        stack = snaps[rank]["stack"]
         return _report(rank, snaps[rank], "busy", f"not in any collective or send/receive while rank "
-                       f"{chain[-1]} waits for it", waited, stack=snaps[rank]["stack"])
+                       f"{chain[-1]} waits for it; its stack ends at {stack[-1] if stack else '?'}", waited,
+                       stack=stack)
     return _report(rank, snaps[rank], "waiting", f"waits in {blocked[rank][OP]} at {blocked[rank][SITE]}, "
                    "which every peer has posted", waited)
 
@@ -406,18 +420,135 @@ def _report(rank: int, snap: Optional[dict], reason: str, detail: str, entry: Op
     out = {"rank": rank, "host": snap["host"] if snap else None, "coords": snap["coords"] if snap else None,
            "reason": reason, "detail": detail}
     if entry is not None:
-        out.update({"op": entry[OP], "group": entry[GROUP], "dim": entry[DIM], "seq": entry[SEQ],
-                    "step": entry[STEP], "site": entry[SITE]})
+        out.update({"op": entry[OP], "group": entry[GROUP], "dim": entry[DIM], "step": entry[STEP],
+                    "seq": entry[SEQ] if entry[PEER] is None else entry[PAIR_SEQ],  # a send/receive's: per pair
+                    "peer": entry[PEER], "site": entry[SITE]})
     return {**out, **extra}
 
 
-def report_hang(recorder: Recorder, run_dir: Path, world: int, grace_s: float) -> Optional[dict]:
-    """On this rank's hang timeout: write its snapshot at once; rank 0 then reads every rank's and
-    returns where the hang started (the other ranks return None)."""
-    recorder.write(run_dir, exiting="hang")
-    if recorder.rank != 0 or not recorder.cfg.localize:
-        # Rank 0 times out within a few heartbeats of this rank; the launcher stops every rank
-        # once one exits, so this one waits a little for rank 0 to have read the snapshots.
-        time.sleep(min(2.0, grace_s))
-        return None
-    return localize(read_snapshots(run_dir, world, _attempt()))
+# --- python observe.py RUN_DIR: the diagnosis, the timeline and a short report ---
+
+def clock_offsets(snaps: dict) -> tuple:
+    """Each rank's clock less the lowest rank's, from matched collectives (a collective ends at
+    nearly the same moment on every member): ({rank: seconds}, the median residual in seconds)."""
+    ends = collections.defaultdict(dict)  # (group, seq) -> {rank: its end}
+    for rank, snap in snaps.items():
+        for e in snap["ops"]:
+            if e[PEER] is None and e[DONE] is not None and not e[OP].startswith("skipped"):
+                ends[(e[GROUP], e[SEQ])][rank] = e[DONE]
+    pairs = collections.defaultdict(list)  # (a, b) -> [a's end - b's end]
+    for by_rank in ends.values():
+        for a in by_rank:
+            for b in by_rank:
+                if a != b:
+                    pairs[(a, b)].append(by_rank[a] - by_rank[b])
+    offsets, todo = {min(snaps): 0.0}, [min(snaps)]
+    while todo:  # out from the lowest rank, through the groups each rank shares with a known one
+        known = todo.pop()
+        for (a, b), diffs in pairs.items():
+            if b == known and a not in offsets:
+                offsets[a] = offsets[b] + statistics.median(diffs)
+                todo.append(a)
+    residuals = []
+    for by_rank in ends.values():
+        aligned = [t - offsets[r] for r, t in by_rank.items() if r in offsets]
+        if len(aligned) > 1:
+            middle = statistics.median(aligned)
+            residuals += [abs(t - middle) for t in aligned]
+    return offsets, statistics.median(residuals) if residuals else 0.0
+
+
+def trace(snaps: dict, offsets: dict) -> dict:
+    """A Chrome/Perfetto trace: a process per host, a thread per rank, the spans and ops as complete
+    events on aligned clocks, matched collectives and send/receive pairs as flows."""
+    hosts = sorted({s["host"] for s in snaps.values()})
+    events, t0 = [], min(e[POST] for s in snaps.values() for e in s["ops"]) if any(s["ops"] for s in snaps.values()) \
+        else min(s["time"] for s in snaps.values())
+    for host in hosts:
+        events.append({"ph": "M", "name": "process_name", "pid": hosts.index(host), "args": {"name": host}})
+
+    def us(rank, t):
+        return round((t - offsets.get(rank, 0.0) - t0) * 1e6, 1)
+    ends = collections.defaultdict(list)  # a flow's key -> [(rank, pid, its end)]
+    for rank, snap in sorted(snaps.items()):
+        pid, c = hosts.index(snap["host"]), snap["coords"]
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
+                       "args": {"name": f"rank {rank} (dp {c.get('dp')}, pp {c.get('pp')}, tp {c.get('tp')})"}})
+        for kind, name, step, start, seconds in snap["spans"]:
+            seconds = snap["time"] - start if seconds is None else seconds
+            events.append({"ph": "X", "name": name, "cat": kind, "pid": pid, "tid": rank, "ts": us(rank, start),
+                           "dur": round(seconds * 1e6, 1), "args": {"step": step}})
+        for e in snap["ops"]:
+            end = e[DONE] if e[DONE] is not None else snap["time"]
+            events.append({"ph": "X", "name": f"{e[OP]} {e[DIM]}", "cat": "op", "pid": pid, "tid": rank,
+                           "ts": us(rank, e[POST]), "dur": round((end - e[POST]) * 1e6, 1),
+                           "args": {"group": e[GROUP], "seq": e[SEQ], "bytes": e[BYTES], "peer": e[PEER],
+                                    "site": e[SITE], "step": e[STEP], "finished": e[DONE] is not None}})
+            if e[OP].startswith("skipped"):
+                continue
+            key = (e[GROUP], e[SEQ]) if e[PEER] is None else (
+                (e[GROUP], rank, e[PEER], e[PAIR_SEQ]) if e[OP] == "send" else (e[GROUP], e[PEER], rank, e[PAIR_SEQ]))
+            ends[key].append((rank, pid, us(rank, e[POST]), e[OP]))
+    flow = 0
+    for key, members in ends.items():
+        if len(members) < 2 or (len(key) == 4 and {m[3] for m in members} != {"send", "recv"}):
+            continue
+        members.sort(key=lambda m: (m[3] != "send", m[0]))  # a send's flow starts at the sender
+        first = members[0]
+        for other in members[1:]:
+            flow += 1
+            events.append({"ph": "s", "id": flow, "name": "match", "cat": "flow", "pid": first[1], "tid": first[0],
+                           "ts": first[2]})
+            events.append({"ph": "f", "bp": "e", "id": flow, "name": "match", "cat": "flow", "pid": other[1],
+                           "tid": other[0], "ts": other[2]})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def diagnose(run_dir: Path) -> dict:
+    """Write RUN_DIR/observe/diagnosis.json, trace.json and report.txt from the newest attempt's
+    snapshots and faults.jsonl; works while the run still runs (the snapshots are renamed into place)."""
+    run_dir = Path(run_dir)
+    attempts = sorted(int(p.name.removeprefix("attempt")) for p in (run_dir / "observe").glob("attempt*"))
+    if not attempts:
+        raise SystemExit(f"{run_dir}/observe has no snapshots: was the run started with observe.ops=true?")
+    folder = snapshot_dir(run_dir, attempts[-1])
+    snaps = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
+    offsets, residual = clock_offsets(snaps)
+    hangs = []
+    if (run_dir / "faults.jsonl").exists():
+        for line in (run_dir / "faults.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "hang_detected" and "root" in event:
+                hangs.append({**{k: event["root"].get(k) for k in ("rank", "op", "group", "seq", "reason")},
+                              "attempt": event["attempt"], "detail": event["root"]["detail"]})
+    diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
+                 "hangs": hangs, "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
+                 "clock_residual_s": residual}
+    out = run_dir / "observe"
+    _write(out / "diagnosis.json", json.dumps(diagnosis, indent=1))
+    _write(out / "trace.json", json.dumps(trace(snaps, offsets)))
+    lines = [f"{run_dir}: attempt {attempts[-1]}, {len(snaps)} ranks' snapshots",
+             f"clocks aligned from matched collectives; residual {residual * 1e3:.3f} ms"]
+    lines += [f"hang (attempt {h['attempt']}): rank {h['rank']}, {h['reason']}: {h['detail']}" for h in hangs] or \
+        ["no hang reported"]
+    _write(out / "report.txt", "\n".join(lines) + "\n")
+    return diagnosis
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[list] = None) -> None:
+    import argparse
+    parser = argparse.ArgumentParser(prog="observe.py", description="A run dir's diagnosis, timeline and report.")
+    parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir)")
+    run_dir = parser.parse_args(argv).run_dir
+    diagnose(run_dir)
+    print((run_dir / "observe" / "report.txt").read_text(), end="")
+
+
+if __name__ == "__main__":
+    main()

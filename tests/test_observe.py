@@ -150,3 +150,41 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
+
+
+# --- python observe.py RUN_DIR ---
+
+def test_the_diagnosis_names_the_last_hang_and_the_trace_is_valid(faulty_run):
+    _, run_dir, events = faulty_run
+    out = subprocess.run([sys.executable, "observe.py", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    diagnosis = json.loads((run_dir / "observe" / "diagnosis.json").read_text())
+    assert diagnosis["attempt"] == 2 and diagnosis["ranks"] == [0, 1]
+    assert {k: diagnosis["hang"][k] for k in ("rank", "reason", "attempt")} == {"rank": 0, "reason": "busy", "attempt": 1}
+    assert [h["rank"] for h in diagnosis["hangs"]] == [1, 0] and "rank 1, skipped" in out.stdout
+    events = json.loads((run_dir / "observe" / "trace.json").read_text())["traceEvents"]
+    threads = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert threads == {0, 1} and {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")  # each slice is a begin with its end
+    starts = sorted(e["id"] for e in events if e["ph"] == "s")
+    assert starts and starts == sorted(e["id"] for e in events if e["ph"] == "f")  # every flow paired
+    sends = [e for e in events if e["ph"] == "X" and e["name"].startswith("send")]
+    assert sends and len(starts) >= len(sends)  # each send linked to its receive, and the collectives too
+
+
+def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_millisecond():
+    import random
+    rng = random.Random(0)
+    truth = {0: 0.0, 1: 0.0371, 2: -0.0123, 3: 0.25}  # rank 3 shares no group with rank 0: found through rank 2
+    groups = {"a": [0, 1, 2], "b": [2, 3]}
+    snaps = {r: {"ops": []} for r in truth}
+    for seq in range(1, 40):
+        for name, members in groups.items():
+            end = 100.0 + seq * 0.01 + rng.random() * 0.001
+            for r in members:
+                snaps[r]["ops"].append(_op("all_reduce", seq, "x.py:1 f", group=name,
+                                           done=end + truth[r] + rng.uniform(-2e-4, 2e-4)))
+    offsets, residual = observe.clock_offsets(snaps)
+    assert set(offsets) == set(truth)
+    assert all(abs(offsets[r] - truth[r]) < 1e-3 for r in truth), offsets
+    assert residual < 5e-4
