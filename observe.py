@@ -100,7 +100,7 @@ class Recorder:
         group = group or dist.group.WORLD
         name = group.group_name
         if name not in self.members:
-            self.members[name] = dist.get_process_group_ranks(group)
+            self.members[name] = as_range(dist.get_process_group_ranks(group))
         return name
 
     def post(self, op: str, tensors: list, group, peer: Optional[int] = None) -> list:
@@ -116,7 +116,7 @@ class Recorder:
             key = f"{name}:{op}:{peer}"
             seq, pair_seq = self.seq.get(name, 0), self.pairs.get(key, 0) + 1
             self.pairs[key] = pair_seq
-        entry = [name, self.dims.get(name, "world" if len(self.members[name]) > 1 else "self"), seq, op, nbytes,
+        entry = [name, self.dims.get(name, "world" if len(ranks_of(self.members[name])) > 1 else "self"), seq, op, nbytes,
                  dtype, peer, pair_seq, call_site(), self.step, time.time(), None, None]
         self.ops.append(entry)
         self.version += 1
@@ -129,7 +129,7 @@ class Recorder:
         if self.skip_step != self.step or self.skipped is not None:
             return False
         name = self._group(group)
-        if len(self.members[name]) < 2:
+        if len(ranks_of(self.members[name])) < 2:
             return False
         self.skipped = self.step
         return True
@@ -233,6 +233,21 @@ class _Skipped:
 
     def is_completed(self):
         return True
+
+
+def as_range(ranks: list) -> list:
+    """A group's global ranks as ["range", start, stop, step] where they are an arithmetic
+    progression (a mesh dimension's groups are), so that a snapshot holds four items for the world
+    group, not one per rank; else the ranks themselves."""
+    step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+    if step > 0 and ranks == list(range(ranks[0], ranks[-1] + 1, step)):
+        return ["range", ranks[0], ranks[-1] + 1, step]
+    return list(ranks)
+
+
+def ranks_of(members: list):
+    """The ranks as_range's form stands for."""
+    return range(*members[1:]) if members and members[0] == "range" else members
 
 
 def call_site() -> str:
@@ -394,7 +409,7 @@ def _blockers(snaps: dict, rank: int, entry: list) -> list:
         done = snap["pairs"].get(f"{entry[GROUP]}:{other}:{rank}", 0) if snap else 0
         return [(peer, "not posted", None)] if done < entry[PAIR_SEQ] else []
     out = []
-    for member in snaps[rank]["members"].get(entry[GROUP], []):
+    for member in ranks_of(snaps[rank]["members"].get(entry[GROUP], [])):
         snap = snaps.get(member)
         if member == rank or snap is None:
             continue

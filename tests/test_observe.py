@@ -84,7 +84,7 @@ def test_every_snapshot_says_who_wrote_it_and_holds_the_ops_and_spans(faulty_run
 
 def _snap(rank, step, ops, seq=None, pairs=None, members=None, **extra):
     return {"rank": rank, "host": "elsewhere", "pid": 1, "coords": {"rank": rank}, "step": step, "phase": "compute",
-            "ops": ops, "seq": seq or {}, "pairs": pairs or {}, "members": members or {"g": [0, 1, 2]},
+            "ops": ops, "seq": seq or {}, "pairs": pairs or {}, "members": members or {"g": ["range", 0, 3, 1]},
             "stack": [f"train.py:1 rank{rank}"], **extra}
 
 
@@ -188,3 +188,10 @@ def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_milli
     assert set(offsets) == set(truth)
     assert all(abs(offsets[r] - truth[r]) < 1e-3 for r in truth), offsets
     assert residual < 5e-4
+
+
+def test_a_snapshot_holds_a_mesh_groups_ranks_in_four_items_whatever_its_size():
+    assert observe.as_range(list(range(12288))) == ["range", 0, 12288, 1]
+    assert observe.as_range([4, 6, 8]) == ["range", 4, 9, 2] and list(observe.ranks_of(["range", 4, 9, 2])) == [4, 6, 8]
+    assert list(observe.ranks_of(observe.as_range([3]))) == [3]
+    assert observe.as_range([0, 1, 4, 5]) == [0, 1, 4, 5] == observe.ranks_of([0, 1, 4, 5])
