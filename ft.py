@@ -110,7 +110,11 @@ class Heartbeat:
             if self._due():
                 self._publish()
             idle = time.monotonic() - self.changed
-            if idle > self.timeout() and self.phase != "done":
+            # observe.stall_s: a stall whose root is already certain ends the job before the timeout
+            root = self.observer.check_stall(self.dir.parent, self.world) if self.observer is not None else None
+            if root is not None:
+                self._report_hang(idle, root)
+            elif idle > self.timeout() and self.phase != "done":
                 self._report_hang(idle)
 
     def _due(self) -> bool:
@@ -135,7 +139,7 @@ class Heartbeat:
             self.published_ops = self.observer.version
             self.observer.write(self.dir.parent)
 
-    def _report_hang(self, idle: float) -> None:
+    def _report_hang(self, idle: float, root=None) -> None:
         """Name the rank that is behind (lowest step, then longest idle) and exit for a restart."""
         self._publish()
         beats = []
@@ -147,12 +151,12 @@ class Heartbeat:
             except (OSError, ValueError, KeyError):
                 beats.append({"rank": k, "step": -1, "phase": "no heartbeat", "idle_s": float("inf"), "host": "?"})
         behind = min(beats, key=lambda b: (b["step"], -b["idle_s"]))
-        root = None
-        if self.observer is not None:
+        early = root is not None
+        if self.observer is not None and root is None:
             root = self.observer.report_hang(self.dir.parent, self.world, self.cfg.hang_timeout / 10)
-            if root is not None:
-                log.error("hang started at rank %d on %s %s: %s: %s", root["rank"], root["host"], root["coords"],
-                          root["reason"], root["detail"])
+        if root is not None:
+            log.error("hang started at rank %d on %s %s: %s: %s%s", root["rank"], root["host"], root["coords"],
+                      root["reason"], root["detail"], " (found at observe.stall_s)" if early else "")
         log.error("hang: no progress on rank %d for %.0f s (step %d, %s); rank %d on %s is behind at step %d, "
                   "phase %s. Exiting %d so the launcher restarts the job from the newest checkpoint.",
                   self.rank, idle, self.step, self.phase, behind["rank"], behind["host"], behind["step"],
@@ -160,7 +164,7 @@ class Heartbeat:
         _append(self.dir.parent / "faults.jsonl", {"event": "hang_detected", "rank": self.rank, "idle_s": idle,
                                                   "behind_rank": behind["rank"], "behind_phase": behind["phase"],
                                                   "step": self.step, "attempt": attempt(), "time": time.time(),
-                                                  **({"root": root} if root else {})})
+                                                  **({"root": root, "early": early} if root else {})})
         logging.shutdown()
         os._exit(HANG_EXIT)
 

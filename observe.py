@@ -65,6 +65,10 @@ class ObserveConfig:
     ring: int = 4096         # op-log entries kept per rank (a 175B step posts ~6k TP collectives)
     spans: int = 2048        # phase and wait spans kept per rank; 0: none
     localize: bool = True    # on a hang, rank 0 reads every rank's snapshot and names the root rank
+    # Seconds rank 0 may wait in one op before it reads every rank's snapshot (once per op); a root
+    # that is certain (dead, skipped, mismatch) then ends the job as a hang does, before
+    # ft.hang_timeout. Keep it above ft.hang_timeout/10, the snapshots' age. 0: off.
+    stall_s: float = 60.0
 
 
 class Recorder:
@@ -78,6 +82,7 @@ class Recorder:
         self.seq, self.hash, self.pairs, self.members = {}, {}, {}, {}
         self.step, self.phase, self.version = 0, "start", 0
         self.skip_step, self.skipped = skip_step, None
+        self.stall_checked = None  # the op whose stall rank 0 last looked into
         self._saved = {}
 
     # --- recording ---
@@ -174,6 +179,20 @@ class Recorder:
             return work
         call.__wrapped__ = original
         return call
+
+    def check_stall(self, run_dir: Path, world: int) -> Optional[dict]:
+        """On rank 0, from the heartbeat thread: once its main thread has waited observe.stall_s in
+        one op, the root localize finds, if that root is certain (dead, skipped, mismatch)."""
+        if self.rank != 0 or not self.cfg.stall_s or not self.cfg.localize:
+            return None
+        ops = list(self.ops)  # a copy: the main thread appends meanwhile
+        waiting = next((e for e in reversed(ops) if e[WAIT] is not None and e[DONE] is None), None)
+        if waiting is None or waiting is self.stall_checked or time.time() - waiting[WAIT] < self.cfg.stall_s:
+            return None
+        self.stall_checked = waiting
+        self.write(run_dir)
+        root = localize(read_snapshots(run_dir, world, _attempt()))
+        return root if root["reason"] in ("dead", "skipped", "mismatch") else None
 
     def report_hang(self, run_dir: Path, world: int, grace_s: float) -> Optional[dict]:
         """On this rank's hang timeout (ft.Heartbeat): write its snapshot at once; rank 0 then reads

@@ -20,7 +20,7 @@ FAULTS = "skip:1@3,hang:0@4#1"  # attempt 0: rank 1 skips step 3's first collect
 def faulty_run(tmp_path_factory, cache_dir):
     run_dir = tmp_path_factory.mktemp("observe")
     args = SMALL + ["parallel.pp=2", "parallel.microbatches=2", f"train.max_steps={STEPS}", "checkpoint.interval=2",
-                    "ft.hang_timeout=3", "ft.heartbeat_interval=0.1", f"hydra.run.dir={run_dir}"]
+                    "ft.hang_timeout=3", "ft.heartbeat_interval=0.1", "observe.stall_s=1", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "--max-restarts=2", "train.py"] + args, cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=train_env(cache_dir, MEGAREPRO_FAULT=FAULTS, OMP_NUM_THREADS=1))
@@ -48,12 +48,17 @@ def test_a_skipped_collective_names_that_rank_op_group_and_sequence_number_then_
                                                         waiting[observe.SEQ])
     assert root["op"] == "all_reduce" and root["site"] == waiting[observe.SITE]
     assert "hang started at rank 1" in proc.stdout + proc.stderr
+    # Found at observe.stall_s (1 s in the wait), not at ft.hang_timeout (3 s without progress)
+    (event,) = [e for e in events if e["attempt"] == 0 and "root" in e]
+    assert event["early"] and event["idle_s"] < 3
 
 
 def test_a_hung_rank_is_reported_busy_outside_communication_with_its_stack(faulty_run):
     proc, run_dir, events = faulty_run
     root = _root(events, 1)
-    assert (root["rank"], root["reason"]) == (0, "busy"), root
+    assert (root["rank"], root["reason"]) == (0, "busy"), root  # not certain: found at the hang timeout
+    (event,) = [e for e in events if e["attempt"] == 1 and "root" in e]
+    assert not event["early"] and event["idle_s"] >= 3
     assert any(line.startswith("ft.py:") and line.endswith("after_step") for line in root["stack"]), root["stack"]
     assert root["op"] == "recv" and root["dim"] == "pp"  # what rank 1 waits in: rank 0's activations
     assert [a["status"] for a in json.loads((run_dir / "run.json").read_text())["attempts"]][-1] == "finished"
