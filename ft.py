@@ -121,9 +121,12 @@ class Heartbeat:
         """Whether the file is to be rewritten: the state changed, and hang_timeout/10 has passed
         since the last write (every change while the first step runs: it has few)."""
         interval = 0.0 if self.first_step_s is None else self.cfg.hang_timeout / 10
-        changed = (self.step, self.phase) != self.published or (
-            self.observer is not None and self.observer.version != self.published_ops)
-        return changed and time.monotonic() - self.published_at >= interval
+        since = time.monotonic() - self.published_at
+        if (self.step, self.phase) != self.published and since >= interval:
+            return True
+        # The op log changes at every op, the first step's too: hang_timeout/10 always bounds it.
+        return (self.observer is not None and self.observer.version != self.published_ops
+                and since >= self.cfg.hang_timeout / 10)
 
     def _publish(self) -> None:
         idle = time.monotonic() - self.changed

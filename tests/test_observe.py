@@ -200,3 +200,29 @@ def test_a_snapshot_holds_a_mesh_groups_ranks_in_four_items_whatever_its_size():
     assert observe.as_range([4, 6, 8]) == ["range", 4, 9, 2] and list(observe.ranks_of(["range", 4, 9, 2])) == [4, 6, 8]
     assert list(observe.ranks_of(observe.as_range([3]))) == [3]
     assert observe.as_range([0, 1, 4, 5]) == [0, 1, 4, 5] == observe.ranks_of([0, 1, 4, 5])
+
+
+def test_snapshots_keep_the_heartbeats_bound_even_while_the_first_step_posts_ops(monkeypatch, tmp_path):
+    """An op log that changes at every op is written at most every ft.hang_timeout/10 s, during the
+    first step too (which the heartbeat file itself may rewrite at every change), and its last
+    state once more when the heartbeat closes."""
+    import time
+    import ft
+    cfg = ft.FTConfig(hang_timeout=2.0, first_step_timeout=30, heartbeat_interval=0.01)
+    recorder = observe.Recorder(observe.ObserveConfig(), 0, {"rank": 0}, {})
+    writes, write = [], recorder.write
+    monkeypatch.setattr(recorder, "write", lambda *a, **k: (writes.append(time.monotonic()), write(*a, **k)))
+    beat = ft.Heartbeat(tmp_path, 0, 1, cfg, observer=recorder)
+    try:
+        beat.progress(1, "compute")
+        start = time.monotonic()
+        while time.monotonic() - start < 1.0:  # the first step: ops, no progress
+            recorder.version += 1
+            time.sleep(0.005)
+        assert 1 <= len(writes) <= 1.0 / 0.2 + 1, len(writes)
+        assert all(b - a >= 0.2 for a, b in zip(writes, writes[1:]))
+    finally:
+        recorder.version += 1
+        beat.close()
+    snap = json.loads((observe.snapshot_dir(tmp_path, 0) / "rank0.json").read_text())
+    assert (snap["rank"], snap["step"], snap["phase"]) == (0, 1, "compute") and len(writes) >= 2
