@@ -121,8 +121,8 @@ class Recorder:
             key = f"{name}:{op}:{peer}"
             seq, pair_seq = self.seq.get(name, 0), self.pairs.get(key, 0) + 1
             self.pairs[key] = pair_seq
-        entry = [name, self.dims.get(name, "world" if len(ranks_of(self.members[name])) > 1 else "self"), seq, op, nbytes,
-                 dtype, peer, pair_seq, call_site(), self.step, time.time(), None, None]
+        dim = self.dims.get(name, "world" if len(ranks_of(self.members[name])) > 1 else "self")
+        entry = [name, dim, seq, op, nbytes, dtype, peer, pair_seq, call_site(), self.step, time.time(), None, None]
         self.ops.append(entry)
         self.version += 1
         return entry

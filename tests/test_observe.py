@@ -13,7 +13,8 @@ import observe
 from conftest import ROOT, SMALL, read_metrics, train_env
 
 STEPS = 5
-FAULTS = "skip:1@3,hang:0@4#1"  # attempt 0: rank 1 skips step 3's first collective; attempt 1: rank 0 hangs after step 4
+# attempt 0: rank 1 skips step 3's first collective; attempt 1: rank 0 hangs after step 4
+FAULTS = "skip:1@3,hang:0@4#1"
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,8 @@ def test_the_diagnosis_names_the_last_hang_and_the_trace_is_valid(faulty_run):
     assert out.returncode == 0, out.stderr
     diagnosis = json.loads((run_dir / "observe" / "diagnosis.json").read_text())
     assert diagnosis["attempt"] == 2 and diagnosis["ranks"] == [0, 1]
-    assert {k: diagnosis["hang"][k] for k in ("rank", "reason", "attempt")} == {"rank": 0, "reason": "busy", "attempt": 1}
+    hang = diagnosis["hang"]
+    assert (hang["rank"], hang["reason"], hang["attempt"]) == (0, "busy", 1)
     assert [h["rank"] for h in diagnosis["hangs"]] == [1, 0] and "rank 1, skipped" in out.stdout
     events = json.loads((run_dir / "observe" / "trace.json").read_text())["traceEvents"]
     threads = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -197,7 +199,8 @@ def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_milli
 
 def test_a_snapshot_holds_a_mesh_groups_ranks_in_four_items_whatever_its_size():
     assert observe.as_range(list(range(12288))) == ["range", 0, 12288, 1]
-    assert observe.as_range([4, 6, 8]) == ["range", 4, 9, 2] and list(observe.ranks_of(["range", 4, 9, 2])) == [4, 6, 8]
+    assert observe.as_range([4, 6, 8]) == ["range", 4, 9, 2]
+    assert list(observe.ranks_of(["range", 4, 9, 2])) == [4, 6, 8]
     assert list(observe.ranks_of(observe.as_range([3]))) == [3]
     assert observe.as_range([0, 1, 4, 5]) == [0, 1, 4, 5] == observe.ranks_of([0, 1, 4, 5])
 
