@@ -23,6 +23,7 @@ from ft import FTConfig
 from data import DataConfig
 from kernels import ATTENTION_IMPLS, FUSED_IMPLS, KernelsConfig
 from model import ModelConfig
+from observe import ObserveConfig
 from optim import OptimConfig
 from parallel import ParallelConfig
 from rehearsal import RehearseConfig
@@ -184,6 +185,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ft: FTConfig = field(default_factory=FTConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
     study: StudyConfig = field(default_factory=StudyConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)

@@ -65,13 +65,16 @@ def attempt() -> int:
 class Heartbeat:
     """This rank's progress, published and watched by a daemon thread."""
 
-    def __init__(self, run_dir: Path, rank: int, world: int, cfg: FTConfig, first_step_work: str = ""):
+    def __init__(self, run_dir: Path, rank: int, world: int, cfg: FTConfig, first_step_work: str = "",
+                 observer=None):
         self.dir, self.rank, self.world, self.cfg = Path(run_dir) / "heartbeat", rank, world, cfg
+        self.observer = observer  # observe.Recorder: its snapshot is written with the heartbeat
         self.dir.mkdir(parents=True, exist_ok=True)
         self.step, self.phase, self.changed = 0, "start", time.monotonic()
         # The first step's allowance holds until a later step or another phase than its own begins.
         self.first_step, self.first_step_work, self.first_step_s = None, first_step_work, None
         self.published, self.published_at = None, float("-inf")  # the state in the file, and when written
+        self.published_ops = -1  # the op log's version in the observer's snapshot
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
@@ -87,6 +90,8 @@ class Heartbeat:
                          self.first_step_s, f" ({self.first_step_work})" if self.first_step_work else "",
                          self.cfg.hang_timeout)
         self.step, self.phase, self.changed = step, phase, now
+        if self.observer is not None:
+            self.observer.mark(step, phase)
 
     def timeout(self) -> float:
         """Seconds without progress that make a hang: more while the first step runs."""
@@ -97,20 +102,31 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        if self.observer is not None and self.observer.version != self.published_ops:
+            self._publish()  # the run's last state, once, whatever the rate bound left unwritten
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.heartbeat_interval):
             if self._due():
                 self._publish()
             idle = time.monotonic() - self.changed
-            if idle > self.timeout() and self.phase != "done":
+            # observe.stall_s: a stall whose root is already certain ends the job before the timeout
+            root = self.observer.check_stall(self.dir.parent, self.world) if self.observer is not None else None
+            if root is not None:
+                self._report_hang(idle, root)
+            elif idle > self.timeout() and self.phase != "done":
                 self._report_hang(idle)
 
     def _due(self) -> bool:
         """Whether the file is to be rewritten: the state changed, and hang_timeout/10 has passed
         since the last write (every change while the first step runs: it has few)."""
         interval = 0.0 if self.first_step_s is None else self.cfg.hang_timeout / 10
-        return (self.step, self.phase) != self.published and time.monotonic() - self.published_at >= interval
+        since = time.monotonic() - self.published_at
+        if (self.step, self.phase) != self.published and since >= interval:
+            return True
+        # The op log changes at every op, the first step's too: hang_timeout/10 always bounds it.
+        return (self.observer is not None and self.observer.version != self.published_ops
+                and since >= self.cfg.hang_timeout / 10)
 
     def _publish(self) -> None:
         idle = time.monotonic() - self.changed
@@ -122,8 +138,11 @@ class Heartbeat:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(beat))
         os.replace(tmp, path)
+        if self.observer is not None:  # the op log and spans, at the same bounded rate
+            self.published_ops = self.observer.version
+            self.observer.write(self.dir.parent)
 
-    def _report_hang(self, idle: float) -> None:
+    def _report_hang(self, idle: float, root=None) -> None:
         """Name the rank that is behind (lowest step, then longest idle) and exit for a restart."""
         self._publish()
         beats = []
@@ -135,13 +154,20 @@ class Heartbeat:
             except (OSError, ValueError, KeyError):
                 beats.append({"rank": k, "step": -1, "phase": "no heartbeat", "idle_s": float("inf"), "host": "?"})
         behind = min(beats, key=lambda b: (b["step"], -b["idle_s"]))
+        early = root is not None
+        if self.observer is not None and root is None:
+            root = self.observer.report_hang(self.dir.parent, self.world, self.cfg.hang_timeout / 10)
+        if root is not None:
+            log.error("hang started at rank %d on %s %s: %s: %s%s", root["rank"], root["host"], root["coords"],
+                      root["reason"], root["detail"], " (found at observe.stall_s)" if early else "")
         log.error("hang: no progress on rank %d for %.0f s (step %d, %s); rank %d on %s is behind at step %d, "
                   "phase %s. Exiting %d so the launcher restarts the job from the newest checkpoint.",
                   self.rank, idle, self.step, self.phase, behind["rank"], behind["host"], behind["step"],
                   behind["phase"], HANG_EXIT)
         _append(self.dir.parent / "faults.jsonl", {"event": "hang_detected", "rank": self.rank, "idle_s": idle,
                                                   "behind_rank": behind["rank"], "behind_phase": behind["phase"],
-                                                  "step": self.step, "attempt": attempt(), "time": time.time()})
+                                                  "step": self.step, "attempt": attempt(), "time": time.time(),
+                                                  **({"root": root, "early": early} if root else {})})
         logging.shutdown()
         os._exit(HANG_EXIT)
 

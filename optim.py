@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from errors import ConfigError
+from overlap import CLOCK
 
 
 @dataclass
@@ -251,7 +252,8 @@ class Lamb(torch.optim.Optimizer):
             u_norms = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
             squares[:, index] = torch.stack([p_norms, u_norms]).square() * owner
         if self.norm_group is not None:
-            dist.all_reduce(squares, group=self.norm_group)
+            with CLOCK.waiting("comm", squares.device):
+                dist.all_reduce(squares, group=self.norm_group)
         p_norm, u_norm = squares.sqrt().unbind()
 
         ratios, offset = [], 0
@@ -283,7 +285,8 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_group=
     params = [p for p in params if p.grad is not None]
     squares = grad_squares(params, params[0].device if params else torch.device("cpu"))
     if norm_group is not None:
-        dist.all_reduce(squares, group=norm_group)
+        with CLOCK.waiting("comm", squares.device):
+            dist.all_reduce(squares, group=norm_group)
     total = squares.sqrt()
     scale_grads_(params, total, max_norm)
     return total

@@ -52,7 +52,8 @@ class WaitClock:
     def __init__(self, events=None):
         self.events_class = events
         self._pool, self._used, self.seconds = [], 0, {}
-        self._pairs, self._span, self._t0 = [], None, 0.0
+        self._pairs, self._span, self._t0, self._wall0 = [], None, 0.0, 0.0
+        self.on_wait = None  # f(kind, wall-clock start, seconds) for each wait: observe.py's spans
 
     def _event(self):
         if self._used == len(self._pool):
@@ -67,7 +68,7 @@ class WaitClock:
     def start_step(self, device) -> None:
         """Zero the clock; the step's compute-stream span starts here."""
         self.seconds, self._pairs, self._used = {"comm": 0.0, "bubble": 0.0}, [], 0
-        self._t0 = time.perf_counter()
+        self._t0, self._wall0 = time.perf_counter(), time.time()
         self._span = None
         if self._on_stream(device):
             start = self._event()
@@ -85,7 +86,10 @@ class WaitClock:
             return
         t0 = time.perf_counter()
         yield
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        if self.on_wait is not None:
+            self.on_wait(kind, time.time() - seconds, seconds)
 
     def end_step(self, device, host_sync) -> tuple:
         """Ends the step: records its end on the compute stream, runs `host_sync` (the step's one
@@ -102,6 +106,8 @@ class WaitClock:
             span = self._span.elapsed_time(end) / 1e3
             for kind, a, b in self._pairs:
                 self.seconds[kind] = self.seconds.get(kind, 0.0) + a.elapsed_time(b) / 1e3
+                if self.on_wait is not None:  # placed on the host's clock from the step's start
+                    self.on_wait(kind, self._wall0 + self._span.elapsed_time(a) / 1e3, a.elapsed_time(b) / 1e3)
         comm, bubble = self.seconds.get("comm", 0.0), self.seconds.get("bubble", 0.0)
         figures = {"step_s": step_s, "comm_s": comm, "bubble_s": bubble, "compute_s": max(0.0, span - comm - bubble)}
         self.start_step("cpu")  # waits outside a step (evaluation, checkpoints) start from zero

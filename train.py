@@ -33,6 +33,7 @@ import kernels
 import launch
 import machine
 import metrics
+import observe
 import optim
 import parallel
 import sampling
@@ -152,7 +153,11 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     # --- The loop ---
     stop = _StopFlag()
     first_step_work = ", ".join(["torch.compile of every chunk"] * compiling + ["the communicators' set-up"] * (world > 1))
-    beat, faults = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work), ft.Faults(rank, run_dir)
+    observer = observe.start(cfg.observe, layout)  # the op log and spans, written by the heartbeat
+    if observer is not None and cfg.observe.spans:
+        CLOCK.on_wait = observer.wait_span
+    beat = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work, observer)
+    faults = ft.Faults(rank, run_dir)
     collector = ft.CollectGarbage(cfg.train.gc_interval)
     step, history, status = start_step, [], "finished"
     # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
@@ -217,6 +222,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         loader.close()
         saver.close()
         beat.close()
+        CLOCK.on_wait = None
+        observe.stop()
         collector.close()
         if bar is not None:
             bar.close()

@@ -1,0 +1,588 @@
+"""Observability (MegaScale section 5): what every rank posted and where its time went, on disk
+while it runs, and on a hang the rank it started from.
+
+- Op log (Recorder): every collective and send/receive a rank posts through torch.distributed,
+  in a bounded ring: process group and mesh dimension, per-group sequence number (the k-th
+  collective of a group is the same collective on every member), per-pair sequence number of
+  a send or receive, op, bytes, dtype, peer, call site, step, and the wall times of its post,
+  the start of its wait and the end of its wait. Per group, a running hash of (op, bytes,
+  dtype). The functions are wrapped once at start-up, here, so no call site changes, and the
+  rehearsal's Recorder (rehearsal.py), which wraps the same functions, wraps these in turn.
+- Spans: the phases the heartbeat is told (data, compute, eval, checkpoint) and every wait
+  overlap.WaitClock times (comm, bubble), with wall-clock start and duration; the op log's waits
+  say which group (tp, pp, dp) each wait was on.
+- Snapshots: the heartbeat thread (ft.Heartbeat) writes <run dir>/observe/attempt<A>/rank<K>.json (temporary
+  file, then rename) with the ring, the spans, the main thread's Python stack and who wrote it
+  (rank, host, pid, attempt, dp/pp/tp coordinates), at the heartbeat file's own bounded rate
+  (at most every ft.hang_timeout/10 seconds once the first step is over, and only when
+  something changed), and once more at once when it finds a hang.
+- Hang localization (localize): on the hang timeout, rank 0 reads every rank's snapshot (once,
+  O(world) on one rank only) and names the root rank, its host, coordinates and why: dead (no
+  snapshot, or its process gone), skipped (went on to a later step without posting the
+  collective the others wait in), mismatch (posted another op or size at the same sequence
+  number: both call sites), busy outside communication (its Python stack), or a wait-for
+  cycle. The report is appended to faults.jsonl; the job then exits HANG_EXIT as ft.py does.
+- Faults (MEGAREPRO_FAULT, ft.planned_faults): skip:RANK@STEP (that rank does not post the first
+  collective of that step on a group of more than one rank, and goes on).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+HERE = str(Path(__file__).resolve().parent)
+WRAPPERS = {str(Path(HERE) / name) for name in ("observe.py", "rehearsal.py")}  # their frames are not call sites
+
+COLLECTIVES = {  # torch.distributed function -> op name
+    "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+    "broadcast": "broadcast", "all_to_all_single": "all_to_all", "barrier": "barrier",
+    "all_gather_object": "all_gather_object", "broadcast_object_list": "broadcast_object_list",
+}
+POINT_TO_POINT = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
+FIELDS = ("group", "dim", "seq", "op", "bytes", "dtype", "peer", "pair_seq", "site", "step", "post", "wait",
+          "done")
+GROUP, DIM, SEQ, OP, BYTES, DTYPE, PEER, PAIR_SEQ, SITE, STEP, POST, WAIT, DONE = range(len(FIELDS))
+
+
+@dataclass
+class ObserveConfig:
+    ops: bool = True         # the op log: every collective and send/receive, in a ring per rank
+    ring: int = 4096         # op-log entries kept per rank (a 175B step posts ~6k TP collectives)
+    spans: int = 2048        # phase and wait spans kept per rank; 0: none
+    localize: bool = True    # on a hang, rank 0 reads every rank's snapshot and names the root rank
+    # Seconds rank 0 may wait in one op before it reads every rank's snapshot (once per op); a root
+    # that is certain (dead, skipped, mismatch) then ends the job as a hang does, before
+    # ft.hang_timeout. Keep it above ft.hang_timeout/10, the snapshots' age. 0: off.
+    stall_s: float = 60.0
+
+
+class Recorder:
+    """This rank's op log and spans. Entries are lists, filled in as the op's wait starts and
+    ends; the heartbeat thread copies the ring when it writes a snapshot."""
+
+    def __init__(self, cfg: ObserveConfig, rank: int, coords: dict, dims: dict, skip_step: Optional[int] = None):
+        self.cfg, self.rank, self.coords, self.dims = cfg, rank, coords, dims  # dims: group name -> mesh dim
+        self.ops = collections.deque(maxlen=cfg.ring)
+        self.spans = collections.deque(maxlen=max(cfg.spans, 1))
+        self.seq, self.hash, self.pairs, self.members = {}, {}, {}, {}
+        self.step, self.phase, self.version = 0, "start", 0
+        self.skip_step, self.skipped = skip_step, None
+        self.stall_checked = None  # the op whose stall rank 0 last looked into
+        self._saved = {}
+
+    # --- recording ---
+
+    def mark(self, step: int, phase: str) -> None:
+        """The training loop's phase changed (ft.Heartbeat.progress calls this)."""
+        now = time.time()
+        if self.cfg.spans and self.spans and self.spans[-1][0] == "phase" and self.spans[-1][4] is None:
+            self.spans[-1][4] = now - self.spans[-1][3]
+        if self.cfg.spans:
+            self.spans.append(["phase", phase, step, now, None])
+        self.step, self.phase = step, phase
+        self.version += 1
+
+    def wait_span(self, kind: str, start: float, seconds: float) -> None:
+        """A wait WaitClock timed (kind: comm or bubble), at wall time `start`."""
+        self.spans.append(["wait", kind, self.step, start, seconds])
+
+    def _group(self, group) -> str:
+        group = group or dist.group.WORLD
+        name = group.group_name
+        if name not in self.members:
+            self.members[name] = as_range(dist.get_process_group_ranks(group))
+        return name
+
+    def post(self, op: str, tensors: list, group, peer: Optional[int] = None) -> list:
+        name = self._group(group)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors[:1])
+        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+        if peer is None:
+            seq = self.seq[name] = self.seq.get(name, 0) + 1
+            self._hash_before = self.hash.get(name, 0)
+            self.hash[name] = zlib.crc32(f"{op}:{nbytes}:{dtype}".encode(), self.hash.get(name, 0))
+            pair_seq = None
+        else:
+            key = f"{name}:{op}:{peer}"
+            seq, pair_seq = self.seq.get(name, 0), self.pairs.get(key, 0) + 1
+            self.pairs[key] = pair_seq
+        dim = self.dims.get(name, "world" if len(ranks_of(self.members[name])) > 1 else "self")
+        entry = [name, dim, seq, op, nbytes, dtype, peer, pair_seq, call_site(), self.step, time.time(), None, None]
+        self.ops.append(entry)
+        self.version += 1
+        return entry
+
+    def skips(self, group) -> bool:
+        """skip:RANK@STEP: this rank's first collective of that step on a group of several ranks is
+        not posted, as a rank taking another code path would; the op log keeps it, marked skipped,
+        under the sequence number it would have had, and counts on from there."""
+        if self.skip_step != self.step or self.skipped is not None:
+            return False
+        name = self._group(group)
+        if len(ranks_of(self.members[name])) < 2:
+            return False
+        self.skipped = self.step
+        return True
+
+    def _note_skipped(self, op: str, tensors: list, group) -> None:
+        entry = self.post(f"skipped {op}", tensors, group)
+        name = entry[GROUP]
+        self.seq[name] -= 1  # it never went on the wire: the next op takes its number
+        self.hash[name] = self._hash_before
+        entry[WAIT] = entry[DONE] = entry[POST]
+
+    def install(self) -> None:
+        for name in list(COLLECTIVES) + list(POINT_TO_POINT):
+            self._saved[name] = original = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, original))
+
+    def uninstall(self) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+    def _wrap(self, name: str, original):
+        point_to_point = name in POINT_TO_POINT
+        op = POINT_TO_POINT[name] if point_to_point else COLLECTIVES[name]
+
+        def call(*args, **kwargs):
+            if point_to_point:
+                peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+                entry = self.post(op, [args[0]], kwargs.get("group"), peer)
+            else:
+                tensors = [a for a in args if torch.is_tensor(a)]
+                if self.skips(kwargs.get("group")):
+                    self._note_skipped(op, tensors, kwargs.get("group"))
+                    return _Skipped() if kwargs.get("async_op") else None
+                entry = self.post(op, tensors, kwargs.get("group"))
+            if name in ("isend", "irecv") or kwargs.get("async_op"):
+                return _Watched(original(*args, **kwargs), entry, self)
+            entry[WAIT] = entry[POST]  # a blocking op waits from its post
+            work = original(*args, **kwargs)
+            entry[DONE] = time.time()
+            self.version += 1
+            return work
+        call.__wrapped__ = original
+        return call
+
+    def check_stall(self, run_dir: Path, world: int) -> Optional[dict]:
+        """On rank 0, from the heartbeat thread: once its main thread has waited observe.stall_s in
+        one op, the root localize finds, if that root is certain (dead, skipped, mismatch)."""
+        if self.rank != 0 or not self.cfg.stall_s or not self.cfg.localize:
+            return None
+        ops = list(self.ops)  # a copy: the main thread appends meanwhile
+        waiting = next((e for e in reversed(ops) if e[WAIT] is not None and e[DONE] is None), None)
+        if waiting is None or waiting is self.stall_checked or time.time() - waiting[WAIT] < self.cfg.stall_s:
+            return None
+        self.stall_checked = waiting
+        self.write(run_dir)
+        root = localize(read_snapshots(run_dir, world, _attempt()))
+        return root if root["reason"] in ("dead", "skipped", "mismatch") else None
+
+    def report_hang(self, run_dir: Path, world: int, grace_s: float) -> Optional[dict]:
+        """On this rank's hang timeout (ft.Heartbeat): write its snapshot at once; rank 0 then reads
+        every rank's and returns where the hang started (the other ranks return None)."""
+        self.write(run_dir, exiting="hang")
+        if self.rank != 0 or not self.cfg.localize:
+            # Rank 0 times out within a few heartbeats of this rank; the launcher stops every rank
+            # once one exits, so this one waits a little for rank 0 to have read the snapshots.
+            time.sleep(min(2.0, grace_s))
+            return None
+        return localize(read_snapshots(run_dir, world, _attempt()))
+
+    # --- the snapshot ---
+
+    def snapshot(self, exiting: str = "") -> dict:
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "attempt": _attempt(),
+                "coords": self.coords, "time": time.time(), "step": self.step, "phase": self.phase,
+                "exiting": exiting, "fields": FIELDS, "ops": [list(e) for e in list(self.ops)],
+                "spans": [list(s) for s in list(self.spans)], "seq": dict(self.seq), "pairs": dict(self.pairs),
+                "hash": dict(self.hash), "members": dict(self.members), "stack": main_stack()}
+
+    def write(self, run_dir: Path, exiting: str = "") -> Path:
+        folder = snapshot_dir(run_dir, _attempt())
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.snapshot(exiting)))
+        os.replace(tmp, path)
+        return path
+
+
+class _Watched:
+    """A launched op's work: its wait is timed into the op log's entry."""
+
+    def __init__(self, work, entry: list, recorder: Recorder):
+        self.work, self.entry, self.recorder = work, entry, recorder
+
+    def wait(self, timeout=None):
+        if self.entry[WAIT] is None:
+            self.entry[WAIT] = time.time()
+            self.recorder.version += 1
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if self.entry[DONE] is None:
+            self.entry[DONE] = time.time()
+            self.recorder.version += 1
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+class _Skipped:
+    """The work of a collective skip:... did not post: complete at once."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def as_range(ranks: list) -> list:
+    """A group's global ranks as ["range", start, stop, step] where they are an arithmetic
+    progression (a mesh dimension's groups are), so that a snapshot holds four items for the world
+    group, not one per rank; else the ranks themselves."""
+    step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+    if step > 0 and ranks == list(range(ranks[0], ranks[-1] + 1, step)):
+        return ["range", ranks[0], ranks[-1] + 1, step]
+    return list(ranks)
+
+
+def ranks_of(members: list):
+    """The ranks as_range's form stands for."""
+    return range(*members[1:]) if members and members[0] == "range" else members
+
+
+def call_site() -> str:
+    """The first frame outside torch and the wrappers (this file's, the rehearsal's): the project's
+    line that posted the op."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(HERE) and name not in WRAPPERS:
+            return f"{Path(name).name}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def main_stack(limit: int = 12) -> list:
+    """The main thread's Python stack, innermost last, as "file:line function" lines."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-limit:]]
+
+
+def _attempt() -> int:
+    import ft
+    return ft.attempt()
+
+
+RECORDER: Optional[Recorder] = None  # this process's, while a run records
+
+
+def start(cfg: ObserveConfig, layout) -> Optional[Recorder]:
+    """Install this rank's recorder (cfg.ops), or none."""
+    global RECORDER
+    if not cfg.ops:
+        return None
+    import ft
+    skip = [int(v) for k, r, v in ft.planned_faults() if k == "skip" and r == layout.rank]
+    RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None)
+    RECORDER.install()
+    return RECORDER
+
+
+def stop() -> None:
+    global RECORDER
+    if RECORDER is not None:
+        RECORDER.uninstall()
+        RECORDER = None
+
+
+def dim_names(layout) -> dict:
+    """{process group name: mesh dimension} for this rank's mesh groups and pipeline channels."""
+    names = {}
+    if getattr(layout, "mesh", None) is not None:
+        for dim in layout.mesh.mesh_dim_names:
+            names.setdefault(layout.mesh.get_group(dim).group_name, dim)
+    for group in getattr(layout, "pp_channels", {}).values():
+        names.setdefault(group.group_name, "pp")
+    return names
+
+
+# --- Where a hang started, from every rank's snapshot ---
+
+def snapshot_dir(run_dir: Path, attempt: int) -> Path:
+    """Where an attempt's snapshots go: each restart keeps its own, so a crashed attempt's last
+    state stays beside the next attempt's."""
+    return Path(run_dir) / "observe" / f"attempt{attempt}"
+
+
+def read_snapshots(run_dir: Path, world: int, attempt: int) -> dict:
+    """{rank: its snapshot in that attempt, or None where it has none (or an unreadable one)}."""
+    out = {}
+    for rank in range(world):
+        try:
+            out[rank] = json.loads((snapshot_dir(run_dir, attempt) / f"rank{rank}.json").read_text())
+        except (OSError, ValueError):
+            out[rank] = None
+    return out
+
+
+def localize(snaps: dict) -> dict:
+    """The rank a hang started from, and why: {rank, host, coords, reason, detail, op, group, dim,
+    seq, step, site, waiting}. reason: dead | skipped | mismatch | busy | cycle | waiting."""
+    for rank, snap in sorted(snaps.items()):
+        if snap is None or _gone(snap):
+            why = "no snapshot" if snap is None else f"process {snap['pid']} on {snap['host']} is gone"
+            return _report(rank, snap, "dead", why, _first_wait(snaps, waiting_on=rank))
+    blocked = {r: _blocked(s) for r, s in snaps.items()}
+    edges = {}
+    for rank, entry in sorted(blocked.items()):
+        if entry is None:
+            continue
+        for other, why, theirs in _blockers(snaps, rank, entry):
+            if why == "skipped":
+                where = f" (it would have been {theirs[SITE]})" if theirs else ""
+                return _report(other, snaps[other], "skipped", f"did not post {entry[OP]} #{entry[SEQ]} of group "
+                               f"{entry[GROUP]} ({entry[DIM]}){where} and went on (now step "
+                               f"{snaps[other]['step']}, {snaps[other]['phase']}); rank {rank} waits in it at "
+                               f"{entry[SITE]}", entry, sites=[entry[SITE]] + ([theirs[SITE]] if theirs else []))
+            if why == "mismatch":
+                return _report(other, snaps[other], "mismatch", f"posted {theirs[OP]} of {theirs[BYTES]} bytes "
+                               f"at {theirs[SITE]} as #{entry[SEQ]} of group {entry[GROUP]}, where rank {rank} "
+                               f"posted {entry[OP]} of {entry[BYTES]} bytes at {entry[SITE]}", entry,
+                               sites=[entry[SITE], theirs[SITE]])
+            edges.setdefault(rank, other)
+    if not edges:
+        rank = min(snaps, key=lambda r: (snaps[r]["step"], r))
+        return _report(rank, snaps[rank], "busy", "no rank waits for another; it is the furthest behind",
+                       None, stack=snaps[rank]["stack"])
+    rank, chain = min(edges), []
+    while rank in edges and rank not in chain:
+        chain.append(rank)
+        rank = edges[rank]
+    waited = blocked[chain[-1]]
+    if rank in chain:
+        cycle = chain[chain.index(rank):] + [rank]
+        return _report(rank, snaps[rank], "cycle", "wait-for cycle: " + " -> ".join(
+            f"rank {r} ({blocked[r][OP]} #{blocked[r][SEQ]} of {blocked[r][GROUP]} at {blocked[r][SITE]})"
+            for r in cycle[:-1]) + f" -> rank {rank}", blocked[cycle[0]])
+    if blocked[rank] is None:
+        stack = snaps[rank]["stack"]
+        return _report(rank, snaps[rank], "busy", f"not in any collective or send/receive while rank "
+                       f"{chain[-1]} waits for it; its stack ends at {stack[-1] if stack else '?'}", waited,
+                       stack=stack)
+    return _report(rank, snaps[rank], "waiting", f"waits in {blocked[rank][OP]} at {blocked[rank][SITE]}, "
+                   "which every peer has posted", waited)
+
+
+def _gone(snap: dict) -> bool:
+    """Whether a snapshot's process has died (known only on this host; a rank that exited after
+    reporting the hang itself is not dead)."""
+    if snap.get("exiting") or snap["host"] != socket.gethostname():
+        return False
+    try:
+        os.kill(snap["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def _blocked(snap: dict) -> Optional[list]:
+    """The op this rank's main thread waits in: its wait began and has not ended."""
+    return next((e for e in reversed(snap["ops"]) if e[WAIT] is not None and e[DONE] is None), None)
+
+
+def _posted(snap: dict, group: str, seq: int, skipped: bool = False) -> Optional[list]:
+    """The collective a rank posted (or, with `skipped`, an injected skip recorded) as number `seq`."""
+    return next((e for e in reversed(snap["ops"]) if e[GROUP] == group and e[PEER] is None and e[SEQ] == seq
+                 and e[OP].startswith("skipped") == skipped), None)
+
+
+def _blockers(snaps: dict, rank: int, entry: list) -> list:
+    """[(rank, why, its entry)] of the ranks `rank`'s op `entry` waits for. why: not posted |
+    skipped (it went on to a later step) | mismatch (another op or size at the same number)."""
+    if entry[PEER] is not None:
+        peer, other = entry[PEER], "recv" if entry[OP] == "send" else "send"
+        snap = snaps.get(peer)
+        done = snap["pairs"].get(f"{entry[GROUP]}:{other}:{rank}", 0) if snap else 0
+        return [(peer, "not posted", None)] if done < entry[PAIR_SEQ] else []
+    out = []
+    for member in ranks_of(snaps[rank]["members"].get(entry[GROUP], [])):
+        snap = snaps.get(member)
+        if member == rank or snap is None:
+            continue
+        if snap["seq"].get(entry[GROUP], 0) < entry[SEQ]:
+            out.append((member, "skipped" if snap["step"] > entry[STEP] else "not posted", None))
+            continue
+        theirs = _posted(snap, entry[GROUP], entry[SEQ], skipped=True)
+        if theirs is not None and theirs[OP].startswith("skipped"):
+            out.append((member, "skipped", theirs))
+            continue
+        theirs = _posted(snap, entry[GROUP], entry[SEQ])
+        if theirs is not None and (theirs[OP], theirs[BYTES]) != (entry[OP], entry[BYTES]):
+            out.append((member, "mismatch", theirs))
+    return out
+
+
+def _first_wait(snaps: dict, waiting_on: int) -> Optional[list]:
+    return next((e for r, s in sorted(snaps.items()) if s is not None and r != waiting_on
+                 for e in [_blocked(s)] if e is not None), None)
+
+
+def _report(rank: int, snap: Optional[dict], reason: str, detail: str, entry: Optional[list], **extra) -> dict:
+    out = {"rank": rank, "host": snap["host"] if snap else None, "coords": snap["coords"] if snap else None,
+           "reason": reason, "detail": detail}
+    if entry is not None:
+        out.update({"op": entry[OP], "group": entry[GROUP], "dim": entry[DIM], "step": entry[STEP],
+                    "seq": entry[SEQ] if entry[PEER] is None else entry[PAIR_SEQ],  # a send/receive's: per pair
+                    "peer": entry[PEER], "site": entry[SITE]})
+    return {**out, **extra}
+
+
+# --- python observe.py RUN_DIR: the diagnosis, the timeline and a short report ---
+
+def clock_offsets(snaps: dict) -> tuple:
+    """Each rank's clock less the lowest rank's, from matched collectives (a collective ends at
+    nearly the same moment on every member): ({rank: seconds}, the median residual in seconds)."""
+    ends = collections.defaultdict(dict)  # (group, seq) -> {rank: its end}
+    for rank, snap in snaps.items():
+        for e in snap["ops"]:
+            if e[PEER] is None and e[DONE] is not None and not e[OP].startswith("skipped"):
+                ends[(e[GROUP], e[SEQ])][rank] = e[DONE]
+    pairs = collections.defaultdict(list)  # (a, b) -> [a's end - b's end]
+    for by_rank in ends.values():
+        for a in by_rank:
+            for b in by_rank:
+                if a != b:
+                    pairs[(a, b)].append(by_rank[a] - by_rank[b])
+    offsets, todo = {min(snaps): 0.0}, [min(snaps)]
+    while todo:  # out from the lowest rank, through the groups each rank shares with a known one
+        known = todo.pop()
+        for (a, b), diffs in pairs.items():
+            if b == known and a not in offsets:
+                offsets[a] = offsets[b] + statistics.median(diffs)
+                todo.append(a)
+    residuals = []
+    for by_rank in ends.values():
+        aligned = [t - offsets[r] for r, t in by_rank.items() if r in offsets]
+        if len(aligned) > 1:
+            middle = statistics.median(aligned)
+            residuals += [abs(t - middle) for t in aligned]
+    return offsets, statistics.median(residuals) if residuals else 0.0
+
+
+def trace(snaps: dict, offsets: dict) -> dict:
+    """A Chrome/Perfetto trace: a process per host, a thread per rank, the spans and ops as complete
+    events on aligned clocks, matched collectives and send/receive pairs as flows."""
+    hosts = sorted({s["host"] for s in snaps.values()})
+    events, t0 = [], min(e[POST] for s in snaps.values() for e in s["ops"]) if any(s["ops"] for s in snaps.values()) \
+        else min(s["time"] for s in snaps.values())
+    for host in hosts:
+        events.append({"ph": "M", "name": "process_name", "pid": hosts.index(host), "args": {"name": host}})
+
+    def us(rank, t):
+        return round((t - offsets.get(rank, 0.0) - t0) * 1e6, 1)
+    ends = collections.defaultdict(list)  # a flow's key -> [(rank, pid, its end)]
+    for rank, snap in sorted(snaps.items()):
+        pid, c = hosts.index(snap["host"]), snap["coords"]
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
+                       "args": {"name": f"rank {rank} (dp {c.get('dp')}, pp {c.get('pp')}, tp {c.get('tp')})"}})
+        for kind, name, step, start, seconds in snap["spans"]:
+            seconds = snap["time"] - start if seconds is None else seconds
+            events.append({"ph": "X", "name": name, "cat": kind, "pid": pid, "tid": rank, "ts": us(rank, start),
+                           "dur": round(seconds * 1e6, 1), "args": {"step": step}})
+        for e in snap["ops"]:
+            end = e[DONE] if e[DONE] is not None else snap["time"]
+            events.append({"ph": "X", "name": f"{e[OP]} {e[DIM]}", "cat": "op", "pid": pid, "tid": rank,
+                           "ts": us(rank, e[POST]), "dur": round((end - e[POST]) * 1e6, 1),
+                           "args": {"group": e[GROUP], "seq": e[SEQ], "bytes": e[BYTES], "peer": e[PEER],
+                                    "site": e[SITE], "step": e[STEP], "finished": e[DONE] is not None}})
+            if e[OP].startswith("skipped"):
+                continue
+            key = (e[GROUP], e[SEQ]) if e[PEER] is None else (
+                (e[GROUP], rank, e[PEER], e[PAIR_SEQ]) if e[OP] == "send" else (e[GROUP], e[PEER], rank, e[PAIR_SEQ]))
+            ends[key].append((rank, pid, us(rank, e[POST]), e[OP]))
+    flow = 0
+    for key, members in ends.items():
+        if len(members) < 2 or (len(key) == 4 and {m[3] for m in members} != {"send", "recv"}):
+            continue
+        members.sort(key=lambda m: (m[3] != "send", m[0]))  # a send's flow starts at the sender
+        first = members[0]
+        for other in members[1:]:
+            flow += 1
+            events.append({"ph": "s", "id": flow, "name": "match", "cat": "flow", "pid": first[1], "tid": first[0],
+                           "ts": first[2]})
+            events.append({"ph": "f", "bp": "e", "id": flow, "name": "match", "cat": "flow", "pid": other[1],
+                           "tid": other[0], "ts": other[2]})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def diagnose(run_dir: Path) -> dict:
+    """Write RUN_DIR/observe/diagnosis.json, trace.json and report.txt from the newest attempt's
+    snapshots and faults.jsonl; works while the run still runs (the snapshots are renamed into place)."""
+    run_dir = Path(run_dir)
+    attempts = sorted(int(p.name.removeprefix("attempt")) for p in (run_dir / "observe").glob("attempt*"))
+    if not attempts:
+        raise SystemExit(f"{run_dir}/observe has no snapshots: was the run started with observe.ops=true?")
+    folder = snapshot_dir(run_dir, attempts[-1])
+    snaps = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
+    offsets, residual = clock_offsets(snaps)
+    hangs = []
+    if (run_dir / "faults.jsonl").exists():
+        for line in (run_dir / "faults.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "hang_detected" and "root" in event:
+                hangs.append({**{k: event["root"].get(k) for k in ("rank", "op", "group", "seq", "reason")},
+                              "attempt": event["attempt"], "detail": event["root"]["detail"]})
+    diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
+                 "hangs": hangs, "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
+                 "clock_residual_s": residual}
+    out = run_dir / "observe"
+    _write(out / "diagnosis.json", json.dumps(diagnosis, indent=1))
+    _write(out / "trace.json", json.dumps(trace(snaps, offsets)))
+    lines = [f"{run_dir}: attempt {attempts[-1]}, {len(snaps)} ranks' snapshots",
+             f"clocks aligned from matched collectives; residual {residual * 1e3:.3f} ms"]
+    lines += [f"hang (attempt {h['attempt']}): rank {h['rank']}, {h['reason']}: {h['detail']}" for h in hangs] or \
+        ["no hang reported"]
+    _write(out / "report.txt", "\n".join(lines) + "\n")
+    return diagnosis
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[list] = None) -> None:
+    import argparse
+    parser = argparse.ArgumentParser(prog="observe.py", description="A run dir's diagnosis, timeline and report.")
+    parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir)")
+    run_dir = parser.parse_args(argv).run_dir
+    diagnose(run_dir)
+    print((run_dir / "observe" / "report.txt").read_text(), end="")
+
+
+if __name__ == "__main__":
+    main()

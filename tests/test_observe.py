@@ -1,0 +1,231 @@
+"""Observability (observe.py): the op log and spans every rank writes with its heartbeat, and the
+root of a hang named from them. One real torchrun job on 2 gloo pipeline ranks serves the
+injected faults: a skipped collective in the first attempt, a rank busy outside communication in
+the second, and the third finishes the run from the newest checkpoint."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import observe
+from conftest import ROOT, SMALL, read_metrics, train_env
+
+STEPS = 5
+# attempt 0: rank 1 skips step 3's first collective; attempt 1: rank 0 hangs after step 4
+FAULTS = "skip:1@3,hang:0@4#1"
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("observe")
+    args = SMALL + ["parallel.pp=2", "parallel.microbatches=2", f"train.max_steps={STEPS}", "checkpoint.interval=2",
+                    "ft.hang_timeout=3", "ft.heartbeat_interval=0.1", "observe.stall_s=1", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "--max-restarts=2", "train.py"] + args, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=train_env(cache_dir, MEGAREPRO_FAULT=FAULTS, OMP_NUM_THREADS=1))
+    events = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+    return proc, run_dir, events
+
+
+def _root(events, attempt):
+    roots = [e["root"] for e in events if e["event"] == "hang_detected" and e["attempt"] == attempt and "root" in e]
+    assert len(roots) == 1, events  # rank 0 alone localizes
+    return roots[0]
+
+
+def test_a_skipped_collective_names_that_rank_op_group_and_sequence_number_then_the_job_resumes(faulty_run):
+    proc, run_dir, events = faulty_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir)][-1] == STEPS
+    root = _root(events, 0)
+    # What the healthy rank waits in, read from its own last snapshot of that attempt
+    healthy = json.loads((observe.snapshot_dir(run_dir, 0) / "rank0.json").read_text())
+    waiting = observe._blocked(healthy)
+    assert waiting is not None and waiting[observe.STEP] == 3
+    assert (root["rank"], root["reason"], root["coords"]["pp"]) == (1, "skipped", 1)
+    assert (root["op"], root["group"], root["seq"]) == (waiting[observe.OP], waiting[observe.GROUP],
+                                                        waiting[observe.SEQ])
+    assert root["op"] == "all_reduce" and root["site"] == waiting[observe.SITE]
+    assert "hang started at rank 1" in proc.stdout + proc.stderr
+    # Found at observe.stall_s (1 s in the wait), not at ft.hang_timeout (3 s without progress)
+    (event,) = [e for e in events if e["attempt"] == 0 and "root" in e]
+    assert event["early"] and event["idle_s"] < 3
+
+
+def test_a_hung_rank_is_reported_busy_outside_communication_with_its_stack(faulty_run):
+    proc, run_dir, events = faulty_run
+    root = _root(events, 1)
+    assert (root["rank"], root["reason"]) == (0, "busy"), root  # not certain: found at the hang timeout
+    (event,) = [e for e in events if e["attempt"] == 1 and "root" in e]
+    assert not event["early"] and event["idle_s"] >= 3
+    assert any(line.startswith("ft.py:") and line.endswith("after_step") for line in root["stack"]), root["stack"]
+    assert root["op"] == "recv" and root["dim"] == "pp"  # what rank 1 waits in: rank 0's activations
+    assert [a["status"] for a in json.loads((run_dir / "run.json").read_text())["attempts"]][-1] == "finished"
+
+
+def test_every_snapshot_says_who_wrote_it_and_holds_the_ops_and_spans(faulty_run):
+    _, run_dir, _ = faulty_run
+    snap = json.loads((observe.snapshot_dir(run_dir, 2) / "rank1.json").read_text())
+    assert (snap["rank"], snap["attempt"], snap["coords"]) == (1, 2, {"rank": 1, "dp": 0, "pp": 1, "tp": 0})
+    assert snap["host"] and snap["pid"] != os.getpid() and snap["stack"]
+    ops = [dict(zip(snap["fields"], e)) for e in snap["ops"]]
+    recvs = [o for o in ops if o["op"] == "recv"]
+    assert recvs and all(o["peer"] == 0 and o["post"] <= o["wait"] <= o["done"] for o in recvs)
+    numbers = [o["pair_seq"] for o in recvs if o["group"] == recvs[0]["group"]]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 2  # one per microbatch
+    sites = {o["site"].split(" ")[-1] for o in ops}
+    assert {"agree", "finish_gradients", "_post"} <= sites  # the project's lines that posted them
+    per_group = {}
+    for o in ops:
+        if o["peer"] is None:
+            per_group.setdefault(o["group"], []).append(o["seq"])
+    assert all(seqs == list(range(seqs[0], seqs[0] + len(seqs))) for seqs in per_group.values())
+    kinds = {(s[0], s[1]) for s in snap["spans"]}
+    assert {("phase", "data"), ("phase", "compute"), ("wait", "bubble"), ("wait", "comm")} <= kinds
+
+
+# --- localize, on hand-made snapshots ---
+
+def _snap(rank, step, ops, seq=None, pairs=None, members=None, **extra):
+    return {"rank": rank, "host": "elsewhere", "pid": 1, "coords": {"rank": rank}, "step": step, "phase": "compute",
+            "ops": ops, "seq": seq or {}, "pairs": pairs or {}, "members": members or {"g": ["range", 0, 3, 1]},
+            "stack": [f"train.py:1 rank{rank}"], **extra}
+
+
+def _op(op, seq, site, nbytes=4, done=None, group="g", peer=None, pair_seq=None, step=7):
+    return [group, "dp", seq, op, nbytes, "float32", peer, pair_seq, site, step, 1.0, 1.0, done]
+
+
+def test_a_different_size_at_the_same_sequence_number_names_the_odd_rank_and_both_sites():
+    waiting = [_op("all_reduce", 4, "optim.py:9 step")]
+    snaps = {0: _snap(0, 7, waiting, {"g": 4}), 2: _snap(2, 7, waiting, {"g": 4}),
+             1: _snap(1, 7, [_op("all_reduce", 4, "zero.py:5 reduce", nbytes=8)], {"g": 4})}
+    root = observe.localize(snaps)
+    assert (root["rank"], root["reason"], root["seq"]) == (1, "mismatch", 4)
+    assert root["sites"] == ["optim.py:9 step", "zero.py:5 reduce"]
+
+
+def test_a_wait_for_cycle_is_reported_as_one():
+    snaps = {0: _snap(0, 7, [_op("recv", 0, "pipeline.py:1 _post", peer=1, pair_seq=3)], members={}),
+             1: _snap(1, 7, [_op("recv", 0, "pipeline.py:1 _post", peer=0, pair_seq=3)], members={})}
+    root = observe.localize(snaps)
+    assert root["reason"] == "cycle" and "rank 0" in root["detail"] and "rank 1" in root["detail"]
+
+
+def test_a_missing_snapshot_is_a_dead_rank():
+    snaps = {0: _snap(0, 7, [_op("all_reduce", 4, "optim.py:9 step")], {"g": 4}), 1: None}
+    root = observe.localize(snaps)
+    assert (root["rank"], root["reason"], root["seq"]) == (1, "dead", 4)
+
+
+def test_the_op_log_is_a_bounded_ring_with_a_running_hash_per_group(monkeypatch):
+    """Wrapped in-process on a 1-rank gloo group: sequence numbers, bytes, the ring's bound, and a
+    hash that depends on (op, bytes, dtype) and their order."""
+    import torch
+    import torch.distributed as dist
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        hashes, original = [], dist.all_reduce
+        for order in ((4, 8), (8, 4)):
+            rec = observe.Recorder(observe.ObserveConfig(ring=3), 0, {"rank": 0}, {})
+            rec.install()
+            try:
+                for n in order + (1, 1):
+                    dist.all_reduce(torch.ones(n))
+                dist.all_reduce(torch.ones(2), async_op=True).wait()
+            finally:
+                rec.uninstall()
+            ops = list(rec.ops)
+            assert len(ops) == 3 and [e[observe.SEQ] for e in ops] == [3, 4, 5]
+            assert [e[observe.BYTES] for e in ops] == [4, 4, 8] and all(e[observe.DONE] for e in ops)
+            assert ops[0][observe.SITE].startswith("test_observe.py:")
+            hashes.append(rec.hash[ops[0][observe.GROUP]])
+        assert hashes[0] != hashes[1]
+        assert dist.all_reduce is original  # uninstalled
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+
+# --- python observe.py RUN_DIR ---
+
+def test_the_diagnosis_names_the_last_hang_and_the_trace_is_valid(faulty_run):
+    _, run_dir, events = faulty_run
+    out = subprocess.run([sys.executable, "observe.py", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    diagnosis = json.loads((run_dir / "observe" / "diagnosis.json").read_text())
+    assert diagnosis["attempt"] == 2 and diagnosis["ranks"] == [0, 1]
+    hang = diagnosis["hang"]
+    assert (hang["rank"], hang["reason"], hang["attempt"]) == (0, "busy", 1)
+    assert [h["rank"] for h in diagnosis["hangs"]] == [1, 0] and "rank 1, skipped" in out.stdout
+    events = json.loads((run_dir / "observe" / "trace.json").read_text())["traceEvents"]
+    threads = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert threads == {0, 1} and {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")  # each slice is a begin with its end
+    starts = sorted(e["id"] for e in events if e["ph"] == "s")
+    assert starts and starts == sorted(e["id"] for e in events if e["ph"] == "f")  # every flow paired
+    sends = [e for e in events if e["ph"] == "X" and e["name"].startswith("send")]
+    assert sends and len(starts) >= len(sends)  # each send linked to its receive, and the collectives too
+
+
+def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_millisecond():
+    import random
+    rng = random.Random(0)
+    truth = {0: 0.0, 1: 0.0371, 2: -0.0123, 3: 0.25}  # rank 3 shares no group with rank 0: found through rank 2
+    groups = {"a": [0, 1, 2], "b": [2, 3]}
+    snaps = {r: {"ops": []} for r in truth}
+    for seq in range(1, 40):
+        for name, members in groups.items():
+            end = 100.0 + seq * 0.01 + rng.random() * 0.001
+            for r in members:
+                snaps[r]["ops"].append(_op("all_reduce", seq, "x.py:1 f", group=name,
+                                           done=end + truth[r] + rng.uniform(-2e-4, 2e-4)))
+    offsets, residual = observe.clock_offsets(snaps)
+    assert set(offsets) == set(truth)
+    assert all(abs(offsets[r] - truth[r]) < 1e-3 for r in truth), offsets
+    assert residual < 5e-4
+
+
+def test_a_snapshot_holds_a_mesh_groups_ranks_in_four_items_whatever_its_size():
+    assert observe.as_range(list(range(12288))) == ["range", 0, 12288, 1]
+    assert observe.as_range([4, 6, 8]) == ["range", 4, 9, 2]
+    assert list(observe.ranks_of(["range", 4, 9, 2])) == [4, 6, 8]
+    assert list(observe.ranks_of(observe.as_range([3]))) == [3]
+    assert observe.as_range([0, 1, 4, 5]) == [0, 1, 4, 5] == observe.ranks_of([0, 1, 4, 5])
+
+
+def test_snapshots_keep_the_heartbeats_bound_even_while_the_first_step_posts_ops(monkeypatch, tmp_path):
+    """An op log that changes at every op is written at most every ft.hang_timeout/10 s, during the
+    first step too (which the heartbeat file itself may rewrite at every change), and its last
+    state once more when the heartbeat closes."""
+    import time
+    import ft
+    cfg = ft.FTConfig(hang_timeout=2.0, first_step_timeout=30, heartbeat_interval=0.01)
+    recorder = observe.Recorder(observe.ObserveConfig(), 0, {"rank": 0}, {})
+    writes, write = [], recorder.write
+    monkeypatch.setattr(recorder, "write", lambda *a, **k: (writes.append(time.monotonic()), write(*a, **k)))
+    beat = ft.Heartbeat(tmp_path, 0, 1, cfg, observer=recorder)
+    try:
+        beat.progress(1, "compute")
+        start = time.monotonic()
+        while time.monotonic() - start < 1.0:  # the first step: ops, no progress
+            recorder.version += 1
+            time.sleep(0.005)
+        assert 1 <= len(writes) <= 1.0 / 0.2 + 1, len(writes)
+        assert all(b - a >= 0.2 for a, b in zip(writes, writes[1:]))
+    finally:
+        recorder.version += 1
+        beat.close()
+    snap = json.loads((observe.snapshot_dir(tmp_path, 0) / "rank0.json").read_text())
+    assert (snap["rank"], snap["step"], snap["phase"]) == (0, 1, "compute") and len(writes) >= 2
