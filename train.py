@@ -214,6 +214,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     final["checkpoint_failed_steps"] = saver.failed
     if compiling:  # what torch.compile made of the chunks (0: nothing ran compiled)
         final["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if compiling:  # graph breaks and recompiles, each with its reason
+        final["dynamo"] = metrics.dynamo_counters()
     run_log.finish(status, final)
     if rank == 0:
         print(final_line(final, cfg), flush=True)
