@@ -26,6 +26,15 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
+def memory_reserved(device: torch.device) -> dict:
+    """On CUDA, the caching allocator's peak reservation beside memory_gib's peak allocation: their
+    difference is its fragmentation, what conf/hardware's memory_headroom_gib must allow for.
+    Nothing on CPU, where there is no such allocator (run.json says n/a)."""
+    if device.type != "cuda":
+        return {}
+    return {"memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+
+
 def dynamo_counters() -> dict:
     """What torch.compile made of the run, for run.json: graph breaks (each reason's first line and
     its count), recompiles (each guard that failed), frames and graphs compiled. A break or a
