@@ -350,7 +350,8 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
 def _saved_as_compiled(cfg):
     """A job that torch.compiles (the default on CUDA) runs its TP blocks traced by dynamo, where
     overlap.regather_saved is a no-op: their gathered inputs are saved whole. The rehearsal runs
-    eagerly, so for such a job it turns the hooks off too, and the ledger counts those copies."""
+    eagerly, so for such a job it turns the hooks off too, and the ledger counts those copies
+    (beside the shards overlap still remembers for a re-gather: an upper bound)."""
     import config
     import overlap
     if not config.compiles(cfg):
