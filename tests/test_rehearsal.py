@@ -184,6 +184,42 @@ def test_a_compiled_job_rehearses_its_gathered_inputs_whole(tmp_path):
     assert tp_bytes[1] < tp_bytes[0]
 
 
+def test_compiled_tp_overlap_gathers_nothing_again_in_backward():
+    """What the rehearsal of a compiled job assumes, on this torch: dynamo traces the chunked TP
+    block with overlap.regather_saved off (and breaks the graph at each async collective), so its
+    backward re-gathers no input: it was saved whole. Eager, each gathered piece is gathered again."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import parallel
+    from model import GPT, ModelConfig
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    gathers, phase, gather = {}, ["forward"], dist.all_gather_single
+    try:
+        cfg = parallel.ParallelConfig(tp=2, microbatches=1)
+        cfg.overlap.tp = "chunked"
+        layout = parallel.build_layout(cfg, 0, 2, torch.device("cpu"))
+        tokens = torch.randint(0, 128, (1, 33), generator=torch.Generator().manual_seed(0))
+        dist.all_gather_single = lambda *a, **k: (gathers.__setitem__(phase[0], gathers.get(phase[0], 0) + 1), gather(*a, **k))[1]
+        for compiled in (False, True):
+            model = GPT(ModelConfig(n_layers=1, n_heads=4, d_model=64, vocab_size=128, max_seq_len=32))
+            model.init_weights(0)
+            engine = parallel.build(model, layout, cfg, dtype=torch.float32)
+            if compiled:  # dynamo alone: what it traces decides what is saved
+                torch._dynamo.reset()
+                engine.compile(backend="eager")
+            phase[0] = ("compiled " if compiled else "eager ") + "forward"
+            loss = engine._microbatch_loss(tokens[:, :-1], tokens[:, 1:])
+            phase[0] = ("compiled " if compiled else "eager ") + "backward"
+            loss.backward()
+    finally:
+        dist.all_gather_single = gather
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+    pieces = cfg.overlap.tp_chunks * 2  # the two norms' outputs of the one layer, each gathered in pieces
+    assert gathers["eager forward"] == gathers["compiled forward"]
+    assert gathers["eager backward"] - gathers["compiled backward"] == pieces, gathers
+
+
 def test_tp_bytes_per_layer_agree(pool, tmp_path):
     import perfmodel
     configs = {layers: config.compose(AGREE + [f"model.n_layers={layers}"]) for layers in (4, 8)}
