@@ -29,14 +29,16 @@ fi
 # Fragmentation: GPT-3 Small at seq 2048 with the materialized softmax, bf16, eager (what is
 # allocated is then what the ledger counts), 20 steps; memory.json has, per setting, the total CUDA
 # shows (mem_get_info) and, per step, allocated and reserved GiB and their ratio.
+ckpt=$(mktemp -d)  # the run's final save (2 GB) stays out of OUT_DIR
 for alloc in default expandable_segments:True; do
   run="$out/memory_${alloc%%:*}"
-  conf=$([ "$alloc" = default ] && echo "" || echo "$alloc")
-  PYTORCH_CUDA_ALLOC_CONF=$conf timeout "${MEMORY_TIMEOUT:-240}" "$python" train.py model=small train.seq_len=2048 \
+  if [ "$alloc" = default ]; then with=(env -u PYTORCH_CUDA_ALLOC_CONF); else with=(env "PYTORCH_CUDA_ALLOC_CONF=$alloc"); fi
+  "${with[@]}" timeout "${MEMORY_TIMEOUT:-240}" "$python" train.py model=small train.seq_len=2048 \
       train.batch_size=4 train.max_steps=20 train.eval_interval=0 train.compile=false precision=bf16 \
-      kernels.attention=unfused kernels.fused=false checkpoint.interval=0 logging.wandb.mode=disabled \
-      "hydra.run.dir=$run" > "$run.log" 2>&1 || echo "memory check ($alloc) failed: see $run.log"
+      kernels.attention=unfused kernels.fused=false "checkpoint.dir=$ckpt/${alloc%%:*}" \
+      logging.wandb.mode=disabled "hydra.run.dir=$run" > "$run.log" 2>&1 || echo "memory check ($alloc) failed: see $run.log"
 done
+rm -rf "$ckpt"
 "$python" - "$out" <<'PY' 2>&1 | tee "$out/memory.txt"
 import json, sys, pathlib, torch
 out = pathlib.Path(sys.argv[1])
