@@ -61,7 +61,11 @@ class HardwareConfig:
     # on another GPU is refused (its MFU would divide by this one's peak). None: any device.
     gpu: Optional[str] = None
     devices_per_host: int = 1
-    memory_gib: Optional[float] = None    # per device
+    memory_gib: Optional[float] = None    # per device, as sold (80 for an "80 GB" A100 or H100)
+    # What of memory_gib tensors cannot use: what CUDA never shows, the CUDA context and library
+    # workspaces, NCCL's buffers, the caching allocator's fragmentation. Derived, with its sources,
+    # in conf/hardware/a100_cluster.yaml; tensor_memory_gib() is what rehearsal and perfmodel fit in.
+    memory_headroom_gib: float = 0.0
     intra_host_GBps: Optional[float] = None   # per device, one direction (NVLink)
     inter_host_Gbps: Optional[float] = None   # per host, all NICs together
     # The rest is read by perfmodel.py only. None: measured on this machine (cpu_local) or fitted
@@ -97,6 +101,23 @@ class HardwareConfig:
     cores: Optional[int] = None               # CPU: the cores a job's ranks share (None: this machine's)
     loader_step_s: float = 0.0                # host time the naive data loader adds to every step
     collective_algo: str = "ring"             # ring | tree (hierarchical: inside hosts, then across)
+
+
+def tensor_memory_gib(hw) -> Optional[float]:
+    """The memory a rank's tensors (torch.cuda.max_memory_allocated) may reach on this hardware:
+    memory_gib less memory_headroom_gib; None where the hardware names no memory."""
+    return None if hw.memory_gib is None else hw.memory_gib - hw.memory_headroom_gib
+
+
+def compiles(cfg) -> bool:
+    """Whether the run torch.compiles its chunks: train.compile, else the default of
+    train.compile_choice (compiled on CUDA, eager elsewhere), on the hardware's device."""
+    if cfg.train.compile is not None:
+        return bool(cfg.train.compile)
+    if cfg.hardware.device == "auto":
+        import torch
+        return torch.cuda.is_available()
+    return cfg.hardware.device == "cuda"
 
 
 @dataclass

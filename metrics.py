@@ -26,6 +26,32 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
 
+def memory_reserved(device: torch.device) -> dict:
+    """On CUDA, the caching allocator's peak reservation beside memory_gib's peak allocation: their
+    difference is its fragmentation, what conf/hardware's memory_headroom_gib must allow for.
+    Nothing on CPU, where there is no such allocator (run.json says n/a)."""
+    if device.type != "cuda":
+        return {}
+    return {"memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+
+
+def dynamo_counters() -> dict:
+    """What torch.compile made of the run, for run.json: graph breaks (each reason's first line and
+    its count), recompiles (each guard that failed), frames and graphs compiled. A break or a
+    recompile in the step is where compiled code runs slower, or holds other memory, than traced."""
+    import torch._dynamo
+    counters = torch._dynamo.utils.counters
+    breaks = {}
+    for reason, n in counters["graph_break"].items():
+        key = reason.strip().splitlines()[0][:200]
+        breaks[key] = breaks.get(key, 0) + n
+    recompiles = [m.recompile_reason.strip().splitlines()[0][:200] for m in torch._dynamo.utils.get_compilation_metrics()
+                  if getattr(m, "recompile_reason", None)]
+    return {"graph_breaks": sum(breaks.values()), "graph_break_reasons": breaks, "recompiles": len(recompiles),
+            "recompile_reasons": recompiles[:20], "frames": counters["frames"]["ok"],
+            "unique_graphs": counters["stats"]["unique_graphs"]}
+
+
 class StepMeter:
     """Turns a step's wall time into tokens/s, TFLOP/s per device and MFU (PaLM/MegaScale formula)."""
 

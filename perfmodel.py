@@ -23,8 +23,10 @@ What the paper leaves unstated, assumed here:
   (microbatches = batch/DP), sequence parallelism, bf16 weights with fp32 gradients and
   --use-distributed-optimizer (ZeRO-1: fp32 reduce-scatter, bf16 all-gather), Adam, no overlap
   beyond Megatron's own async backward collectives, materialized-softmax attention (its default
-  core attention), unfused LayerNorm, GeLU and cross-entropy, the naive data loader. Stages hold
-  the embedding (first) and an untied head (last), as model.py. A100s with 80 GB.
+  core attention) without recomputation (why, against Korthikanti et al. 2022's selective:
+  conf/experiment/megascale_ablation.yaml), unfused LayerNorm, GeLU and cross-entropy, the naive
+  data loader. Stages hold the embedding (first) and an untied head (last), as model.py. A100s
+  with 80 GB, of which 73.5 GiB hold tensors (conf/hardware/a100_cluster.yaml: memory_headroom_gib).
 - Dropout: where the paper is silent, Megatron-LM's defaults: --attention-dropout 0.1 and
   --hidden-dropout 0.1 (its GPT-3 175B example sets neither), in both columns (conf/model/175B,
   530B). Megatron's materialized attention pays a pass over the [T, T] probabilities each way
@@ -318,7 +320,8 @@ def tp_layer_collectives(cfg: config.Config) -> list:
     forward: all-gather before each column-parallel GEMM, reduce-scatter after each row-parallel;
     backward: the all-gather of the row-parallel outputs' gradient (blocking); regather: the
     column-parallel inputs gathered again for their weight gradient (backward keeps only the
-    shard, as Megatron-LM; none under full recomputation, whose recomputed forward keeps them);
+    shard, as Megatron-LM; none under full recomputation, whose recomputed forward keeps them, nor
+    where compiled_keeps_gathered);
     input_grad: the column-parallel inputs' gradient reduce-scattered, behind the weight gradient.
     PTB shares one of each between attention and MLP (MegaScale §3.1)."""
     if cfg.model.block == "parallel":
@@ -331,7 +334,7 @@ def tp_layer_collectives(cfg: config.Config) -> list:
                ("backward", "all_gather", ("out",)), ("backward", "all_gather", ("fc2",)),
                ("regather", "all_gather", ("qkv",)), ("input_grad", "reduce_scatter", ("qkv",)),
                ("regather", "all_gather", ("fc1",)), ("input_grad", "reduce_scatter", ("fc1",))]
-    if cfg.train.recompute == "full":
+    if cfg.train.recompute == "full" or compiled_keeps_gathered(cfg):
         out = [c for c in out if c[0] != "regather"]
     return out
 
@@ -426,6 +429,24 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     return (e * kept + masks) / tp + 4 * m.n_heads / tp
 
 
+def compiled_keeps_gathered(cfg: config.Config) -> bool:
+    """Whether the TP blocks keep their gathered inputs whole: compiled, under TP overlap, without
+    full recomputation (compiled_gather_bytes); their backward then gathers nothing again."""
+    return cfg.parallel.overlap.tp in ("chunked", "domino") and cfg.train.recompute != "full" and config.compiles(cfg)
+
+
+def compiled_gather_bytes(cfg: config.Config, tp: int) -> float:
+    """Bytes per token a layer keeps beyond activation_bytes when torch.compile traces its TP
+    block: dynamo runs overlap.regather_saved as a no-op, so under TP overlap (chunked, domino)
+    each gathered norm output is saved whole, tp times its shard, beside the shard its re-gather
+    still holds (overlap._GATHERED), as the rehearsal of a compiled job counts (overlap.tp=off
+    keeps the shard in GatheredLinears, compiled or not; full recomputation keeps none)."""
+    if tp == 1 or not compiled_keeps_gathered(cfg):
+        return 0.0
+    norms = 1 if cfg.model.block == "parallel" else 2
+    return _elem(cfg) * norms * cfg.model.d_model
+
+
 def square_bytes(cfg: config.Config) -> int:
     """Bytes per score that materialized attention keeps for its backward: the probabilities, and
     with dropout also the kept probabilities and the byte mask."""
@@ -505,7 +526,7 @@ def memory_of_rank(cfg: config.Config, lay: Layout, last: bool = False, capacity
     e, GiB = _elem(cfg), 2.0 ** 30
     m, M = cfg.model, lay.micro_batch * lay.seq
     states = 8 + (4 if precision(cfg) == "bf16" else 0)
-    per_layer = activation_bytes(cfg, lay.tp, lay.seq) * M
+    per_layer = (activation_bytes(cfg, lay.tp, lay.seq) + compiled_gather_bytes(cfg, lay.tp)) * M
     rank = lay.pp - 1 if last else 0
     params = rank_params(m, lay)[1 if last else 0]
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
@@ -593,7 +614,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     mfu = tokens / step_s * gpt.flops_per_token(m, lay.seq) / (lay.gpus * r.flops)
     exposed = step.get("tp_comm", 0.0) + step.get("pp_comm", 0.0) + step.get("dp_comm", 0.0)
     return Prediction(step_s, tokens / step_s, mfu, step, exposed, hidden,
-                      memory(cfg, lay, hw.memory_gib), lay)
+                      memory(cfg, lay, config.tensor_memory_gib(hw)), lay)
 
 
 # --- What a rank moves, computes and holds per step: checked against the code's rehearsal ---

@@ -50,9 +50,10 @@ SCALING = "experiment=strong_scaling"
 MEGASCALE_STEP = 7
 # Megatron-LM at the paper's commit, beside the study's layout: materialized-softmax core
 # attention, unfused LayerNorm/GeLU/cross-entropy, the naive loader, Adam, the distributed
-# optimizer (ZeRO-1), no overlap switch on.
+# optimizer (ZeRO-1), no overlap switch on; sequence parallelism (parallel.py's TP always) without
+# recomputation, as Table 3's baseline (conf/experiment/megascale_ablation.yaml says why).
 MEGATRON = ["kernels.attention=unfused", "kernels.fused=false", "data.pipeline=naive", "optim.name=adamw",
-            "parallel.zero_stage=1"]
+            "parallel.zero_stage=1", "train.recompute=none"]
 LAYOUTS = {"175B": ["model=175B", "parallel=megascale_175B"],     # Table 1 (conf/parallel/)
            "530B": ["model=530B", "parallel=megascale_530B"]}
 # conf/scale/cpu.yaml leaves the machine to hardware=auto; at CPU scale the model predicts the
@@ -278,7 +279,7 @@ def breakdown_table(pred) -> str:
     rows = [[k, seconds(v), pct(v / pred.step_s)] for k, v in pred.breakdown.items() if v > 0]
     mem = pred.memory
     rows += [[f"memory: {k}", f"{getattr(mem, k):.2f} GiB", ""] for k in ("weights", "grads", "optimizer", "activations")]
-    verdict = "fits" if mem.fits else f"OVER {mem.capacity:.0f} GiB"
+    verdict = "fits" if mem.fits else f"OVER {mem.capacity:g} GiB"
     rows.append([f"memory: total ({'rehearsed' if mem.source == 'rehearsal' else 'modelled'})", f"{mem.total:.2f} GiB", verdict])
     return markdown_table(["part", "per step", "share"], rows)
 

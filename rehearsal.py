@@ -64,7 +64,9 @@ class RehearseConfig:
     world: int = -1               # the job's world size; -1: tp*pp*dp of the layout (dp must be set)
     steps: int = 2
     nccl_rules: bool = True       # enforce NCCL's rules on what the ranks post (nccl_rules.py)
-    capacity_gib: float = 80.0    # the accelerator memory every rank must fit in
+    # What every rank's tensors must fit in. None: the hardware's tensor memory (its memory_gib
+    # less memory_headroom_gib, conf/hardware), or 80 GiB where the hardware names no memory.
+    capacity_gib: Optional[float] = None
     out: Optional[str] = None     # where rank<r>/rehearsal.json go; None: the run dir
     parallel_ranks: int = 2       # rehearsals run at once (each is one process)
 
@@ -338,7 +340,7 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
         recorder = Recorder(layout, torch.device("meta"), fake=True, nccl_rules=cfg.rehearse.nccl_rules)
         run = _Run(cfg, layout, recorder)
         try:
-            with recorder:
+            with recorder, _saved_as_compiled(cfg):
                 run.steps()
         except Exception as err:  # noqa: BLE001 - reported in the record, where the parent reads it
             frame = traceback.extract_tb(err.__traceback__)[-1]
@@ -349,6 +351,24 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     return record
+
+
+@contextlib.contextmanager
+def _saved_as_compiled(cfg):
+    """A job that torch.compiles (the default on CUDA) runs its TP blocks traced by dynamo, where
+    overlap.regather_saved is a no-op: their gathered inputs are saved whole. The rehearsal runs
+    eagerly, so for such a job it turns the hooks off too, and the ledger counts those copies
+    (beside the shards overlap still remembers for a re-gather: an upper bound)."""
+    import config
+    import overlap
+    if not config.compiles(cfg):
+        yield
+        return
+    hooks, overlap.regather_saved = overlap.regather_saved, contextlib.nullcontext
+    try:
+        yield
+    finally:
+        overlap.regather_saved = hooks
 
 
 class _Run:
@@ -410,16 +430,18 @@ class _Run:
             gpt.Attention.core = original_core
 
     def record(self, rank: int, world: int, seconds: float) -> dict:
+        import config
         cfg, layout, ledger, flops = self.cfg, self.layout, self.ledger, self.flops.flops
         steps, split = cfg.rehearse.steps, dict(ledger.peak_split) if ledger else {}
         largest = split.pop("largest_activations", [])
         peak = ledger.peak if ledger else 0
-        capacity = int(cfg.rehearse.capacity_gib * 2**30)
+        capacity = int(capacity_gib(cfg) * 2**30)
         return {
             "rank": rank, "world": world, "coordinates": layout.coordinates(),
             "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": cfg.parallel.vpp,
                        "microbatches": cfg.parallel.microbatches, "zero_stage": cfg.parallel.zero_stage},
             "model": cfg.model.name, "steps": steps, "dtype": str(self.dtype).removeprefix("torch."),
+            "compiled": config.compiles(cfg),
             "flops": {"per_step": {k: v // steps for k, v in flops.items()},
                       "per_microbatch": {k: v // (steps * cfg.parallel.microbatches) for k, v in flops.items()}},
             "memory": {"peak_bytes": peak, "at": ledger.peak_at if ledger else "", **{f"{k}_bytes": v for k, v in split.items()},
@@ -430,6 +452,15 @@ class _Run:
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "costs": rank_costs.costs(rank, world, self.recorder.events, cfg.ft),  # communicators, sockets, fs calls
         }
+
+
+def capacity_gib(cfg) -> float:
+    """rehearse.capacity_gib, else config.tensor_memory_gib of the hardware, else 80."""
+    import config
+    if cfg.rehearse.capacity_gib is not None:
+        return cfg.rehearse.capacity_gib
+    usable = config.tensor_memory_gib(cfg.hardware)
+    return 80.0 if usable is None else usable
 
 
 def _fused_adamw_in_place(optimizer, ledger, cfg) -> None:
@@ -515,7 +546,8 @@ def precheck(jobs: list, out: Path) -> Optional[str]:
         if not problems and not rec["memory"]["fits"]:
             m = rec["memory"]
             problems = [f"rank 0 needs {m['peak_bytes'] / 2**30:.3g} GiB at its peak, mostly {m['dominant']} "
-                        f"({m[m['dominant'] + '_bytes'] / 2**30:.3g} GiB), over rehearse.capacity_gib={cfg.rehearse.capacity_gib:g}"]
+                        f"({m[m['dominant'] + '_bytes'] / 2**30:.3g} GiB), over the {capacity_gib(cfg):g} GiB "
+                        f"its tensors may use (rehearse.capacity_gib, or hardware.memory_gib less memory_headroom_gib)"]
         if problems:
             return f"job {' '.join(overrides)}: {problems[0]}"
     return None
@@ -524,15 +556,17 @@ def precheck(jobs: list, out: Path) -> Optional[str]:
 # --- Rehearsed figures, remembered for dry_run and the performance model ---
 
 def cache_key(cfg, world: int) -> str:
-    """What decides a rank's memory: the model, layout, kernels, shapes, optimizer, precision."""
+    """What decides a rank's memory: the model, layout, kernels, shapes, optimizer, precision, compiling."""
     import dataclasses
     import hashlib
+    import config
     # asdict, not OmegaConf.structured: the same dict, 80x faster (0.05 s a call, and the
     # performance model asks once per layout it prices)
     whole = dataclasses.asdict(cfg)
     key = {k: whole[k] for k in ("model", "parallel", "kernels")}
     key.update(train={k: whole["train"][k] for k in ("batch_size", "seq_len", "recompute")},
-               optim=whole["optim"]["name"], precision=whole["precision"], world=world)
+               optim=whole["optim"]["name"], precision=whole["precision"], world=world,
+               compiled=config.compiles(cfg))
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -685,7 +719,7 @@ def table_row(rec: dict) -> dict:
     m = rec["memory"]
     return {"rank": rec["rank"], **rec["coordinates"], "peak_gib": gib(m["peak_bytes"]), "at": m["at"],
             **{k: gib(m.get(f"{k}_bytes", 0)) for k in ("weights", "gradients", "optimizer", "activations", "communication")},
-            "fits": m["fits"], "dominant": m["dominant"],
+            "fits": m["fits"], "dominant": m["dominant"], "capacity_gib": gib(m.get("capacity_bytes", 80 * 2**30)),
             "comm_gib": {k: gib(v) for k, v in sorted(comm_per_step(rec).items())},
             "tflops_per_step": sum(rec["flops"]["per_step"].values()) / 1e12,
             "checkpoint_gib": gib(rec["checkpoint_bytes"]), "seconds": rec["seconds"], "rss_gib": gib(rec["rss_bytes"])}
@@ -696,7 +730,7 @@ def render(summary: dict, cfg) -> str:
              f"dp{summary['world'] // (cfg.parallel.tp * cfg.parallel.pp)} zero{cfg.parallel.zero_stage}, "
              f"{cfg.parallel.microbatches} microbatches, world {summary['world']} (GiB; TP/PP/DP: bytes this rank "
              f"puts on the wire per step)",
-             "| rank | dp,pp,tp | peak | weights | grads | optimizer | activations | comm buffers | fits 80 GB | "
+             f"| rank | dp,pp,tp | peak | weights | grads | optimizer | activations | comm buffers | fits {capacity_gib(cfg):g} GiB | "
              "TP | PP | DP | TFLOP/step | checkpoint | time |", "|" + "---|" * 15]
     for r in summary["table"]:
         comm = r["comm_gib"]

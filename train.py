@@ -190,7 +190,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             if recording and step == start_step + cfg.rehearse.steps:
                 recorder.write(run_dir / "comm" / f"rank{rank}.json")
             row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   **meter(timing["step_s"]), **breakdown(timing), "memory_gib": metrics.memory_gib(device)}
+                   **meter(timing["step_s"]), **breakdown(timing), "memory_gib": metrics.memory_gib(device),
+                   **metrics.memory_reserved(device)}
             if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
                 beat.progress(step, "eval")
                 row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
@@ -233,6 +234,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     final["checkpoint_failed_steps"] = saver.failed
     if compiling:  # what torch.compile made of the chunks (0: nothing ran compiled)
         final["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if compiling:  # graph breaks and recompiles, each with its reason
+        final["dynamo"] = metrics.dynamo_counters()
     run_log.finish(status, final)
     if rank == 0:
         print(final_line(final, cfg), flush=True)
@@ -395,7 +398,8 @@ def summarize(history: list, step: int) -> dict:
              "tflops_per_device": median("tflops_per_device"), "mfu": median("mfu"),
              "exposed_comm_s": median("exposed_comm_s"), "bubble_s": median("bubble_s"),
              "compute_s": median("compute_s"),
-             "memory_gib": history[-1]["memory_gib"]}
+             "memory_gib": history[-1]["memory_gib"],
+             "memory_reserved_gib": history[-1].get("memory_reserved_gib", "n/a")}  # n/a: no caching allocator (CPU)
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     if vals:
         final["val_loss"] = vals[-1]

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one call, on a CUDA host whose python3 already has torch (a cluster node, a
 # lent machine): the GPU paths against their oracles (tests/test_cuda.py), then, given a nanoGPT
-# checkout, the train step against it on the GPU (experiments/bench_step.py --device cuda).
+# checkout, the train step against it on the GPU (experiments/bench_step.py --device cuda); and the
+# caching allocator's fragmentation: 20 steps of the unfused attention ([T, T] transients) by
+# train.py, whose metrics.jsonl logs max_memory_reserved beside max_memory_allocated every step,
+# once as is and once with expandable segments (conf/hardware's memory_headroom_gib assumes 5%).
 #
 #     bash experiments/gpu_check.sh OUT_DIR [NANOGPT_DIR]
 #
-# Each part runs under its own time limit (TEST_TIMEOUT, BENCH_TIMEOUT seconds) so that a hang
+# Each part runs under its own time limit (TEST_TIMEOUT, BENCH_TIMEOUT, MEMORY_TIMEOUT seconds) so that a hang
 # still leaves the other's log; the logs and the versions seen go to OUT_DIR. On an H100 (16 cores)
 # the tests took ~6.5 min, most of it train.py's five runs and their resumes (compiling).
 set -uo pipefail
@@ -27,3 +30,35 @@ fi
 # Host syncs: a few LAMB steps (with clipping, the loader's pinned batch and agree) under
 # torch.cuda.set_sync_debug_mode("error"), which raises at any copy or read that waits for the GPU.
 timeout "${SYNC_TIMEOUT:-120}" "$python" experiments/host_sync_check.py --device cuda 2>&1 | tee "$out/host_sync_check.log"
+
+# Fragmentation: GPT-3 Small at seq 2048 with the materialized softmax, bf16, eager (what is
+# allocated is then what the ledger counts), 20 steps; memory.json has, per setting, the total CUDA
+# shows (mem_get_info) and, per step, allocated and reserved GiB and their ratio.
+ckpt=$(mktemp -d)  # the run's final save (2 GB) stays out of OUT_DIR
+for alloc in default expandable_segments:True; do
+  run="$out/memory_${alloc%%:*}"
+  if [ "$alloc" = default ]; then with=(env -u PYTORCH_CUDA_ALLOC_CONF); else with=(env "PYTORCH_CUDA_ALLOC_CONF=$alloc"); fi
+  "${with[@]}" timeout "${MEMORY_TIMEOUT:-240}" "$python" train.py model=small train.seq_len=2048 \
+      train.batch_size=4 train.max_steps=20 train.eval_interval=0 train.compile=false precision=bf16 \
+      kernels.attention=unfused kernels.fused=false "checkpoint.dir=$ckpt/${alloc%%:*}" \
+      logging.wandb.mode=disabled "hydra.run.dir=$run" > "$run.log" 2>&1 || echo "memory check ($alloc) failed: see $run.log"
+done
+rm -rf "$ckpt"
+"$python" - "$out" <<'PY' 2>&1 | tee "$out/memory.txt"
+import json, sys, pathlib, torch
+out = pathlib.Path(sys.argv[1])
+free, total = torch.cuda.mem_get_info()
+report = {"mem_get_info_total_gib": total / 2**30, "name": torch.cuda.get_device_name()}
+for setting in ("default", "expandable_segments"):
+    path = out / f"memory_{setting}" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    steps = [{"step": r["step"], "allocated_gib": r["memory_gib"], "reserved_gib": r.get("memory_reserved_gib"),
+              "reserved_over_allocated": r.get("memory_reserved_gib", 0) / r["memory_gib"]} for r in rows]
+    report[setting] = steps
+    if steps:
+        last = steps[-1]
+        print(f"{setting}: after {last['step']} steps allocated {last['allocated_gib']:.2f} GiB, reserved "
+              f"{last['reserved_gib']:.2f} GiB ({100 * (last['reserved_over_allocated'] - 1):.1f}% fragmentation)")
+print(f"CUDA shows {report['mem_get_info_total_gib']:.2f} GiB on {report['name']}")
+(out / "memory.json").write_text(json.dumps(report, indent=1))
+PY

@@ -5,7 +5,7 @@ and last rank (the first and last pipeline stage: the most in flight, and the lo
 NCCL's rules on; the table gives each job's peak memory per GPU, split, and its communication per
 step, per mesh dimension, and is appended to experiments/results/rehearsal_paper.md.
 
-    python experiments/rehearse_paper.py [--jobs table3,table2,530b] [--out DIR]
+    python experiments/rehearse_paper.py [--jobs table3,table2,530b] [--only "step 0,2240 GPUs"] [--out DIR]
     python experiments/rehearse_paper.py --render DIR/results.json ...   # the table of finished jobs
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def run(table: str, label: str, world: int, overrides: list, out: Path) -> dict:
 
 
 def render(results: list) -> str:
-    lines = ["| job | GPUs | rank (dp,pp,tp) | peak GiB | weights | grads | optimizer | activations | fits 80 GB | "
+    lines = ["| job | GPUs | rank (dp,pp,tp) | peak GiB | weights | grads | optimizer | activations | fits (GiB tensors may use) | "
              "TP GiB/step | PP GiB/step | DP GiB/step | time per rank | NCCL rules |", "|" + "---|" * 14]
     for r in results:
         rule = "kept" if not r["problems"] else f"{len(r['problems'])} problems"
@@ -72,7 +72,7 @@ def render(results: list) -> str:
             comm = row["comm_gib"]
             lines.append(f"| {r['table']} {r['label']} | {r['world']:,} | {row['rank']} ({row['dp']},{row['pp']},{row['tp']}) | "
                          f"{row['peak_gib']:.1f} | {row['weights']:.1f} | {row['gradients']:.1f} | {row['optimizer']:.1f} | "
-                         f"{row['activations']:.1f} | {'yes' if row['fits'] else 'NO (' + row['dominant'] + ')'} | "
+                         f"{row['activations']:.1f} | {'yes' if row['fits'] else 'NO: ' + row['dominant']} ({row.get('capacity_gib', 80):g}) | "
                          f"{comm.get('tp', 0):.1f} | {comm.get('pp', 0):.2f} | {comm.get('dp', 0):.2f} | "
                          f"{row['seconds']:.0f} s | {rule} |")
         if not r["rows"]:
@@ -83,6 +83,7 @@ def render(results: list) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", default="table3,table2,530b")
+    parser.add_argument("--only", default="", help="comma list: only the jobs whose '<table> <label>' holds one")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "rehearse_paper"))
     parser.add_argument("--render", nargs="+", metavar="RESULTS_JSON",
                         help="no rehearsal: append the table of these results.json (e.g. of a cut-off sweep)")
@@ -93,13 +94,15 @@ def main(argv=None) -> int:
         results = [r for path in args.render for r in json.loads(Path(path).read_text())]
         append(results, f"`python experiments/rehearse_paper.py --render {' '.join(args.render)}`")
         return 0
-    results = []
+    results, only = [], [o for o in args.only.split(",") if o]
     for table, label, world, overrides in jobs(args.jobs.split(",")):
+        if only and not any(o in f"{table} {label}" for o in only):
+            continue
         results.append(run(table, label, world, overrides, out))
         r = results[-1]
         print(f"{table} {label}: exit {r['exit']}, {r['seconds']:.0f} s, problems {len(r['problems'])}", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))  # so far: a cut-off sweep keeps its jobs
-    append(results, f"`python experiments/rehearse_paper.py --jobs {args.jobs}`, git {metrics.git_commit()}, "
+    append(results, f"`python experiments/rehearse_paper.py --jobs {args.jobs}{' --only ' + repr(args.only) if only else ''}`, git {metrics.git_commit()}, "
                     f"{machine.cpu_model()}, 2 ranks at a time")
     return 0 if all(r["exit"] == 0 for r in results) else 1
 

@@ -152,7 +152,7 @@ def test_memory_over_capacity_is_flagged(megatron_175b):
     assert fits.fits and fits.total < 80
     no_model_parallel = with_parallel(megatron_175b, tp=1, pp=1, vpp=1, zero_stage=0, microbatches=1)
     too_big = pm.predict(cli.with_batch(no_model_parallel, 8, 8, None), 8).memory
-    assert not too_big.fits and too_big.total > too_big.capacity == 80
+    assert not too_big.fits and too_big.total > too_big.capacity == 80 - 6.5  # a100_cluster: memory_gib less memory_headroom_gib
 
 
 # --- Bubble and collectives against textbook values ---

@@ -164,6 +164,62 @@ def test_the_performance_model_accounts_for_what_the_code_does(variant, pool, tm
             assert got == pytest.approx(want, rel=0.05, abs=1e-9), (variant, "last" if is_last else "first", key, got, want)
 
 
+def test_a_compiled_job_rehearses_its_gathered_inputs_whole(tmp_path):
+    """Under torch.compile (the default on CUDA) dynamo traces a TP block with
+    overlap.regather_saved off: under TP overlap each gathered norm output is saved whole, and
+    backward gathers nothing again. The rehearsal of a job that compiles counts those copies, as
+    perfmodel.compiled_gather_bytes does, and posts fewer TP bytes than the same job eager."""
+    import perfmodel
+    shape = ["train.seq_len=512", "model.max_seq_len=512", "train.batch_size=2", "parallel.microbatches=2",
+             "model.n_layers=4", "model.vocab_size=256", "parallel.tp=2", "parallel.dp=1", "precision=fp32",
+             "parallel.overlap.tp=chunked", "rehearse.steps=1"]
+    cfgs = {c: config.compose(TINY + shape + [f"train.compile={c}", "rehearse.ranks=[0]"]) for c in ("false", "true")}
+    eager, compiled = (rehearsal.rehearse_rank(cfgs[c], 0, 2, tmp_path / c) for c in ("false", "true"))
+    assert not eager["compiled"] and compiled["compiled"] and not eager["crash"] and not compiled["crash"]
+    copies = perfmodel.compiled_gather_bytes(cfgs["true"], 2) * 512 * 4  # a microbatch's tokens, every layer
+    assert copies > 0 and perfmodel.compiled_gather_bytes(cfgs["false"], 2) == 0
+    extra = compiled["memory"]["peak_bytes"] - eager["memory"]["peak_bytes"]
+    assert extra == pytest.approx(copies, rel=0.1), (extra, copies)
+    tp_bytes = [rehearsal.comm_per_step(rec)["tp"] for rec in (eager, compiled)]
+    assert tp_bytes[1] < tp_bytes[0]
+
+
+def test_compiled_tp_overlap_gathers_nothing_again_in_backward():
+    """What the rehearsal of a compiled job assumes, on this torch: dynamo traces the chunked TP
+    block with overlap.regather_saved off (and breaks the graph at each async collective), so its
+    backward re-gathers no input: it was saved whole. Eager, each gathered piece is gathered again."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import parallel
+    from model import GPT, ModelConfig
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    gathers, phase, gather = {}, ["forward"], dist.all_gather_single
+    try:
+        cfg = parallel.ParallelConfig(tp=2, microbatches=1)
+        cfg.overlap.tp = "chunked"
+        layout = parallel.build_layout(cfg, 0, 2, torch.device("cpu"))
+        tokens = torch.randint(0, 128, (1, 33), generator=torch.Generator().manual_seed(0))
+        dist.all_gather_single = lambda *a, **k: (gathers.__setitem__(phase[0], gathers.get(phase[0], 0) + 1), gather(*a, **k))[1]
+        for compiled in (False, True):
+            model = GPT(ModelConfig(n_layers=1, n_heads=4, d_model=64, vocab_size=128, max_seq_len=32))
+            model.init_weights(0)
+            engine = parallel.build(model, layout, cfg, dtype=torch.float32)
+            if compiled:  # dynamo alone: what it traces decides what is saved
+                torch._dynamo.reset()
+                engine.compile(backend="eager")
+            phase[0] = ("compiled " if compiled else "eager ") + "forward"
+            loss = engine._microbatch_loss(tokens[:, :-1], tokens[:, 1:])
+            phase[0] = ("compiled " if compiled else "eager ") + "backward"
+            loss.backward()
+    finally:
+        dist.all_gather_single = gather
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+    pieces = cfg.overlap.tp_chunks * 2  # the two norms' outputs of the one layer, each gathered in pieces
+    assert gathers["eager forward"] == gathers["compiled forward"]
+    assert gathers["eager backward"] - gathers["compiled backward"] == pieces, gathers
+
+
 def test_tp_bytes_per_layer_agree(pool, tmp_path):
     import perfmodel
     configs = {layers: config.compose(AGREE + [f"model.n_layers={layers}"]) for layers in (4, 8)}

@@ -243,6 +243,28 @@ def test_more_ranks_on_a_node_than_its_gpus_is_one_line(monkeypatch):
     assert "share a GPU" in launch.gpu_sharing_problem(4, 2, torchrun=False)
 
 
+def test_run_json_counts_graph_breaks_and_recompiles_with_their_reasons():
+    """metrics.dynamo_counters, run.json's final.dynamo under compile: a step with one graph break,
+    run at a second shape, breaks twice (each trace) and recompiles both of its frames."""
+    import torch._dynamo
+    import metrics
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.clear_compilation_metrics()
+
+    def step(x, n):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + n
+    compiled = torch.compile(step, backend="eager", dynamic=False)
+    for size in (3, 3, 4):
+        compiled(torch.ones(size), 1)
+    got = metrics.dynamo_counters()
+    assert got["graph_breaks"] == 2 and list(got["graph_break_reasons"]) == ["Call to `torch._dynamo.graph_break()`"]
+    assert got["recompiles"] == 2 and all("size mismatch" in r for r in got["recompile_reasons"])
+    assert got["frames"] == got["unique_graphs"] == 4
+
+
 def test_ctrl_c_during_the_first_steps_compile_stops_cleanly_and_resumes(tmp_path, cache_dir):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while torch.compile
     compiles the first step: the step finishes, a checkpoint is written, the run exits 0 marked
@@ -267,6 +289,8 @@ def test_ctrl_c_during_the_first_steps_compile_stops_cleanly_and_resumes(tmp_pat
     assert "Traceback" not in err and "stop requested: saving a checkpoint at step 1" in out + err
     record = json.loads((tmp_path / "run.json").read_text())
     assert record["status"] == "interrupted" and record["final"]["steps"] == 1
+    dynamo = record["final"]["dynamo"]  # what compile made of the step: graphs, breaks, recompiles
+    assert dynamo["unique_graphs"] >= 1 and dynamo["graph_breaks"] == sum(dynamo["graph_break_reasons"].values())
     step1 = checkpoint.step_dir(tmp_path / "checkpoints", 1)
     assert checkpoint.problem(step1) is None
     resumed = run_train(tmp_path, args, cache_dir)  # eager: a checkpoint knows nothing of compilation
