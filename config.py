@@ -103,23 +103,6 @@ class HardwareConfig:
     collective_algo: str = "ring"             # ring | tree (hierarchical: inside hosts, then across)
 
 
-def tensor_memory_gib(hw) -> Optional[float]:
-    """The memory a rank's tensors (torch.cuda.max_memory_allocated) may reach on this hardware:
-    memory_gib less memory_headroom_gib; None where the hardware names no memory."""
-    return None if hw.memory_gib is None else hw.memory_gib - hw.memory_headroom_gib
-
-
-def compiles(cfg) -> bool:
-    """Whether the run torch.compiles its chunks: train.compile, else the default of
-    train.compile_choice (compiled on CUDA, eager elsewhere), on the hardware's device."""
-    if cfg.train.compile is not None:
-        return bool(cfg.train.compile)
-    if cfg.hardware.device == "auto":
-        import torch
-        return torch.cuda.is_available()
-    return cfg.hardware.device == "cuda"
-
-
 @dataclass
 class WandbConfig:
     mode: str = "offline"         # online | offline | disabled

@@ -496,6 +496,23 @@ def collective_host_s(world: int) -> Optional[float]:
     return statistics.median(by_ranks[max(measured)]) if measured else None
 
 
+def tensor_memory_gib(hw) -> Optional[float]:
+    """The memory a rank's tensors (torch.cuda.max_memory_allocated) may reach on this hardware:
+    memory_gib less memory_headroom_gib; None where the hardware names no memory."""
+    return None if hw.memory_gib is None else hw.memory_gib - hw.memory_headroom_gib
+
+
+def compiles(cfg) -> bool:
+    """Whether the run torch.compiles its chunks: train.compile, else the default of
+    train.compile_choice (compiled on CUDA, eager elsewhere), on the hardware's device."""
+    if cfg.train.compile is not None:
+        return bool(cfg.train.compile)
+    if cfg.hardware.device == "auto":
+        import torch
+        return torch.cuda.is_available()
+    return cfg.hardware.device == "cuda"
+
+
 if __name__ == "__main__":
     # python machine.py beside DIR before|after: measure this machine into DIR/calibration.json,
     # around a sweep that cannot do it per run (make demo's multirun), for perfmodel.py validate
@@ -503,3 +520,4 @@ if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "beside" or sys.argv[3] not in ("before", "after"):
         sys.exit("usage: python machine.py beside DIR before|after")
     calibrate_beside(Path(sys.argv[2]), sys.argv[3])
+

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import config
+import machine
 import model as gpt
 from kernels import mean_keys
 from config import HardwareConfig
@@ -432,7 +433,7 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
 def compiled_keeps_gathered(cfg: config.Config) -> bool:
     """Whether the TP blocks keep their gathered inputs whole: compiled, under TP overlap, without
     full recomputation (compiled_gather_bytes); their backward then gathers nothing again."""
-    return cfg.parallel.overlap.tp in ("chunked", "domino") and cfg.train.recompute != "full" and config.compiles(cfg)
+    return cfg.parallel.overlap.tp in ("chunked", "domino") and cfg.train.recompute != "full" and machine.compiles(cfg)
 
 
 def compiled_gather_bytes(cfg: config.Config, tp: int) -> float:
@@ -614,7 +615,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     mfu = tokens / step_s * gpt.flops_per_token(m, lay.seq) / (lay.gpus * r.flops)
     exposed = step.get("tp_comm", 0.0) + step.get("pp_comm", 0.0) + step.get("dp_comm", 0.0)
     return Prediction(step_s, tokens / step_s, mfu, step, exposed, hidden,
-                      memory(cfg, lay, config.tensor_memory_gib(hw)), lay)
+                      memory(cfg, lay, machine.tensor_memory_gib(hw)), lay)
 
 
 # --- What a rank moves, computes and holds per step: checked against the code's rehearsal ---

@@ -359,9 +359,9 @@ def _saved_as_compiled(cfg):
     overlap.regather_saved is a no-op: their gathered inputs are saved whole. The rehearsal runs
     eagerly, so for such a job it turns the hooks off too, and the ledger counts those copies
     (beside the shards overlap still remembers for a re-gather: an upper bound)."""
-    import config
+    import machine
     import overlap
-    if not config.compiles(cfg):
+    if not machine.compiles(cfg):
         yield
         return
     hooks, overlap.regather_saved = overlap.regather_saved, contextlib.nullcontext
@@ -430,7 +430,7 @@ class _Run:
             gpt.Attention.core = original_core
 
     def record(self, rank: int, world: int, seconds: float) -> dict:
-        import config
+        import machine
         cfg, layout, ledger, flops = self.cfg, self.layout, self.ledger, self.flops.flops
         steps, split = cfg.rehearse.steps, dict(ledger.peak_split) if ledger else {}
         largest = split.pop("largest_activations", [])
@@ -441,7 +441,7 @@ class _Run:
             "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vpp": cfg.parallel.vpp,
                        "microbatches": cfg.parallel.microbatches, "zero_stage": cfg.parallel.zero_stage},
             "model": cfg.model.name, "steps": steps, "dtype": str(self.dtype).removeprefix("torch."),
-            "compiled": config.compiles(cfg),
+            "compiled": machine.compiles(cfg),
             "flops": {"per_step": {k: v // steps for k, v in flops.items()},
                       "per_microbatch": {k: v // (steps * cfg.parallel.microbatches) for k, v in flops.items()}},
             "memory": {"peak_bytes": peak, "at": ledger.peak_at if ledger else "", **{f"{k}_bytes": v for k, v in split.items()},
@@ -455,11 +455,11 @@ class _Run:
 
 
 def capacity_gib(cfg) -> float:
-    """rehearse.capacity_gib, else config.tensor_memory_gib of the hardware, else 80."""
-    import config
+    """rehearse.capacity_gib, else machine.tensor_memory_gib of the hardware, else 80."""
+    import machine
     if cfg.rehearse.capacity_gib is not None:
         return cfg.rehearse.capacity_gib
-    usable = config.tensor_memory_gib(cfg.hardware)
+    usable = machine.tensor_memory_gib(cfg.hardware)
     return 80.0 if usable is None else usable
 
 
@@ -559,14 +559,14 @@ def cache_key(cfg, world: int) -> str:
     """What decides a rank's memory: the model, layout, kernels, shapes, optimizer, precision, compiling."""
     import dataclasses
     import hashlib
-    import config
+    import machine
     # asdict, not OmegaConf.structured: the same dict, 80x faster (0.05 s a call, and the
     # performance model asks once per layout it prices)
     whole = dataclasses.asdict(cfg)
     key = {k: whole[k] for k in ("model", "parallel", "kernels")}
     key.update(train={k: whole["train"][k] for k in ("batch_size", "seq_len", "recompute")},
                optim=whole["optim"]["name"], precision=whole["precision"], world=world,
-               compiled=config.compiles(cfg))
+               compiled=machine.compiles(cfg))
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 

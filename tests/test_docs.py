@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PY = ".venv/bin/python"
 TORCHRUN = ".venv/bin/torchrun"
-GPU_MEMORY_GIB = 80.0  # an A100/H100 80GB, where the command names no hardware with its memory
+GPU_TENSOR_GIB = 80.0 - 6.5  # what an A100/H100 80GB's tensors may use (conf/hardware/a100_cluster.yaml), where the command names no hardware with its memory
 
 
 # --- Extracting the commands ---
@@ -161,6 +161,7 @@ def check_train(args: list, world: int | None = None, gpus: bool = False, var: s
     """train.py's command line: composed and validated for every job, dry-run where asked, and on a
     GPU launch the world and the memory of the fullest rank checked against the allocation."""
     import config
+    import machine
     import perfmodel
     import train
     printing = "--cfg" in args or "--help" in args  # train.py prints and exits: the config must still compose
@@ -183,10 +184,10 @@ def check_train(args: list, world: int | None = None, gpus: bool = False, var: s
         if p.dp > 0:
             assert p.tp * p.pp * p.dp == launched, (f"train.py {' '.join(job_overrides)}: tp*pp*dp = "
                                                     f"{p.tp * p.pp * p.dp} ranks, but the launch starts {launched}")
-        capacity = cfg.hardware.memory_gib or GPU_MEMORY_GIB
+        capacity = machine.tensor_memory_gib(cfg.hardware) or GPU_TENSOR_GIB
         mem = perfmodel.memory(cfg, perfmodel.layout_of(cfg, launched), capacity)
         assert mem.fits, (f"train.py {' '.join(job_overrides)}: {mem.total:.1f} GiB per GPU "
-                          f"({mem.source}) does not fit in {capacity:.0f} GiB")
+                          f"({mem.source}) does not fit in {capacity:.1f} GiB")
 
 
 def check_perfmodel(args: list) -> None:
@@ -283,7 +284,7 @@ def test_every_documented_command_runs(where, cmd):
 
 @pytest.mark.parametrize("cmd,why", [
     ("srun --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 .venv/bin/python train.py model=13B train.batch_size=32",
-     "does not fit in 80 GiB"),
+     "does not fit in 73.5 GiB"),
     ("srun --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 .venv/bin/python train.py model=13B", "train.batch_size"),
     ("sbatch --nodes 4 experiments/slurm/train.sbatch model=13B", "one rank per node"),
     ("sudo python experiments/calibrate_comm.py --sharing", "the venv's interpreter"),
