@@ -502,13 +502,14 @@ class ParallelModel:
         xs, ys = inputs.chunk(self.cfg.microbatches), targets.chunk(self.cfg.microbatches)
         if self.pipeline is not None:
             return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
-        total = torch.zeros((), device=inputs.device)
+        total = None  # (one microbatch: its loss as it is, no zeros, no division by 1, no add)
         for x, y in zip(xs, ys):
             with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward):
-                loss = self._microbatch_loss(x, y) / len(xs)
+                loss = self._microbatch_loss(x, y)
+                loss = loss / len(xs) if len(xs) > 1 else loss
             if backward:
                 loss.backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         return total
 
     def finish_gradients(self, max_norm: float) -> torch.Tensor:
