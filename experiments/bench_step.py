@@ -68,7 +68,10 @@ SHAPES = {  # the default ("issue"): nanoGPT's Shakespeare-char config at batch 
     # Launch-bound on a CPU: ~1e5 FLOPs an op, so each of the step's ~1,000 ops costs its dispatch
     # (a few microseconds) more than its arithmetic; `--count` prints the two side by side.
     "launch": dict(n_layers=4, d_model=64, n_heads=2, batch=1, seq=32),
+    # nanoGPT's own GPT-2 124M configuration (its config/train_gpt2.py: batch 12, block 1024, vocab 50304)
+    "gpt2": dict(n_layers=12, d_model=768, n_heads=12, batch=12, seq=1024, vocab=50304),
 }
+VOCAB = 257  # byte-level data's vocabulary, where a shape names none
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICE = torch.device("cpu")  # --device: cuda times the same contenders on a GPU
 ALLOCATOR = "allocator: torch's caching allocator"  # --allocator, on a CPU
@@ -81,9 +84,9 @@ def shape_of(name: str) -> dict:
     return dict(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, batch=8, seq=256)
 
 
-def our_overrides(shape: dict, dtype: str, vocab: int = 257, compiled: bool = False) -> list:
+def our_overrides(shape: dict, dtype: str, vocab: Optional[int] = None, compiled: bool = False) -> list:
     return ["model=tiny", f"model.n_layers={shape['n_layers']}", f"model.d_model={shape['d_model']}",
-            f"model.n_heads={shape['n_heads']}", "model.bias=false", f"model.vocab_size={vocab}",
+            f"model.n_heads={shape['n_heads']}", "model.bias=false", f"model.vocab_size={vocab or shape.get('vocab', VOCAB)}",
             "data.tokenizer=bytes", f"train.batch_size={shape['batch']}", f"train.seq_len={shape['seq']}",
             f"precision={dtype}", f"train.compile={str(compiled).lower()}", "logging.wandb.mode=disabled",
             "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0", "logging.interval=100000",
@@ -97,15 +100,15 @@ def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool)
     module = importlib.util.module_from_spec(spec)
     with contextlib.redirect_stdout(open(os.devnull, "w")):
         spec.loader.exec_module(module)
-        model = module.GPT(module.GPTConfig(block_size=shape["seq"], vocab_size=257, n_layer=shape["n_layers"],
+        model = module.GPT(module.GPTConfig(block_size=shape["seq"], vocab_size=shape.get("vocab", VOCAB), n_layer=shape["n_layers"],
                                             n_head=shape["n_heads"], n_embd=shape["d_model"], dropout=0.0, bias=False))
         model.to(DEVICE)
         opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), DEVICE.type)
     if compiled:
         model = torch.compile(model)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
-    y = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
+    x = torch.randint(0, shape.get("vocab", VOCAB), (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
+    y = torch.randint(0, shape.get("vocab", VOCAB), (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
     autocast = torch.autocast(DEVICE.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step() -> None:
@@ -120,7 +123,8 @@ def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool)
     return step
 
 
-def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope: bool = True, extra: tuple = ()):
+def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: Optional[int] = None, rope: bool = True, extra: tuple = ()):
+    vocab = vocab or shape.get("vocab", VOCAB)
     cfg = config.compose(our_overrides(shape, dtype, vocab, compiled) + list(extra))
     device = DEVICE
     layout = parallel.build_layout(cfg.parallel, 0, 1, device)
@@ -198,7 +202,7 @@ def paired_ratios(base: list, times: list) -> list:
 def our_loop_times(shape: dict, dtype: str, compiled: bool, n: int, warmup: int, allocator: str) -> list:
     """train.py's loop in this process (train.train), its step times from metrics.jsonl."""
     import train
-    cfg = config.compose(our_overrides(shape, dtype, 257, compiled) + [f"train.max_steps={warmup + n}",
+    cfg = config.compose(our_overrides(shape, dtype, None, compiled) + [f"train.max_steps={warmup + n}",
                          f"hardware.keep_freed_memory={str(allocator == 'train').lower()}"])
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(open(os.devnull, "w")):
         train.train(cfg, Path(run_dir))
@@ -299,15 +303,17 @@ def dispatch_counts(step) -> dict:
 
 
 def dispatch_cost_us(reps: int = 20000) -> float:
-    """This CPU's cost of one eager op that does almost nothing (a 1-element in-place add, autograd
-    off): what each kernel costs a launch-bound step at least, beside its arithmetic."""
-    x = torch.zeros(1)
+    """The cost of one eager op that does almost nothing on this device (a 1-element in-place add,
+    autograd off): what each kernel costs a launch-bound step at least, beside its arithmetic."""
+    x = torch.zeros(1, device=DEVICE)
     with torch.no_grad():
         for _ in range(1000):
             x.add_(1.0)
         start = time.perf_counter()
         for _ in range(reps):
             x.add_(1.0)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
     return (time.perf_counter() - start) / reps * 1e6
 
 
@@ -443,7 +449,7 @@ def ops_table(args) -> str:
     shape, dtype = shape_of(args.shape), args.dtype.split(",")[0]
     if dtype == "bf16" and not bf16_timeable():
         return f"bf16: {bf16_note()}; --dtype fp32"
-    B, T, h, vocab = shape["batch"], shape["seq"], shape["d_model"], 257
+    B, T, h, vocab = shape["batch"], shape["seq"], shape["d_model"], shape.get("vocab", VOCAB)
     ops_args = argparse.Namespace(shape=f"{B},{T},{h}", vocab=vocab, device="cpu", logit_rows=B * T,
                                   head_dim=h // shape["n_heads"])
     element = torch.finfo(DTYPES[dtype]).bits // 8
@@ -484,7 +490,7 @@ def bench(args) -> list:
                 contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
             if "fused" in args.variants:
                 contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
-            times = {name: [] for name in [*contenders, "ours+loop"]}
+            times = {name: [] for name in [*contenders, *(["ours+loop"] if args.loop else [])]}
             ratios = {name: [] for name in contenders}
             round_ratios = {name: [] for name in contenders}
             faults = {}
@@ -494,7 +500,8 @@ def bench(args) -> list:
                     times[name] += t
                     ratios[name] += paired_ratios(block["nanogpt"], t)
                     round_ratios[name].append(statistics.median(paired_ratios(block["nanogpt"], t)))
-                times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup, args.allocator)
+                if args.loop:
+                    times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup, args.allocator)
             base = tokens / statistics.median(times["nanogpt"])
             for name, t in times.items():
                 rate = tokens / statistics.median(t)
@@ -513,7 +520,7 @@ def table(rows: list, args) -> str:
     where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else (
         f"bf16 native: {machine.native_bf16()}, a bf16 GEMM takes {machine.bf16_gemm_slowdown():.1f}x fp32's")
     head = (f"{machine.cpu_model()} | {where} | threads {torch.get_num_threads()} | "
-            f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab 257, no bias; median of "
+            f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab {shape.get('vocab', VOCAB)}, no bias; median of "
             f"{args.rounds} rounds x {args.steps} steps, contenders in turn step by step; vs nanoGPT: the median "
             f"of paired step-time ratios, ± a 95% interval over the rounds' medians, each round's median after\n"
             f"{ALLOCATOR}, for every contender alike\n")
@@ -539,6 +546,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile", choices=("eager", "compiled", "both"), default="both")
     p.add_argument("--variants", default="", help="also time what differs by design (vocab, rope) and "
                    "kernels.fused=true (fused), comma-separated")
+    p.add_argument("--no-loop", dest="loop", action="store_false", help="leave out ours+loop (a whole train.py run a round)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
