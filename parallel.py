@@ -498,7 +498,8 @@ class ParallelModel:
         loss on the last pipeline stage and 0 elsewhere, as a 0-d tensor on the device: the host
         reads it once per step, with everything else it reads (train.py)."""
         for chunk in self.chunks:
-            chunk.train(backward)
+            if chunk.training != backward:  # (train() walks every module: once per switch, not per step)
+                chunk.train(backward)
         xs, ys = inputs.chunk(self.cfg.microbatches), targets.chunk(self.cfg.microbatches)
         if self.pipeline is not None:
             return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
@@ -528,7 +529,7 @@ class ParallelModel:
         return norm
 
     def after_step(self) -> None:
-        for _, p in self.named_model_parameters():
+        for p in self.zero.params:
             p.grad = None
         self.zero.after_step()
 
