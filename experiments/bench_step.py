@@ -86,7 +86,8 @@ def shape_of(name: str) -> dict:
 
 def our_overrides(shape: dict, dtype: str, vocab: Optional[int] = None, compiled: bool = False) -> list:
     return ["model=tiny", f"model.n_layers={shape['n_layers']}", f"model.d_model={shape['d_model']}",
-            f"model.n_heads={shape['n_heads']}", "model.bias=false", f"model.vocab_size={vocab or shape.get('vocab', VOCAB)}",
+            f"model.n_heads={shape['n_heads']}", "model.bias=false",
+            f"model.vocab_size={vocab or shape.get('vocab', VOCAB)}",
             "data.tokenizer=bytes", f"train.batch_size={shape['batch']}", f"train.seq_len={shape['seq']}",
             f"precision={dtype}", f"train.compile={str(compiled).lower()}", "logging.wandb.mode=disabled",
             "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0", "logging.interval=100000",
@@ -100,7 +101,8 @@ def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool)
     module = importlib.util.module_from_spec(spec)
     with contextlib.redirect_stdout(open(os.devnull, "w")):
         spec.loader.exec_module(module)
-        model = module.GPT(module.GPTConfig(block_size=shape["seq"], vocab_size=shape.get("vocab", VOCAB), n_layer=shape["n_layers"],
+        model = module.GPT(module.GPTConfig(block_size=shape["seq"], vocab_size=shape.get("vocab", VOCAB),
+                                            n_layer=shape["n_layers"],
                                             n_head=shape["n_heads"], n_embd=shape["d_model"], dropout=0.0, bias=False))
         model.to(DEVICE)
         opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), DEVICE.type)
@@ -123,7 +125,8 @@ def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool)
     return step
 
 
-def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: Optional[int] = None, rope: bool = True, extra: tuple = ()):
+def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: Optional[int] = None, rope: bool = True,
+                extra: tuple = ()):
     vocab = vocab or shape.get("vocab", VOCAB)
     cfg = config.compose(our_overrides(shape, dtype, vocab, compiled) + list(extra))
     device = DEVICE
@@ -265,9 +268,9 @@ def _phase_of(event, backward: list, model: list) -> str:
 
 
 def dispatch_counts(step) -> dict:
-    """One profiled step's counts by phase: kernels (_is_kernel), host reads (.item()), Python autograd.Function calls (forward and
-    backward) and the hooks the step fires (module and post-accumulate-grad hooks, registered
-    once, each firing once a microbatch here)."""
+    """One profiled step's counts by phase: kernels (_is_kernel), host reads (.item()), Python
+    autograd.Function calls (forward and backward) and the hooks the step fires (module and
+    post-accumulate-grad hooks, registered once, each firing once a microbatch here)."""
     from torch.profiler import ProfilerActivity, profile
     global COUNTING
     COUNTING = True
@@ -338,7 +341,8 @@ def count_table(args) -> str:
     from model import flops_per_token
     shape, dtype = shape_of(args.shape), args.dtype.split(",")[0]
     per_op, rate = dispatch_cost_us(), gemm_gflops()
-    flops = flops_per_token(config.compose(our_overrides(shape, dtype)).model, shape["seq"]) * shape["batch"] * shape["seq"]
+    tokens = shape["batch"] * shape["seq"]
+    flops = flops_per_token(config.compose(our_overrides(shape, dtype)).model, shape["seq"]) * tokens
     lines = [f"{machine.cpu_model()} | threads {torch.get_num_threads()} | torch {torch.__version__} | {dtype} | "
              f"shape {args.shape}: {shape} | one eager op's dispatch {per_op:.1f} us (a 1-element add) | "
              f"{flops / 1e6:,.1f} MFLOP a step, {flops / rate / 1e6:.2f} ms at this device's {rate:,.0f} GFLOP/s "
@@ -501,7 +505,8 @@ def bench(args) -> list:
                     ratios[name] += paired_ratios(block["nanogpt"], t)
                     round_ratios[name].append(statistics.median(paired_ratios(block["nanogpt"], t)))
                 if args.loop:
-                    times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup, args.allocator)
+                    times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup,
+                                                         args.allocator)
             base = tokens / statistics.median(times["nanogpt"])
             for name, t in times.items():
                 rate = tokens / statistics.median(t)
@@ -520,7 +525,8 @@ def table(rows: list, args) -> str:
     where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else (
         f"bf16 native: {machine.native_bf16()}, a bf16 GEMM takes {machine.bf16_gemm_slowdown():.1f}x fp32's")
     head = (f"{machine.cpu_model()} | {where} | threads {torch.get_num_threads()} | "
-            f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab {shape.get('vocab', VOCAB)}, no bias; median of "
+            f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab {shape.get('vocab', VOCAB)}, no bias; "
+            f"median of "
             f"{args.rounds} rounds x {args.steps} steps, contenders in turn step by step; vs nanoGPT: the median "
             f"of paired step-time ratios, ± a 95% interval over the rounds' medians, each round's median after\n"
             f"{ALLOCATOR}, for every contender alike\n")
@@ -546,7 +552,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", choices=("eager", "compiled", "both"), default="both")
     p.add_argument("--variants", default="", help="also time what differs by design (vocab, rope) and "
                    "kernels.fused=true (fused), comma-separated")
-    p.add_argument("--no-loop", dest="loop", action="store_false", help="leave out ours+loop (a whole train.py run a round)")
+    p.add_argument("--no-loop", dest="loop", action="store_false",
+                   help="leave out ours+loop (a whole train.py run a round)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -573,7 +580,8 @@ def main(argv=None) -> int:
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cpu":
         ALLOCATOR = machine.keep_freed_memory() if args.allocator == "train" else "allocator: glibc's defaults"
-    print(count_table(args) if args.count else ops_table(args) if args.ops else profile_tables(args) if args.profile else table(bench(args), args))
+    print(count_table(args) if args.count else ops_table(args) if args.ops else
+          profile_tables(args) if args.profile else table(bench(args), args))
     return 0
 
 
