@@ -41,14 +41,20 @@ def layer_config(args):
 
 
 def sliced_block(cfg, tp: int, dtype: torch.dtype, device) -> Block:
-    """model.Block holding rank 0's TP slice of each split parameter."""
-    block = Block(cfg.model, cfg.kernels)
+    """model.Block holding rank 0's TP slice of each split parameter: cut on the meta device, then
+    made on `device` in `dtype` (random weights: the values do not change the time)."""
+    with torch.device("meta"):
+        block = Block(cfg.model, cfg.kernels)
     for name, module in list(block.named_modules()):
         for pname in ("weight", "bias"):
             dim = parallel.tp_shard_dim(f"{name}.{pname}")
             if dim is not None and getattr(module, pname, None) is not None:
                 setattr(module, pname, torch.nn.Parameter(getattr(module, pname).detach().chunk(tp, dim)[0].clone()))
-    return block.to(device=device, dtype=dtype).train()
+    block = block.to(dtype).to_empty(device=device).train()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
+    return block
 
 
 def timed(fn, device, reps: int, warmup: int) -> list:
