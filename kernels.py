@@ -326,9 +326,10 @@ def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     Written out rather than left to autograd (one layer at bench_step's default shape, fp32, forward and
     backward, took 7.5 ms here against autograd's 14-18.6 ms). Autograd's rotation builds the rotated copy with a neg, a cat and
     two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
-    gradients and copies them back into the projection's layout. Here each of q and k is a mul
-    and two half-width multiply-adds each way, and the backward writes the gradients straight
-    into the projection's layout. Inside a compiled model the plain ops go to inductor instead.
+    gradients and copies them back into the projection's layout. Here q and k are rotated
+    together, a mul and two half-width multiply-adds over both; backward, one copy gathers dq and
+    dk, the same three ops write their inverse rotation straight into the projection's layout,
+    and one copy writes dv. Inside a compiled model the plain ops go to inductor instead.
 
     fused (kernels.fused, true or triton): the same plain ops compiled by inductor, one kernel each
     way: forward, q and k read once and written rotated; backward, dq, dk and dv read once and the
@@ -380,23 +381,25 @@ class _HeadsWithRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, head_dim, cos, sin):
         heads = _heads(qkv, head_dim)
-        q, k, v = heads.permute(3, 0, 2, 1, 4).unbind(0)
-        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)  # no copies when the tables come in qkv's dtype
         ctx.save_for_backward(cos, sin)
         ctx.shape = heads.shape
-        # Laid out [B, T, H, D] in memory, as the projection and flash-attn have it (a view swaps H and T)
+        # q and k rotated together, into one buffer whose halves are each laid out [B, T, H, D], as
+        # the projection and flash-attn have it (a view swaps H and T): three kernels for both
         B, T, H, _, D = heads.shape
-        rotated = [_rotate(x, cos, sin, x.new_empty(B, T, H, D).transpose(1, 2)) for x in (q, k)]
-        return (*rotated, v)
+        qk = heads.new_empty(2, B, T, H, D)
+        _rotate(heads[:, :, :, :2], cos[:, None, None], sin[:, None, None], qk.permute(1, 2, 3, 0, 4))
+        q, k = qk.unbind(0)
+        return q.transpose(1, 2), k.transpose(1, 2), heads[:, :, :, 2].transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        grad = torch.empty(ctx.shape, dtype=cos.dtype, device=cos.device)
-        slots = grad.permute(3, 0, 2, 1, 4).unbind(0)  # views into the projection's layout
-        for d, slot in zip((dq, dk), slots):  # (an output left unused gets zeros: autograd's default)
-            _rotate(d, cos, sin, slot, sign=-1.0)
-        slots[2].copy_(dv)
+        grad = torch.empty(ctx.shape, dtype=cos.dtype, device=cos.device)  # the projection's layout
+        # (an output left unused gets zeros: autograd's default)
+        dqk = torch.stack([dq.transpose(1, 2), dk.transpose(1, 2)], dim=3)  # [B, T, H, 2, D]
+        _rotate(dqk, cos[:, None, None], sin[:, None, None], grad[:, :, :, :2], sign=-1.0)
+        grad[:, :, :, 2].copy_(dv.transpose(1, 2))
         B, T = ctx.shape[:2]
         return grad.view(B, T, -1), None, None, None
 
@@ -500,6 +503,18 @@ def layer_norm(x: torch.Tensor, norm: nn.LayerNorm, fused=False) -> torch.Tensor
     bf16 and fp32, experiments/bench_kernels.py). fused=true keeps ATen's; only Triton replaces it."""
     if _use_triton(fused, x):
         return kernels_triton.TritonLayerNorm.apply(x, None, norm.weight, norm.bias, norm.eps)
+    return _norm(x, norm)
+
+
+def _norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """norm(x), in x's dtype where x and the weights share a low-precision one. CUDA's autocast runs
+    layer_norm in fp32: it casts a bf16 input and bf16 weights up (a kernel each, each way) and
+    returns fp32, which the next GEMM casts down again. ATen's bf16 LayerNorm computes in fp32
+    already and rounds its output once, as that cast would, so it runs outside autocast here. (On
+    a CPU, autocast leaves layer_norm in the input's dtype: nothing to undo.)"""
+    if x.is_cuda and x.dtype == norm.weight.dtype != torch.float32 and torch.is_autocast_enabled("cuda"):
+        with torch.autocast("cuda", enabled=False):
+            return norm(x)
     return norm(x)
 
 
@@ -507,7 +522,7 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm, fus
     """Residual add then LayerNorm: returns (x + delta, LN(x + delta))."""
     if not fused:
         x = x + delta
-        return x, norm(x)
+        return x, _norm(x, norm)
     if _use_triton(fused, x):
         return kernels_triton.TritonLayerNorm.apply(x, delta, norm.weight, norm.bias, norm.eps)
     return _add_layer_norm_fused(x, delta, norm.weight, norm.bias, norm.eps)

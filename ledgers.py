@@ -36,6 +36,8 @@ class FlopLedger(TorchDispatchMode):
         self.flops = {"gemm": 0, "attention": 0, "elementwise": 0}
         self.in_attention, self.active = 0, 0
         self.segment = Segment()  # the work since the last recorded event: what replay.py prices
+        self.accumulation_bytes = 0  # read and written by the gradient accumulation (count_accumulation_into)
+        self._gradient_storages = set
 
     def __enter__(self):
         self.active += 1
@@ -53,10 +55,22 @@ class FlopLedger(TorchDispatchMode):
                 self.segment.attention += int(n)
                 self.segment.attention_ops += 1
 
+    def count_accumulation_into(self, zero) -> None:
+        """Count apart the bytes of the gradient accumulation, microbatch by microbatch: the in-place
+        adds into zero's (zero.py's ZeroDataParallel) gradient buffers or, where autograd keeps the
+        gradients, into the parameters' .grad (each reads the fresh gradient and the sum, and
+        writes the sum)."""
+        def storages():
+            kept = [p.grad for p in zero.params] if zero.autograd_keeps_grads else []
+            return {id(t.untyped_storage()) for t in [b.grads for b in zero.buckets] + kept if t is not None}
+        self._gradient_storages = storages
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
+        if packet is torch.ops.aten.add_ and id(args[0].untyped_storage()) in self._gradient_storages():
+            self.accumulation_bytes += sum(t.numel() * t.element_size() for t in (args[0], args[1], out))
         if packet in self.registry:
             n = self.registry[packet](*args, **kwargs, out_val=out)
             attention = self.in_attention or packet in BATCHED or "attention" in str(packet)

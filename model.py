@@ -57,9 +57,10 @@ class ModelConfig:
     dropout: float = 0.0
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device,
-                max_seq_len: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, head_dim] in fp32, GPT-NeoX layout (rotate the two halves).
+def rope_tables(seq_len: int, head_dim: int, theta: float, device, max_seq_len: Optional[int] = None,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, head_dim], GPT-NeoX layout (rotate the two halves), rounded to fp32 and
+    then to `dtype` (the compute dtype: q and k's), once per dtype and device, not in every layer.
 
     Built in numpy's fp64 and rounded once. torch's CPU cos/sin (fp32 and fp64 alike) returned a
     different table on their first call in about 1 process in 10 under load, and a run computes
@@ -72,25 +73,27 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device,
     symbolic (a second sequence length)."""
     if torch.compiler.is_compiling():
         longest = seq_len if isinstance(seq_len, int) and seq_len > (max_seq_len or 0) else max_seq_len
-        cos, sin = _constant_rope_tables(longest, head_dim, theta, device)
+        cos, sin = _constant_rope_tables(longest, head_dim, theta, device, dtype)
         return cos[:seq_len], sin[:seq_len]
     with torch.inference_mode(False):  # so that a table first made in an eval pass can be saved for backward
-        return _cached_rope_tables(seq_len, head_dim, theta, device)
+        return _cached_rope_tables(seq_len, head_dim, theta, device, dtype)
 
 
-def _rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(seq_len: int, head_dim: int, theta: float, device,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     angles = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)
-    return tuple(torch.from_numpy(f(angles)).float().to(device) for f in (np.cos, np.sin))
+    return tuple(torch.from_numpy(f(angles)).float().to(dtype).to(device) for f in (np.cos, np.sin))
 
 
 _cached_rope_tables = functools.lru_cache(maxsize=16)(_rope_tables)
 
 
 @torch.compiler.assume_constant_result  # on a plain function: dynamo traces through lru_cache's wrapper
-def _constant_rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    return _cached_rope_tables(seq_len, head_dim, theta, device)
+def _constant_rope_tables(seq_len: int, head_dim: int, theta: float, device,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _cached_rope_tables(seq_len, head_dim, theta, device, dtype)
 
 
 class Attention(nn.Module):
@@ -113,7 +116,7 @@ class Attention(nn.Module):
         """[B, T, 3*d] projections -> [B, T, d] attention output before the output projection: the
         only part that needs the whole sequence (TP overlap chunks the token-wise rest)."""
         B, T, _ = qkv.shape
-        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device, self.max_seq_len)
+        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device, self.max_seq_len, qkv.dtype)
         # The head count comes from qkv, not the config: under TP this rank holds a slice.
         q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin, self.fused)  # kernels.apply_rope on q and k
         return self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)

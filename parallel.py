@@ -521,17 +521,19 @@ class ParallelModel:
         loss on the last pipeline stage and 0 elsewhere, as a 0-d tensor on the device: the host
         reads it once per step, with everything else it reads (train.py)."""
         for chunk in self.chunks:
-            chunk.train(backward)
+            if chunk.training != backward:  # (train() walks every module: once per switch, not per step)
+                chunk.train(backward)
         xs, ys = inputs.chunk(self.cfg.microbatches), targets.chunk(self.cfg.microbatches)
         if self.pipeline is not None:
             return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
-        total = torch.zeros((), device=inputs.device)
+        total = None  # (one microbatch: its loss as it is, no zeros, no division by 1, no add)
         for x, y in zip(xs, ys):
             with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward):
-                loss = self._microbatch_loss(x, y) / len(xs)
+                loss = self._microbatch_loss(x, y)
+                loss = loss / len(xs) if len(xs) > 1 else loss
             if backward:
                 loss.backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         return total
 
     def finish_gradients(self, max_norm: float) -> torch.Tensor:
@@ -550,7 +552,7 @@ class ParallelModel:
         return norm
 
     def after_step(self) -> None:
-        for _, p in self.named_model_parameters():
+        for p in self.zero.params:
             p.grad = None
         self.zero.after_step()
 

@@ -620,11 +620,21 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
 
 # --- What a rank moves, computes and holds per step: checked against the code's rehearsal ---
 
+def grad_accumulation_bytes(cfg: config.Config, lay: Layout, params: int, e: int, grad_bytes: int) -> float:
+    """Bytes the gradient accumulation reads and writes a step (zero.py): every microbatch adds each
+    fresh gradient (the parameters' dtype) into the reduction buffer (read and written). One rank at
+    ZeRO-0 in fp32 leaves the gradients to autograd, whose first microbatch's gradient is kept as it
+    is and each later one added in place."""
+    if lay.dp == 1 and lay.tp == 1 and lay.zero == 0 and e == 4:
+        return (lay.microbatches - 1) * params * 12
+    return lay.microbatches * params * (e + 2 * grad_bytes)
+
+
 def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = False) -> Dict[str, float]:
     """One step of the first (or last) pipeline rank, in the model's own terms: the bytes it puts on
     the wire per mesh dimension (ring collectives: all-reduce 2(n-1)/n of the tensor, all-gather
-    and reduce-scatter (n-1)/n of it; a send its tensor), its GEMM and attention FLOPs, and its
-    memory at the peak. tests/test_rehearsal.py holds rehearsal.py's records of the code to these
+    and reduce-scatter (n-1)/n of it; a send its tensor), its GEMM and attention FLOPs, the bytes
+    its gradient accumulation moves, and its memory at the peak. tests/test_rehearsal.py holds rehearsal.py's records of the code to these
     within 5%."""
     lay = layout_of(cfg, gpus)
     cfg = resolve_config(cfg, resolve_hardware(cfg.hardware))
@@ -662,7 +672,8 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
         attn_fwd = 4 * n * T * keys * hd
         attn = attn_fwd * (3.5 + (cfg.train.recompute == "full"))
     mem = memory_of_rank(cfg, lay, last)
-    return {"tp_bytes_per_layer": tp_layer, "tp_bytes": mbs * (tp_layer * layers + tp_ends),
+    return {"grad_accumulation_bytes": grad_accumulation_bytes(cfg, lay, params, e, grad_bytes),
+            "tp_bytes_per_layer": tp_layer, "tp_bytes": mbs * (tp_layer * layers + tp_ends),
             "pp_bytes": mbs * sends * M * h * e / t, "dp_bytes": dp,
             "gemm_flops": mbs * gemm, "attention_flops": mbs * attn * layers,
             **{f"{k}_bytes": getattr(mem, k) * 2**30 for k in ("weights", "grads", "optimizer", "activations")}}

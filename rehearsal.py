@@ -393,6 +393,7 @@ class _Run:
         engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
                                 dtype=self.dtype, device=device, seed=cfg.train.seed)
         del model
+        self.flops.count_accumulation_into(engine.zero)
         optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                           norm_group=engine.norm_group)
         ledger = self.ledger = MemoryLedger(device, categories(engine, optimizer, recorder))
@@ -444,6 +445,7 @@ class _Run:
             "compiled": machine.compiles(cfg),
             "flops": {"per_step": {k: v // steps for k, v in flops.items()},
                       "per_microbatch": {k: v // (steps * cfg.parallel.microbatches) for k, v in flops.items()}},
+            "grad_accumulation_bytes": {"per_step": self.flops.accumulation_bytes // steps},
             "memory": {"peak_bytes": peak, "at": ledger.peak_at if ledger else "", **{f"{k}_bytes": v for k, v in split.items()},
                        "largest_activations": largest, "capacity_bytes": capacity, "fits": peak <= capacity,
                        "dominant": max(split, key=split.get) if split else None},

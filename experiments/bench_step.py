@@ -65,7 +65,13 @@ from model import GPT, Attention  # noqa: E402
 SHAPES = {  # the default ("issue"): nanoGPT's Shakespeare-char config at batch 8; and conf/model/small.yaml
     "issue": dict(n_layers=6, d_model=384, n_heads=6, batch=8, seq=256),
     "small": None,
+    # Launch-bound on a CPU: ~1e5 FLOPs an op, so each of the step's ~1,000 ops costs its dispatch
+    # (a few microseconds) more than its arithmetic; `--count` prints the two side by side.
+    "launch": dict(n_layers=4, d_model=64, n_heads=2, batch=1, seq=32),
+    # nanoGPT's own GPT-2 124M configuration (its config/train_gpt2.py: batch 12, block 1024, vocab 50304)
+    "gpt2": dict(n_layers=12, d_model=768, n_heads=12, batch=12, seq=1024, vocab=50304),
 }
+VOCAB = 257  # byte-level data's vocabulary, where a shape names none
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICE = torch.device("cpu")  # --device: cuda times the same contenders on a GPU
 ALLOCATOR = "allocator: torch's caching allocator"  # --allocator, on a CPU
@@ -78,9 +84,10 @@ def shape_of(name: str) -> dict:
     return dict(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, batch=8, seq=256)
 
 
-def our_overrides(shape: dict, dtype: str, vocab: int = 257, compiled: bool = False) -> list:
+def our_overrides(shape: dict, dtype: str, vocab: Optional[int] = None, compiled: bool = False) -> list:
     return ["model=tiny", f"model.n_layers={shape['n_layers']}", f"model.d_model={shape['d_model']}",
-            f"model.n_heads={shape['n_heads']}", "model.bias=false", f"model.vocab_size={vocab}",
+            f"model.n_heads={shape['n_heads']}", "model.bias=false",
+            f"model.vocab_size={vocab or shape.get('vocab', VOCAB)}",
             "data.tokenizer=bytes", f"train.batch_size={shape['batch']}", f"train.seq_len={shape['seq']}",
             f"precision={dtype}", f"train.compile={str(compiled).lower()}", "logging.wandb.mode=disabled",
             "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0", "logging.interval=100000",
@@ -94,28 +101,33 @@ def nanogpt_stepper(path: Path, shape: dict, dtype: torch.dtype, compiled: bool)
     module = importlib.util.module_from_spec(spec)
     with contextlib.redirect_stdout(open(os.devnull, "w")):
         spec.loader.exec_module(module)
-        model = module.GPT(module.GPTConfig(block_size=shape["seq"], vocab_size=257, n_layer=shape["n_layers"],
+        model = module.GPT(module.GPTConfig(block_size=shape["seq"], vocab_size=shape.get("vocab", VOCAB),
+                                            n_layer=shape["n_layers"],
                                             n_head=shape["n_heads"], n_embd=shape["d_model"], dropout=0.0, bias=False))
         model.to(DEVICE)
         opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), DEVICE.type)
     if compiled:
         model = torch.compile(model)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
-    y = torch.randint(0, 257, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
+    x = torch.randint(0, shape.get("vocab", VOCAB), (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
+    y = torch.randint(0, shape.get("vocab", VOCAB), (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
     autocast = torch.autocast(DEVICE.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step() -> None:
-        with autocast:
+        with _phase("model"), autocast:
             _, loss = model(x, y)
-        loss.backward()
+        with _phase("model"):
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    step.modules = [model]
     return step
 
 
-def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope: bool = True, extra: tuple = ()):
+def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: Optional[int] = None, rope: bool = True,
+                extra: tuple = ()):
+    vocab = vocab or shape.get("vocab", VOCAB)
     cfg = config.compose(our_overrides(shape, dtype, vocab, compiled) + list(extra))
     device = DEVICE
     layout = parallel.build_layout(cfg.parallel, 0, 1, device)
@@ -133,11 +145,18 @@ def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: int = 257, rope:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g).to(device)
     y = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g).to(device)
+    forward_backward = engine.forward_backward
+
+    def marked_forward_backward(*args, **kwargs):  # an instance's attribute: train_step runs unchanged
+        with _phase("model"):
+            return forward_backward(*args, **kwargs)
+    engine.forward_backward = marked_forward_backward
 
     def step() -> None:
         loss, grad_norm = parallel.train_step(engine, opt, x, y, cfg, DTYPES[dtype])
         scheduler.step()
         torch.stack([loss.detach(), grad_norm]).tolist()  # train.py's one host read per step
+    step.modules = engine.chunks
     return step
 
 
@@ -186,12 +205,167 @@ def paired_ratios(base: list, times: list) -> list:
 def our_loop_times(shape: dict, dtype: str, compiled: bool, n: int, warmup: int, allocator: str) -> list:
     """train.py's loop in this process (train.train), its step times from metrics.jsonl."""
     import train
-    cfg = config.compose(our_overrides(shape, dtype, 257, compiled) + [f"train.max_steps={warmup + n}",
+    cfg = config.compose(our_overrides(shape, dtype, None, compiled) + [f"train.max_steps={warmup + n}",
                          f"hardware.keep_freed_memory={str(allocator == 'train').lower()}"])
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(open(os.devnull, "w")):
         train.train(cfg, Path(run_dir))
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time"] for r in rows[warmup:]]
+
+
+# --- What a step dispatches, counted: the same on every machine, what a launch-bound GPU pays ---
+
+COUNTING = False  # count_table sets it: the steppers' phase ranges exist only in a profile
+
+
+def _phase(name: str):
+    """A profiler range naming a part of the step (while counting; nothing while timing)."""
+    return torch.profiler.record_function(name) if COUNTING else contextlib.nullcontext()
+
+
+# ATen ops that launch no kernel though the dispatcher sees no alias: allocations, dtype no-ops,
+# the host read (counted apart).
+NO_KERNEL = {"aten::_unsafe_view", "aten::_reshape_alias", "aten::detach_", "aten::resolve_conj", "aten::resolve_neg",
+             "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh",
+             "aten::resize_", "aten::set_", "aten::_local_scalar_dense"}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_kind(name: str) -> str:
+    """"none" for an ATen op that runs no kernel itself (a view, a composite that only calls other
+    ops, NO_KERNEL); "own" for one with the device's own kernel; "maybe" for one written once
+    over other ops (CompositeExplicitAutograd: copy_ is a kernel, clone and zeros_like only call one)."""
+    packet = getattr(torch.ops.aten, name[len("aten::"):], None)
+    if name in NO_KERNEL or packet is None:
+        return "none"
+    overload = getattr(packet, packet.overloads()[0])  # the main one (add: Tensor, linear: default)
+    if overload.is_view or overload.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        return "none"
+    backend = torch._C.DispatchKey.CUDA if DEVICE.type == "cuda" else torch._C.DispatchKey.CPU
+    return "own" if overload.has_kernel_for_dispatch_key(backend) else "maybe"
+
+
+def _is_kernel(event) -> bool:
+    """A compiled graph's kernel, an ATen op with the device's own kernel, or one written over other
+    ops that calls no kernel (so a copy counts once, not again as the `to` or `clone` around it)."""
+    if "_cpp_fused_" in event.name or event.name.startswith("triton_"):
+        return True
+    kind = _kernel_kind(event.name) if event.name.startswith("aten::") else "none"
+    return kind == "own" or (kind == "maybe" and not any(_is_kernel(c) for c in event.cpu_children))
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _phase_of(event, backward: list, model: list) -> str:
+    """Backward: inside one of autograd's node evaluations; forward: in the model's range outside
+    them (the forward and the loss); optimizer: the rest of the step (reductions, clipping, the
+    update, zeroing, the scheduler, the host read)."""
+    t = event.time_range.start
+    if any(lo <= t < hi for lo, hi in backward):
+        return "backward"
+    return "forward" if any(lo <= t < hi for lo, hi in model) else "optimizer"
+
+
+def dispatch_counts(step) -> dict:
+    """One profiled step's counts by phase: kernels (_is_kernel), host reads (.item()), Python
+    autograd.Function calls (forward and backward) and the hooks the step fires (module and
+    post-accumulate-grad hooks, registered once, each firing once a microbatch here)."""
+    from torch.profiler import ProfilerActivity, profile
+    global COUNTING
+    COUNTING = True
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+    finally:
+        COUNTING = False
+    events = prof.events()
+    ranges = lambda pick: [(e.time_range.start, e.time_range.end) for e in events if pick(e.name)]
+    backward = ranges(lambda n: n.startswith("autograd::engine::evaluate_function:"))
+    model = ranges(lambda n: n == "model")
+    python_nodes = {e.name.split(": ")[1] for e in events if e.name.startswith("autograd::engine::evaluate_function:")
+                    and not e.name.endswith(tuple("0123456789")) and "AccumulateGrad" not in e.name}
+    python_functions = python_nodes | {n[:-len("Backward")] for n in python_nodes}
+    counts = {(what, phase): 0 for what in ("kernels", "host reads", "python calls") for phase in PHASES}
+    for e in events:
+        if _is_kernel(e):
+            what = "kernels"
+        elif e.name == "aten::_local_scalar_dense":
+            what = "host reads"
+        elif e.name in python_functions:
+            what = "python calls"
+        else:
+            continue
+        counts[what, _phase_of(e, backward, model)] += 1
+    hooks = sum(len(getattr(m, kind)) for root in step.modules for m in root.modules()
+                for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"))
+    hooks += sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
+                 for root in step.modules for p in root.parameters())
+    counts["hooks", "backward"] = hooks
+    return counts
+
+
+def dispatch_cost_us(reps: int = 20000) -> float:
+    """The cost of one eager op that does almost nothing on this device (a 1-element in-place add,
+    autograd off): what each kernel costs a launch-bound step at least, beside its arithmetic."""
+    x = torch.zeros(1, device=DEVICE)
+    with torch.no_grad():
+        for _ in range(1000):
+            x.add_(1.0)
+        start = time.perf_counter()
+        for _ in range(reps):
+            x.add_(1.0)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def gemm_gflops(n: int = 512, reps: int = 20) -> float:
+    """This device's fp32 GEMM rate, the best of reps n x n x n products."""
+    a = torch.randn(n, n, device=DEVICE)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ a
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
+
+
+def count_table(args) -> str:
+    """Each contender's step, counted (dispatch_counts), eager and compiled, beside its measured
+    step time, the floor its kernels' dispatch alone puts under it, and (in the head) what its
+    arithmetic takes at this device's GEMM rate: where the step is far above the latter, it is
+    dispatch (and Python) that it spends its time on."""
+    from model import flops_per_token
+    shape, dtype = shape_of(args.shape), args.dtype.split(",")[0]
+    per_op, rate = dispatch_cost_us(), gemm_gflops()
+    tokens = shape["batch"] * shape["seq"]
+    flops = flops_per_token(config.compose(our_overrides(shape, dtype)).model, shape["seq"]) * tokens
+    lines = [f"{machine.cpu_model()} | threads {torch.get_num_threads()} | torch {torch.__version__} | {dtype} | "
+             f"shape {args.shape}: {shape} | one eager op's dispatch {per_op:.1f} us (a 1-element add) | "
+             f"{flops / 1e6:,.1f} MFLOP a step, {flops / rate / 1e6:.2f} ms at this device's {rate:,.0f} GFLOP/s "
+             f"(a 512^3 fp32 GEMM); step times: median of {args.steps} steps in turn\n",
+             "| mode | contender | kernels fwd / bwd / opt / all | host reads | autograd Python calls | hooks | "
+             "step ms (median) | kernels x dispatch ms |", "|---|---|---|---|---|---|---|---|"]
+    for compiled in {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]:
+        contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], compiled),
+                      "ours": our_stepper(shape, dtype, compiled)}
+        if "rope" in args.variants:
+            contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
+        if "fused" in args.variants:
+            contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
+        times = interleaved(contenders, args.steps, args.warmup)
+        for name, step in contenders.items():
+            c = dispatch_counts(step)
+            kernels_by_phase = [c["kernels", p] for p in PHASES]
+            total, ms = sum(kernels_by_phase), statistics.median(times[name]) * 1e3
+            lines.append(f"| {'compiled' if compiled else 'eager'} | {name} | "
+                         f"{' / '.join(map(str, kernels_by_phase))} / **{total}** | "
+                         f"{sum(c['host reads', p] for p in PHASES)} | {sum(c['python calls', p] for p in PHASES)} | "
+                         f"{c['hooks', 'backward']} | {ms:.2f} | {total * per_op / 1e3:.2f} |")
+    return "\n".join(lines)
 
 
 # The ops both models run with the same ATen kernels at the same shapes: the model's arithmetic,
@@ -279,7 +453,7 @@ def ops_table(args) -> str:
     shape, dtype = shape_of(args.shape), args.dtype.split(",")[0]
     if dtype == "bf16" and not bf16_timeable():
         return f"bf16: {bf16_note()}; --dtype fp32"
-    B, T, h, vocab = shape["batch"], shape["seq"], shape["d_model"], 257
+    B, T, h, vocab = shape["batch"], shape["seq"], shape["d_model"], shape.get("vocab", VOCAB)
     ops_args = argparse.Namespace(shape=f"{B},{T},{h}", vocab=vocab, device="cpu", logit_rows=B * T,
                                   head_dim=h // shape["n_heads"])
     element = torch.finfo(DTYPES[dtype]).bits // 8
@@ -320,7 +494,7 @@ def bench(args) -> list:
                 contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
             if "fused" in args.variants:
                 contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
-            times = {name: [] for name in [*contenders, "ours+loop"]}
+            times = {name: [] for name in [*contenders, *(["ours+loop"] if args.loop else [])]}
             ratios = {name: [] for name in contenders}
             round_ratios = {name: [] for name in contenders}
             faults = {}
@@ -330,7 +504,9 @@ def bench(args) -> list:
                     times[name] += t
                     ratios[name] += paired_ratios(block["nanogpt"], t)
                     round_ratios[name].append(statistics.median(paired_ratios(block["nanogpt"], t)))
-                times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup, args.allocator)
+                if args.loop:
+                    times["ours+loop"] += our_loop_times(shape, dtype, compiled, args.steps, args.warmup,
+                                                         args.allocator)
             base = tokens / statistics.median(times["nanogpt"])
             for name, t in times.items():
                 rate = tokens / statistics.median(t)
@@ -349,7 +525,8 @@ def table(rows: list, args) -> str:
     where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else (
         f"bf16 native: {machine.native_bf16()}, a bf16 GEMM takes {machine.bf16_gemm_slowdown():.1f}x fp32's")
     head = (f"{machine.cpu_model()} | {where} | threads {torch.get_num_threads()} | "
-            f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab 257, no bias; median of "
+            f"torch {torch.__version__}\nshape {args.shape}: {shape}, vocab {shape.get('vocab', VOCAB)}, no bias; "
+            f"median of "
             f"{args.rounds} rounds x {args.steps} steps, contenders in turn step by step; vs nanoGPT: the median "
             f"of paired step-time ratios, ± a 95% interval over the rounds' medians, each round's median after\n"
             f"{ALLOCATOR}, for every contender alike\n")
@@ -375,6 +552,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", choices=("eager", "compiled", "both"), default="both")
     p.add_argument("--variants", default="", help="also time what differs by design (vocab, rope) and "
                    "kernels.fused=true (fused), comma-separated")
+    p.add_argument("--no-loop", dest="loop", action="store_false",
+                   help="leave out ours+loop (a whole train.py run a round)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -385,6 +564,9 @@ def main(argv=None) -> int:
                    "machine.keep_freed_memory) or glibc's defaults")
     p.add_argument("--ops", action="store_true", help="instead: kernels.fused's ops at the step's shapes, eager and "
                    "fused, each against its memory-bandwidth bound (bytes moved / measured bandwidth)")
+    p.add_argument("--count", action="store_true", help="instead: what each step dispatches (kernels, host reads, "
+                   "autograd Python calls, hooks; forward, backward, optimizer apart), eager and compiled, beside "
+                   "its step time (the first --dtype)")
     p.add_argument("--profile", action="store_true", help="instead of timing: torch.profiler's table by op of "
                    "nanoGPT's and our step (eager, the first --dtype)")
     args = p.parse_args(argv)
@@ -398,7 +580,8 @@ def main(argv=None) -> int:
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cpu":
         ALLOCATOR = machine.keep_freed_memory() if args.allocator == "train" else "allocator: glibc's defaults"
-    print(ops_table(args) if args.ops else profile_tables(args) if args.profile else table(bench(args), args))
+    print(count_table(args) if args.count else ops_table(args) if args.ops else
+          profile_tables(args) if args.profile else table(bench(args), args))
     return 0
 
 

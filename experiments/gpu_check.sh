@@ -7,6 +7,14 @@
 # once as is and once with expandable segments (conf/hardware's memory_headroom_gib assumes 5%).
 #
 #     bash experiments/gpu_check.sh OUT_DIR [NANOGPT_DIR]
+#     PARTS=efficiency bash experiments/gpu_check.sh OUT_DIR NANOGPT_DIR     # the efficiency checks alone
+#
+# PARTS (default "tests bench") picks what runs: tests, tests/test_cuda.py; bench, bench_step at its
+# default shape; efficiency, the per-GPU efficiency checks, ~6 min on an H100 in all: what the step
+# dispatches (bench_step --count), bench_step against nanoGPT at nanoGPT's GPT-2 124M configuration
+# and at bench_step's default shape, bf16, eager and compiled, then one transformer layer forward
+# and backward at GPT-3 175B's TP8 slice (experiments/bench_layer.py) against the H100's peak and
+# perfmodel's per-layer compute time, and the LayerNorm-under-autocast test.
 #
 # Each part runs under its own time limit (TEST_TIMEOUT, BENCH_TIMEOUT, MEMORY_TIMEOUT seconds) so that a hang
 # still leaves the other's log; the logs and the versions seen go to OUT_DIR. On an H100 (16 cores)
@@ -20,9 +28,24 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$python" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   git rev-parse --short HEAD 2>/dev/null; } 2>&1 | tee "$out/versions.txt"
-timeout "${TEST_TIMEOUT:-600}" "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=8 2>&1 \
-    | tee "$out/test_cuda.log"
-if [ -n "$nanogpt" ]; then
+parts=" ${PARTS:-tests bench} "
+if [[ $parts == *" tests "* ]]; then
+  timeout "${TEST_TIMEOUT:-600}" "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=8 2>&1 \
+      | tee "$out/test_cuda.log"
+fi
+if [[ $parts == *" efficiency "* ]]; then
+  timeout 60 "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider -k layer_norm 2>&1 | tee "$out/test_layer_norm.log"
+  timeout 90 "$python" experiments/bench_layer.py --device cuda 2>&1 | tee "$out/bench_layer.log"
+  if [ -n "$nanogpt" ]; then
+    timeout 60 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --count --dtype bf16 --compile eager \
+        --steps 5 --warmup 2 2>&1 | tee "$out/bench_step_count.log"
+    timeout 150 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --shape gpt2 --dtype bf16 \
+        --compile both --no-loop --rounds 2 --steps 5 --warmup 3 2>&1 | tee "$out/bench_step_gpt2.log"
+    timeout 100 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --dtype bf16 --compile both \
+        --no-loop --rounds 2 --steps 10 --warmup 3 2>&1 | tee "$out/bench_step_issue.log"
+  fi
+fi
+if [ -n "$nanogpt" ] && [[ $parts == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-200}" "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda \
       ${BENCH_ARGS:---dtype bf16 --compile both --variants fused --rounds 2 --steps 20} 2>&1 | tee "$out/bench_step.log"
 fi

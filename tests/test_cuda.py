@@ -105,6 +105,24 @@ def test_fused_ops_on_cuda_are_as_accurate_as_eager(fused, dtype):
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
+def test_layer_norm_with_bf16_weights_stays_bf16_under_autocast():
+    """CUDA's autocast would run layer_norm in fp32 (input and weights cast up, the output cast
+    down by the next GEMM); with bf16 weights kernels.layer_norm runs it in bf16, one rounding of
+    the fp32 result, forward and backward within one bf16 step of it."""
+    norm = nn.LayerNorm(256).to(CUDA, torch.bfloat16)
+    x = leaf(64, 256, dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = kernels.layer_norm(x, norm)
+    assert y.dtype == torch.bfloat16
+    x32 = x.detach().float().requires_grad_()
+    want = nn.functional.layer_norm(x32, (256,), norm.weight.float(), norm.bias.float())
+    torch.testing.assert_close(y.float(), want, atol=2 ** -7, rtol=2 ** -7)
+    grad = torch.randn_like(want)
+    y.backward(grad.to(torch.bfloat16))
+    want.backward(grad)
+    torch.testing.assert_close(x.grad.float(), x32.grad, atol=2 ** -5, rtol=2 ** -6)
+
+
 @pytest.mark.parametrize("window", [None, 1, 100, 256])
 @pytest.mark.parametrize("impl", ["sdpa", "banded", "unfused", "auto", "flash"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

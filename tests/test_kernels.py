@@ -530,3 +530,24 @@ def assert_same_loss_and_grads(eager, fast, tokens, fused) -> None:
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_rotation_costs_three_kernels_a_layer_each_way(monkeypatch):
+    """What a launch-bound device pays for RoPE, counted as `bench_step --count` counts a step: our
+    step at bench_step's launch shape with and without the rotation differs by 3 kernels a layer
+    forward (q and k rotated together: a mul and two half-width multiply-adds) and 3 backward, and
+    by one Python autograd call a layer each way; one fp32 rank fires no hooks."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))  # bench_step's imports
+    from experiments import bench_step
+    shape = bench_step.SHAPES["launch"]
+    counts = {}
+    for rope in (True, False):
+        step = bench_step.our_stepper(shape, "fp32", False, rope=rope)
+        step()  # the first step allocates the optimizer's state
+        counts[rope] = bench_step.dispatch_counts(step)
+    layers = shape["n_layers"]
+    for phase in ("forward", "backward"):
+        assert counts[True]["kernels", phase] - counts[False]["kernels", phase] == 3 * layers, phase
+        assert counts[True]["python calls", phase] - counts[False]["python calls", phase] == layers, phase
+    assert counts[True]["kernels", "optimizer"] == counts[False]["kernels", "optimizer"]
+    assert counts[True]["hooks", "backward"] == 0

@@ -130,6 +130,10 @@ def test_rope_tables_are_the_correctly_rounded_angles():
     assert torch.equal(cos, torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64).float())
     assert torch.equal(sin, torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64).float())
     assert rope_tables(T, d, theta, "cpu")[0] is cos
+    # In a compute dtype: the fp32 table rounded once more, made once and cached like it
+    low = rope_tables(T, d, theta, "cpu", dtype=torch.bfloat16)
+    assert torch.equal(low[0], cos.to(torch.bfloat16)) and torch.equal(low[1], sin.to(torch.bfloat16))
+    assert rope_tables(T, d, theta, "cpu", dtype=torch.bfloat16)[1] is low[1]
 
 
 def test_compiled_model_takes_the_rope_tables_as_constants_in_one_graph_per_length():

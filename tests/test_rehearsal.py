@@ -141,7 +141,7 @@ def code_accounting(rec: dict) -> dict:
     m = rec["memory"]
     per_dim = rehearsal.comm_per_step(rec)
     return {"tp_bytes": per_dim.get("tp", 0.0), "pp_bytes": per_dim.get("pp", 0.0), "dp_bytes": per_dim.get("dp", 0.0),
-            "gemm_flops": rec["flops"]["per_step"]["gemm"], "attention_flops": rec["flops"]["per_step"]["attention"],
+            "gemm_flops": rec["flops"]["per_step"]["gemm"], "grad_accumulation_bytes": rec["grad_accumulation_bytes"]["per_step"], "attention_flops": rec["flops"]["per_step"]["attention"],
             "weights_bytes": m["weights_bytes"], "grads_bytes": m["gradients_bytes"],
             "optimizer_bytes": m["optimizer_bytes"],
             "activations_bytes": m["activations_bytes"] + m["communication_bytes"], "total": m["peak_bytes"]}
