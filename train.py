@@ -118,7 +118,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         why += f": torch.compile of {engine.compile()}"
     if rank == 0:
         log.info("%s; %s", why, allocator)
-    ran = backends(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
+    ran = what_computed(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
     optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
                                       norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -315,16 +315,17 @@ def host_allocator(hardware: config.HardwareConfig, device: torch.device) -> str
     return machine.keep_freed_memory()
 
 
-def backends(cfg: config.Config, device: torch.device, dtype: torch.dtype, precision: str, compiled: bool) -> dict:
+def what_computed(cfg: config.Config, device: torch.device, dtype: torch.dtype, precision: str, compiled: bool) -> dict:
     """What computed the run, for run.json and the tables under each study: the attention backend
     (and SDPA's kernel, kernels.describe_attention), the precision, whether fp32 matmuls were
     allowed TF32 (CUDA; None elsewhere), whether the step was compiled, the fused operators. Logs
-    it, and warns where kernels.attention=auto did not get flash-attn on a GPU."""
+    it, and warns where kernels.attention=auto did not get flash-attn on a GPU. (No torch.backends
+    here: submitit pickles this file's functions by value, and that module cannot be pickled.)"""
     m = cfg.model
     attention = kernels.describe_attention(cfg.kernels.attention, device, dtype, cfg.train.seq_len, m.d_model // m.n_heads,
                                            m.attention.window, m.dropout, cfg.kernels.attention_block)
     ran = {"attention": attention, "precision": precision, "compiled": compiled, "fused": cfg.kernels.fused,
-           "tf32": torch.backends.cuda.matmul.allow_tf32 if device.type == "cuda" else None}
+           "tf32": machine.tf32_matmuls() if device.type == "cuda" else None}
     log.info("attention %s%s | %s | TF32 %s | %s", attention["ran"],
              f" (SDPA: {attention['sdpa_kernel']})" if attention["sdpa_kernel"] else "", precision,
              {True: "on", False: "off", None: "n/a"}[ran["tf32"]], "compiled" if compiled else "eager")

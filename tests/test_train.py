@@ -350,3 +350,14 @@ def test_a_launchers_preemption_handler_runs_after_the_stop_steps_checkpoint(tmp
     assert seen == {"saved": [checkpoint.step_dir(tmp_path / "checkpoints", stop).name], "steps": stop}
     assert f"saving a checkpoint at step {stop} and exiting cleanly (SIGUSR2)" in proc.stderr + proc.stdout
     assert json.loads((tmp_path / "run.json").read_text())["status"] == "interrupted"
+
+
+def test_the_submitit_launcher_can_pickle_train_pys_entry_point():
+    """hydra's submitit launcher pickles the task function with cloudpickle, by value, since
+    train.py runs as __main__: everything its functions reach must pickle (torch.backends, a
+    module subclass, does not), or a requeue's checkpoint fails and the job is never requeued."""
+    import runpy
+    import cloudpickle
+    namespace = runpy.run_path(str(Path(__file__).resolve().parents[1] / "train.py"), run_name="train_as_main")
+    restored = cloudpickle.loads(cloudpickle.dumps(namespace["main"]))
+    assert callable(restored)
