@@ -7,7 +7,8 @@ while it runs, and on a hang the rank it started from.
   a send or receive, op, bytes, dtype, peer, call site, step, and the wall times of its post,
   the start of its wait and the end of its wait. Per group, a running hash of (op, bytes,
   dtype, call site), kept in each entry. The functions are wrapped once at start-up, here, so
-  no call site changes, and the rehearsal's Recorder (rehearsal.py), which wraps the same functions, wraps these in turn.
+  no call site changes, and the rehearsal's Recorder (rehearsal.py), which wraps the same
+  functions, wraps these in turn.
 - Spans: the phases the heartbeat is told (data, compute, eval, checkpoint) and every wait
   overlap.WaitClock times (comm, bubble), with wall-clock start and duration; the op log's waits
   say which group (tp, pp, dp) each wait was on.
@@ -416,11 +417,18 @@ def call_site() -> str:
     line that posted the op."""
     frame = sys._getframe(2)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith(HERE) and name not in WRAPPERS:
-            return f"{Path(name).name}:{frame.f_lineno} {frame.f_code.co_name}"
+        code = frame.f_code
+        file = _SITE_FILES.get(code)
+        if file is None:  # once per code object: a Path per op would cost more than the walk
+            name = code.co_filename
+            file = _SITE_FILES[code] = Path(name).name if name.startswith(HERE) and name not in WRAPPERS else ""
+        if file:
+            return f"{file}:{frame.f_lineno} {code.co_name}"
         frame = frame.f_back
     return "?"
+
+
+_SITE_FILES: dict = {}  # code object -> its file's name if it is the project's (not a wrapper's), else ""
 
 
 def main_stack(limit: int = 12) -> list:
