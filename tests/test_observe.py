@@ -205,7 +205,8 @@ def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_milli
             for r in members:
                 snaps[r]["ops"].append(_op("all_reduce", seq, "x.py:1 f", group=name,
                                            done=end + truth[r] + rng.uniform(-2e-4, 2e-4)))
-    offsets, residual = observe.clock_offsets(snaps)
+    import timeline
+    offsets, residual = timeline.clock_offsets(snaps)
     assert set(offsets) == set(truth)
     assert all(abs(offsets[r] - truth[r]) < 1e-3 for r in truth), offsets
     assert residual < 5e-4
