@@ -70,7 +70,7 @@ GROUP, DIM, SEQ, OP, BYTES, DTYPE, PEER, PAIR_SEQ, SITE, STEP, POST, WAIT, DONE,
 @dataclass
 class ObserveConfig:
     ops: bool = True         # the op log: every collective and send/receive, in a ring per rank
-    ring: int = 4096         # op-log entries kept per rank (a 175B step posts ~6k TP collectives)
+    ring: int = 4096         # op-log entries kept per rank (a 175B rank 0 posts ~51k ops in a step at batch 768)
     spans: int = 2048        # phase and wait spans kept per rank; 0: none
     localize: bool = True    # on a hang, rank 0 reads every rank's snapshot and names the root rank
     # Seconds rank 0 may wait in one op before it reads every rank's snapshot (once per op); a root
@@ -97,7 +97,7 @@ class Recorder:
         self.skip_step, self.skipped = skip_step, None
         self.stall_checked = None  # the op whose stall rank 0 last looked into
         self.swap_step, self.swapped, self.held = swap_step, None, None  # swap:RANK@STEP
-        self.beats, self.written, self.desynced = 0, {}, set()  # the desync check's state
+        self.beats, self.desynced = 0, set()  # the desync check's state
         self._saved = {}
 
     # --- recording ---
@@ -278,23 +278,20 @@ class Recorder:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.rank}.json"
         tmp = path.with_suffix(".tmp")
-        snap = self.snapshot(exiting)
-        tmp.write_text(json.dumps(snap))
+        tmp.write_text(json.dumps(self.snapshot(exiting)))
         os.replace(tmp, path)
-        for e in snap["ops"]:  # each group's newest (seq, hash) on disk: what the desync check publishes
-            if e[HASH] is not None:
-                self.written[e[GROUP]] = (e[SEQ], e[HASH])
         return path
 
     # --- a desync, found before it hangs ---
 
     def check_desync(self, run_dir: Path, store=None) -> list:
         """Every observe.desync_every heartbeats (from the heartbeat thread): publish each group's
-        newest written (seq, hash) through the c10d store, one set per group; on each group's
+        newest (seq, hash) in the ring through the c10d store, one set per group; on each group's
         lowest rank, read the other members' (one check and one multi_get per group) and compare
-        each with its own hash at that seq. A divergence is reported once per group."""
+        each with its own hash at that seq, while its ring holds it. A divergence is reported once
+        per group, once the other rank's snapshot holds a differing op."""
         self.beats += 1
-        if not self.cfg.desync_every or self.beats % self.cfg.desync_every or not self.written:
+        if not self.cfg.desync_every or self.beats % self.cfg.desync_every:
             return []
         try:
             return self._compare(run_dir, store or dist.distributed_c10d._get_default_store())
@@ -304,7 +301,11 @@ class Recorder:
 
     def _compare(self, run_dir: Path, store) -> list:
         prefix = f"observe/desync/{_attempt()}/"
-        for name, point in list(self.written.items()):
+        newest = {}
+        for e in reversed(list(self.ops)):  # whole entries: the main thread sets seq and hash apart
+            if e[HASH] is not None and e[GROUP] not in newest:
+                newest[e[GROUP]] = (e[SEQ], e[HASH])
+        for name, point in newest.items():
             store.set(f"{prefix}{name}/{self.rank}", json.dumps(point))
         found = []
         for name, members in list(self.members.items()):
@@ -318,22 +319,24 @@ class Recorder:
             mine = {e[SEQ]: e for e in list(self.ops) if e[GROUP] == name and e[HASH] is not None}
             differ = [r for r, raw in zip(others, store.multi_get(keys))
                       for seq, theirs in [json.loads(raw)] if seq in mine and mine[seq][HASH] != theirs]
-            if differ:
+            report = self._report_desync(run_dir, name, mine, differ, len(others)) if differ else None
+            if report is not None:
                 self.desynced.add(name)
-                found.append(self._report_desync(run_dir, name, mine, differ, len(others)))
+                found.append(report)
         return found
 
-    def _report_desync(self, run_dir: Path, name: str, mine: dict, differ: list, others: int) -> dict:
+    def _report_desync(self, run_dir: Path, name: str, mine: dict, differ: list, others: int) -> Optional[dict]:
         """Bisect to the first differing seq against the first differing member's snapshot ring;
         name the odd rank (this one where every other member differs from it and they are several),
-        log it and append it to faults.jsonl."""
+        log it and append it to faults.jsonl. None while that snapshot holds no differing op yet
+        (it is written at most every ft.hang_timeout/10 s): a later check reports it."""
         import ft
         other = differ[0]
-        theirs = {e[SEQ]: e for e in read_snapshots_of(run_dir, _attempt(), [other])[other]["ops"]
-                  if e[GROUP] == name and e[HASH] is not None}
-        seqs = sorted(set(mine) & set(theirs)) or [max(mine)]
-        theirs = theirs or {seqs[0]: mine[seqs[0]][:OP] + ["?", None, "?"] + mine[seqs[0]][DTYPE:SITE] + ["?"]
-                            + mine[seqs[0]][STEP:HASH] + [None]}  # its snapshot no longer holds them
+        snap = read_snapshots_of(run_dir, _attempt(), [other])[other]
+        theirs = {e[SEQ]: e for e in (snap["ops"] if snap else []) if e[GROUP] == name and e[HASH] is not None}
+        seqs = sorted(set(mine) & set(theirs))
+        if not seqs or mine[seqs[-1]][HASH] == theirs[seqs[-1]][HASH]:
+            return None
         low, high = 0, len(seqs) - 1  # the running hash differs from the first divergence on
         while low < high:
             middle = (low + high) // 2
