@@ -125,8 +125,7 @@ class Recorder:
 
     def post(self, op: str, tensors: list, group, peer: Optional[int] = None, site: Optional[str] = None) -> list:
         name = self._group(group)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors[:1])
-        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+        nbytes, dtype = (tensors[0].nbytes, _dtype_name(tensors[0].dtype)) if tensors else (0, "")
         site, running = site or call_site(), None
         if peer is None:
             seq = self.seq[name] = self.seq.get(name, 0) + 1
@@ -138,7 +137,9 @@ class Recorder:
             key = f"{name}:{op}:{peer}"
             seq, pair_seq = self.seq.get(name, 0), self.pairs.get(key, 0) + 1
             self.pairs[key] = pair_seq
-        dim = self.dims.get(name, "world" if len(ranks_of(self.members[name])) > 1 else "self")
+        dim = self.dims.get(name)
+        if dim is None:
+            dim = self.dims[name] = "world" if len(ranks_of(self.members[name])) > 1 else "self"
         entry = [name, dim, seq, op, nbytes, dtype, peer, pair_seq, site, self.step, time.time(), None, None, running]
         self.ops.append(entry)
         self.version += 1
@@ -430,6 +431,14 @@ def call_site() -> str:
     return "?"
 
 
+def _dtype_name(dtype) -> str:
+    name = _DTYPES.get(dtype)
+    if name is None:
+        name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPES: dict = {}  # torch dtype -> its name ("float32"), found once
 _SITE_FILES: dict = {}  # code object -> its file's name if it is the project's (not a wrapper's), else ""
 
 
