@@ -109,6 +109,8 @@ class Heartbeat:
         while not self._stop.wait(self.cfg.heartbeat_interval):
             if self._due():
                 self._publish()
+            if self.observer is not None:  # observe.desync_every: each group's hash against its members'
+                self.observer.check_desync(self.dir.parent)
             idle = time.monotonic() - self.changed
             # observe.stall_s: a stall whose root is already certain ends the job before the timeout
             root = self.observer.check_stall(self.dir.parent, self.world) if self.observer is not None else None

@@ -6,8 +6,9 @@ while it runs, and on a hang the rank it started from.
   collective of a group is the same collective on every member), per-pair sequence number of
   a send or receive, op, bytes, dtype, peer, call site, step, and the wall times of its post,
   the start of its wait and the end of its wait. Per group, a running hash of (op, bytes,
-  dtype). The functions are wrapped once at start-up, here, so no call site changes, and the
-  rehearsal's Recorder (rehearsal.py), which wraps the same functions, wraps these in turn.
+  dtype, call site), kept in each entry. The functions are wrapped once at start-up, here, so
+  no call site changes, and the rehearsal's Recorder (rehearsal.py), which wraps the same
+  functions, wraps these in turn.
 - Spans: the phases the heartbeat is told (data, compute, eval, checkpoint) and every wait
   overlap.WaitClock times (comm, bubble), with wall-clock start and duration; the op log's waits
   say which group (tp, pp, dp) each wait was on.
@@ -22,16 +23,21 @@ while it runs, and on a hang the rank it started from.
   collective the others wait in), mismatch (posted another op or size at the same sequence
   number: both call sites), busy outside communication (its Python stack), or a wait-for
   cycle. The report is appended to faults.jsonl; the job then exits HANG_EXIT as ft.py does.
+- Desync (check_desync): every observe.desync_every heartbeats each rank publishes each group's
+  (seq, hash) through the c10d store, and each group's lowest rank compares its members' with its
+  own at that seq; a divergence is bisected to the first differing seq in the snapshots' rings and
+  reported (the odd rank, both call sites) to the log and faults.jsonl, before anything hangs.
 - Faults (MEGAREPRO_FAULT, ft.planned_faults): skip:RANK@STEP (that rank does not post the first
-  collective of that step on a group of more than one rank, and goes on).
+  collective of that step on a group of more than one rank, and goes on); swap:RANK@STEP (that
+  rank posts two same-size collectives of that step from two call sites in swapped order).
 """
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -44,6 +50,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger("observe")
+
 HERE = str(Path(__file__).resolve().parent)
 WRAPPERS = {str(Path(HERE) / name) for name in ("observe.py", "rehearsal.py")}  # their frames are not call sites
 
@@ -55,27 +63,32 @@ COLLECTIVES = {  # torch.distributed function -> op name
 }
 POINT_TO_POINT = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
 FIELDS = ("group", "dim", "seq", "op", "bytes", "dtype", "peer", "pair_seq", "site", "step", "post", "wait",
-          "done")
-GROUP, DIM, SEQ, OP, BYTES, DTYPE, PEER, PAIR_SEQ, SITE, STEP, POST, WAIT, DONE = range(len(FIELDS))
+          "done", "hash")
+GROUP, DIM, SEQ, OP, BYTES, DTYPE, PEER, PAIR_SEQ, SITE, STEP, POST, WAIT, DONE, HASH = range(len(FIELDS))
 
 
 @dataclass
 class ObserveConfig:
     ops: bool = True         # the op log: every collective and send/receive, in a ring per rank
-    ring: int = 4096         # op-log entries kept per rank (a 175B step posts ~6k TP collectives)
+    ring: int = 4096         # op-log entries kept per rank (a 175B rank 0 posts ~51k ops in a step at batch 768)
     spans: int = 2048        # phase and wait spans kept per rank; 0: none
     localize: bool = True    # on a hang, rank 0 reads every rank's snapshot and names the root rank
     # Seconds rank 0 may wait in one op before it reads every rank's snapshot (once per op); a root
     # that is certain (dead, skipped, mismatch) then ends the job as a hang does, before
     # ft.hang_timeout. Keep it above ft.hang_timeout/10, the snapshots' age. 0: off.
     stall_s: float = 60.0
+    # Heartbeats between cross-rank comparisons of each group's running hash (a desync found
+    # before it hangs: a store set per group on every rank, a read of its members on each group's
+    # lowest rank). 0: off.
+    desync_every: int = 5
 
 
 class Recorder:
     """This rank's op log and spans. Entries are lists, filled in as the op's wait starts and
     ends; the heartbeat thread copies the ring when it writes a snapshot."""
 
-    def __init__(self, cfg: ObserveConfig, rank: int, coords: dict, dims: dict, skip_step: Optional[int] = None):
+    def __init__(self, cfg: ObserveConfig, rank: int, coords: dict, dims: dict, skip_step: Optional[int] = None,
+                 swap_step: Optional[int] = None):
         self.cfg, self.rank, self.coords, self.dims = cfg, rank, coords, dims  # dims: group name -> mesh dim
         self.ops = collections.deque(maxlen=cfg.ring)
         self.spans = collections.deque(maxlen=max(cfg.spans, 1))
@@ -83,6 +96,8 @@ class Recorder:
         self.step, self.phase, self.version = 0, "start", 0
         self.skip_step, self.skipped = skip_step, None
         self.stall_checked = None  # the op whose stall rank 0 last looked into
+        self.swap_step, self.swapped, self.held = swap_step, None, None  # swap:RANK@STEP
+        self.beats, self.desynced = 0, set()  # the desync check's state
         self._saved = {}
 
     # --- recording ---
@@ -108,21 +123,24 @@ class Recorder:
             self.members[name] = as_range(dist.get_process_group_ranks(group))
         return name
 
-    def post(self, op: str, tensors: list, group, peer: Optional[int] = None) -> list:
+    def post(self, op: str, tensors: list, group, peer: Optional[int] = None, site: Optional[str] = None) -> list:
         name = self._group(group)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors[:1])
-        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+        nbytes, dtype = (tensors[0].nbytes, _dtype_name(tensors[0].dtype)) if tensors else (0, "")
+        site, running = site or call_site(), None
         if peer is None:
             seq = self.seq[name] = self.seq.get(name, 0) + 1
             self._hash_before = self.hash.get(name, 0)
-            self.hash[name] = zlib.crc32(f"{op}:{nbytes}:{dtype}".encode(), self.hash.get(name, 0))
+            # The call site is hashed too: two same-size ops posted in swapped order differ only there.
+            running = self.hash[name] = zlib.crc32(f"{op}:{nbytes}:{dtype}:{site}".encode(), self._hash_before)
             pair_seq = None
         else:
             key = f"{name}:{op}:{peer}"
             seq, pair_seq = self.seq.get(name, 0), self.pairs.get(key, 0) + 1
             self.pairs[key] = pair_seq
-        dim = self.dims.get(name, "world" if len(ranks_of(self.members[name])) > 1 else "self")
-        entry = [name, dim, seq, op, nbytes, dtype, peer, pair_seq, call_site(), self.step, time.time(), None, None]
+        dim = self.dims.get(name)
+        if dim is None:
+            dim = self.dims[name] = "world" if len(ranks_of(self.members[name])) > 1 else "self"
+        entry = [name, dim, seq, op, nbytes, dtype, peer, pair_seq, site, self.step, time.time(), None, None, running]
         self.ops.append(entry)
         self.version += 1
         return entry
@@ -162,23 +180,65 @@ class Recorder:
 
         def call(*args, **kwargs):
             if point_to_point:
+                self._release()
                 peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
                 entry = self.post(op, [args[0]], kwargs.get("group"), peer)
-            else:
-                tensors = [a for a in args if torch.is_tensor(a)]
-                if self.skips(kwargs.get("group")):
-                    self._note_skipped(op, tensors, kwargs.get("group"))
-                    return _Skipped() if kwargs.get("async_op") else None
-                entry = self.post(op, tensors, kwargs.get("group"))
-            if name in ("isend", "irecv") or kwargs.get("async_op"):
-                return _Watched(original(*args, **kwargs), entry, self)
-            entry[WAIT] = entry[POST]  # a blocking op waits from its post
-            work = original(*args, **kwargs)
-            entry[DONE] = time.time()
-            self.version += 1
-            return work
+                return self._run(original, args, kwargs, entry, launched=name in ("isend", "irecv"))
+            tensors = [a for a in args if torch.is_tensor(a)]
+            if self.skips(kwargs.get("group")):
+                self._note_skipped(op, tensors, kwargs.get("group"))
+                return _Skipped() if kwargs.get("async_op") else None
+            if self.swap_step is not None:
+                return self._swap(original, op, tensors, args, kwargs)
+            return self._run(original, args, kwargs, self.post(op, tensors, kwargs.get("group")))
         call.__wrapped__ = original
         return call
+
+    def _run(self, original, args, kwargs, entry: list, launched: bool = False):
+        if launched or kwargs.get("async_op"):
+            return _Watched(original(*args, **kwargs), entry, self)
+        entry[WAIT] = entry[POST]  # a blocking op waits from its post
+        work = original(*args, **kwargs)
+        entry[DONE] = time.time()
+        self.version += 1
+        return work
+
+    def _swap(self, original, op: str, tensors: list, args: tuple, kwargs: dict):
+        """swap:RANK@STEP: in that step, a collective on a group of several ranks is held back, and
+        posted after the next one when that one is the same op and size from another call site (a
+        swap of two posts of one line, a loop's, is invisible to any hash of what is posted);
+        else it is posted before it, unswapped, and the next is held instead. A held blocking op
+        returns at once and goes on the wire later on copies of its tensors: its caller computes on
+        an output never written, as a rank whose posts were swapped computes on another's data."""
+        group, nbytes = kwargs.get("group"), sum(t.numel() * t.element_size() for t in tensors[:1])
+        held, self.held = self.held, None
+        if held is not None:
+            same = (held[1], held[2], held[3]) == (self._group(group), op, nbytes) and held[4] != call_site()
+            if same:
+                self.swapped = self.step
+                result = self._run(original, args, kwargs, self.post(op, tensors, group))
+                self._post_held(held)
+                return result
+            self._post_held(held)
+        if self.swap_step == self.step and self.swapped is None and len(ranks_of(
+                self.members[self._group(group)])) > 1 and "object" not in op:
+            if not kwargs.get("async_op"):  # its caller goes on with the output: it is written elsewhere
+                args = tuple(a.clone() if torch.is_tensor(a) else a for a in args)
+            self.held = ((original, args, kwargs, tensors), self._group(group), op, nbytes, call_site())
+            return _Held(self) if kwargs.get("async_op") else None
+        return self._run(original, args, kwargs, self.post(op, tensors, group))
+
+    def _post_held(self, held: tuple) -> None:
+        (original, args, kwargs, tensors), _, op, _, site = held
+        work = self._run(original, args, kwargs, self.post(op, tensors, kwargs.get("group"), site=site))
+        if isinstance(work, _Watched):
+            work.wait()  # its caller's work object (_Held) has no wait of its own to do
+
+    def _release(self) -> None:
+        """Post a held collective (swap:...) before anything else goes on the wire."""
+        held, self.held = self.held, None
+        if held is not None:
+            self._post_held(held)
 
     def check_stall(self, run_dir: Path, world: int) -> Optional[dict]:
         """On rank 0, from the heartbeat thread: once its main thread has waited observe.stall_s in
@@ -223,6 +283,78 @@ class Recorder:
         os.replace(tmp, path)
         return path
 
+    # --- a desync, found before it hangs ---
+
+    def check_desync(self, run_dir: Path, store=None) -> list:
+        """Every observe.desync_every heartbeats (from the heartbeat thread): publish each group's
+        newest (seq, hash) in the ring through the c10d store, one set per group; on each group's
+        lowest rank, read the other members' (one check and one multi_get per group) and compare
+        each with its own hash at that seq, while its ring holds it. A divergence is reported once
+        per group, once the other rank's snapshot holds a differing op."""
+        self.beats += 1
+        if not self.cfg.desync_every or self.beats % self.cfg.desync_every:
+            return []
+        try:
+            return self._compare(run_dir, store or dist.distributed_c10d._get_default_store())
+        except (RuntimeError, ValueError, OSError) as err:  # a store gone at shutdown ends nothing
+            log.debug("desync check: %s", err)
+            return []
+
+    def _compare(self, run_dir: Path, store) -> list:
+        prefix = f"observe/desync/{_attempt()}/"
+        newest = {}
+        for e in reversed(list(self.ops)):  # whole entries: the main thread sets seq and hash apart
+            if e[HASH] is not None and e[GROUP] not in newest:
+                newest[e[GROUP]] = (e[SEQ], e[HASH])
+        for name, point in newest.items():
+            store.set(f"{prefix}{name}/{self.rank}", json.dumps(point))
+        found = []
+        for name, members in list(self.members.items()):
+            ranks = list(ranks_of(members))
+            if len(ranks) < 2 or min(ranks) != self.rank or name in self.desynced:
+                continue
+            others = [r for r in ranks if r != self.rank]
+            keys = [f"{prefix}{name}/{r}" for r in others]
+            if not store.check(keys):
+                continue
+            mine = {e[SEQ]: e for e in list(self.ops) if e[GROUP] == name and e[HASH] is not None}
+            differ = [r for r, raw in zip(others, store.multi_get(keys))
+                      for seq, theirs in [json.loads(raw)] if seq in mine and mine[seq][HASH] != theirs]
+            report = self._report_desync(run_dir, name, mine, differ, len(others)) if differ else None
+            if report is not None:
+                self.desynced.add(name)
+                found.append(report)
+        return found
+
+    def _report_desync(self, run_dir: Path, name: str, mine: dict, differ: list, others: int) -> Optional[dict]:
+        """Bisect to the first differing seq against the first differing member's snapshot ring;
+        name the odd rank (this one where every other member differs from it and they are several),
+        log it and append it to faults.jsonl. None while that snapshot holds no differing op yet
+        (it is written at most every ft.hang_timeout/10 s): a later check reports it."""
+        import ft
+        other = differ[0]
+        snap = read_snapshots_of(run_dir, _attempt(), [other])[other]
+        theirs = {e[SEQ]: e for e in (snap["ops"] if snap else []) if e[GROUP] == name and e[HASH] is not None}
+        seqs = sorted(set(mine) & set(theirs))
+        if not seqs or mine[seqs[-1]][HASH] == theirs[seqs[-1]][HASH]:
+            return None
+        low, high = 0, len(seqs) - 1  # the running hash differs from the first divergence on
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (middle + 1, high) if mine[seqs[middle]][HASH] == theirs[seqs[middle]][HASH] else (low, middle)
+        seq = seqs[low]
+        a, b = mine[seq], theirs[seq]
+        odd = self.rank if len(differ) == others > 1 else other
+        report = {"rank": odd, "ranks": [self.rank, other], "group": name, "dim": a[DIM], "seq": seq,
+                  "step": b[STEP], "ops": [a[OP], b[OP]], "bytes": [a[BYTES], b[BYTES]], "sites": [a[SITE], b[SITE]],
+                  "first_held": seq == seqs[0] and seq > 1,  # the rings may not reach back to where it began
+                  "detail": f"#{seq} of group {name} ({a[DIM]}): rank {self.rank} posted {a[OP]} of {a[BYTES]} "
+                            f"bytes at {a[SITE]}, rank {other} posted {b[OP]} of {b[BYTES]} bytes at {b[SITE]}"}
+        log.error("desync on rank %d (of ranks %s differing in group %s): %s", odd, differ, name, report["detail"])
+        ft._append(Path(run_dir) / "faults.jsonl", {"event": "desync", "rank": self.rank, "attempt": _attempt(),
+                                                    "time": time.time(), "desync": report})
+        return report
+
 
 class _Watched:
     """A launched op's work: its wait is timed into the op log's entry."""
@@ -242,6 +374,20 @@ class _Watched:
 
     def __getattr__(self, name):
         return getattr(self.work, name)
+
+
+class _Held:
+    """The work of a collective swap:... holds back: waiting on it posts it (unswapped)."""
+
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+
+    def wait(self, timeout=None):
+        self.recorder._release()
+        return True
+
+    def is_completed(self):
+        return self.recorder.held is None
 
 
 class _Skipped:
@@ -274,11 +420,26 @@ def call_site() -> str:
     line that posted the op."""
     frame = sys._getframe(2)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith(HERE) and name not in WRAPPERS:
-            return f"{Path(name).name}:{frame.f_lineno} {frame.f_code.co_name}"
+        code = frame.f_code
+        file = _SITE_FILES.get(code)
+        if file is None:  # once per code object: a Path per op would cost more than the walk
+            name = code.co_filename
+            file = _SITE_FILES[code] = Path(name).name if name.startswith(HERE) and name not in WRAPPERS else ""
+        if file:
+            return f"{file}:{frame.f_lineno} {code.co_name}"
         frame = frame.f_back
     return "?"
+
+
+def _dtype_name(dtype) -> str:
+    name = _DTYPES.get(dtype)
+    if name is None:
+        name = _DTYPES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPES: dict = {}  # torch dtype -> its name ("float32"), found once
+_SITE_FILES: dict = {}  # code object -> its file's name if it is the project's (not a wrapper's), else ""
 
 
 def main_stack(limit: int = 12) -> list:
@@ -303,8 +464,11 @@ def start(cfg: ObserveConfig, layout) -> Optional[Recorder]:
     if not cfg.ops:
         return None
     import ft
-    skip = [int(v) for k, r, v in ft.planned_faults() if k == "skip" and r == layout.rank]
-    RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None)
+    faults = ft.planned_faults()
+    skip = [int(v) for k, r, v in faults if k == "skip" and r == layout.rank]
+    swap = [int(v) for k, r, v in faults if k == "swap" and r == layout.rank]
+    RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None,
+                        swap[0] if swap else None)
     RECORDER.install()
     return RECORDER
 
@@ -337,8 +501,12 @@ def snapshot_dir(run_dir: Path, attempt: int) -> Path:
 
 def read_snapshots(run_dir: Path, world: int, attempt: int) -> dict:
     """{rank: its snapshot in that attempt, or None where it has none (or an unreadable one)}."""
+    return read_snapshots_of(run_dir, attempt, range(world))
+
+
+def read_snapshots_of(run_dir: Path, attempt: int, ranks) -> dict:
     out = {}
-    for rank in range(world):
+    for rank in ranks:
         try:
             out[rank] = json.loads((snapshot_dir(run_dir, attempt) / f"rank{rank}.json").read_text())
         except (OSError, ValueError):
@@ -462,82 +630,6 @@ def _report(rank: int, snap: Optional[dict], reason: str, detail: str, entry: Op
 
 # --- python observe.py RUN_DIR: the diagnosis, the timeline and a short report ---
 
-def clock_offsets(snaps: dict) -> tuple:
-    """Each rank's clock less the lowest rank's, from matched collectives (a collective ends at
-    nearly the same moment on every member): ({rank: seconds}, the median residual in seconds)."""
-    ends = collections.defaultdict(dict)  # (group, seq) -> {rank: its end}
-    for rank, snap in snaps.items():
-        for e in snap["ops"]:
-            if e[PEER] is None and e[DONE] is not None and not e[OP].startswith("skipped"):
-                ends[(e[GROUP], e[SEQ])][rank] = e[DONE]
-    pairs = collections.defaultdict(list)  # (a, b) -> [a's end - b's end]
-    for by_rank in ends.values():
-        for a in by_rank:
-            for b in by_rank:
-                if a != b:
-                    pairs[(a, b)].append(by_rank[a] - by_rank[b])
-    offsets, todo = {min(snaps): 0.0}, [min(snaps)]
-    while todo:  # out from the lowest rank, through the groups each rank shares with a known one
-        known = todo.pop()
-        for (a, b), diffs in pairs.items():
-            if b == known and a not in offsets:
-                offsets[a] = offsets[b] + statistics.median(diffs)
-                todo.append(a)
-    residuals = []
-    for by_rank in ends.values():
-        aligned = [t - offsets[r] for r, t in by_rank.items() if r in offsets]
-        if len(aligned) > 1:
-            middle = statistics.median(aligned)
-            residuals += [abs(t - middle) for t in aligned]
-    return offsets, statistics.median(residuals) if residuals else 0.0
-
-
-def trace(snaps: dict, offsets: dict) -> dict:
-    """A Chrome/Perfetto trace: a process per host, a thread per rank, the spans and ops as complete
-    events on aligned clocks, matched collectives and send/receive pairs as flows."""
-    hosts = sorted({s["host"] for s in snaps.values()})
-    events, t0 = [], min(e[POST] for s in snaps.values() for e in s["ops"]) if any(s["ops"] for s in snaps.values()) \
-        else min(s["time"] for s in snaps.values())
-    for host in hosts:
-        events.append({"ph": "M", "name": "process_name", "pid": hosts.index(host), "args": {"name": host}})
-
-    def us(rank, t):
-        return round((t - offsets.get(rank, 0.0) - t0) * 1e6, 1)
-    ends = collections.defaultdict(list)  # a flow's key -> [(rank, pid, its end)]
-    for rank, snap in sorted(snaps.items()):
-        pid, c = hosts.index(snap["host"]), snap["coords"]
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
-                       "args": {"name": f"rank {rank} (dp {c.get('dp')}, pp {c.get('pp')}, tp {c.get('tp')})"}})
-        for kind, name, step, start, seconds in snap["spans"]:
-            seconds = snap["time"] - start if seconds is None else seconds
-            events.append({"ph": "X", "name": name, "cat": kind, "pid": pid, "tid": rank, "ts": us(rank, start),
-                           "dur": round(seconds * 1e6, 1), "args": {"step": step}})
-        for e in snap["ops"]:
-            end = e[DONE] if e[DONE] is not None else snap["time"]
-            events.append({"ph": "X", "name": f"{e[OP]} {e[DIM]}", "cat": "op", "pid": pid, "tid": rank,
-                           "ts": us(rank, e[POST]), "dur": round((end - e[POST]) * 1e6, 1),
-                           "args": {"group": e[GROUP], "seq": e[SEQ], "bytes": e[BYTES], "peer": e[PEER],
-                                    "site": e[SITE], "step": e[STEP], "finished": e[DONE] is not None}})
-            if e[OP].startswith("skipped"):
-                continue
-            key = (e[GROUP], e[SEQ]) if e[PEER] is None else (
-                (e[GROUP], rank, e[PEER], e[PAIR_SEQ]) if e[OP] == "send" else (e[GROUP], e[PEER], rank, e[PAIR_SEQ]))
-            ends[key].append((rank, pid, us(rank, e[POST]), e[OP]))
-    flow = 0
-    for key, members in ends.items():
-        if len(members) < 2 or (len(key) == 4 and {m[3] for m in members} != {"send", "recv"}):
-            continue
-        members.sort(key=lambda m: (m[3] != "send", m[0]))  # a send's flow starts at the sender
-        first = members[0]
-        for other in members[1:]:
-            flow += 1
-            events.append({"ph": "s", "id": flow, "name": "match", "cat": "flow", "pid": first[1], "tid": first[0],
-                           "ts": first[2]})
-            events.append({"ph": "f", "bp": "e", "id": flow, "name": "match", "cat": "flow", "pid": other[1],
-                           "tid": other[0], "ts": other[2]})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
 def diagnose(run_dir: Path) -> dict:
     """Write RUN_DIR/observe/diagnosis.json, trace.json and report.txt from the newest attempt's
     snapshots and faults.jsonl; works while the run still runs (the snapshots are renamed into place)."""
@@ -547,24 +639,28 @@ def diagnose(run_dir: Path) -> dict:
         raise SystemExit(f"{run_dir}/observe has no snapshots: was the run started with observe.ops=true?")
     folder = snapshot_dir(run_dir, attempts[-1])
     snaps = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
-    offsets, residual = clock_offsets(snaps)
-    hangs = []
-    if (run_dir / "faults.jsonl").exists():
-        for line in (run_dir / "faults.jsonl").read_text().splitlines():
-            event = json.loads(line)
-            if event.get("event") == "hang_detected" and "root" in event:
-                hangs.append({**{k: event["root"].get(k) for k in ("rank", "op", "group", "seq", "reason")},
-                              "attempt": event["attempt"], "detail": event["root"]["detail"]})
+    import timeline
+    offsets, residual = timeline.clock_offsets(snaps)
+    hangs, faults = [], run_dir / "faults.jsonl"
+    events = [json.loads(line) for line in faults.read_text().splitlines()] if faults.exists() else []
+    for event in events:
+        if event.get("event") == "hang_detected" and "root" in event:
+            hangs.append({**{k: event["root"].get(k) for k in ("rank", "op", "group", "seq", "reason")},
+                          "attempt": event["attempt"], "detail": event["root"]["detail"]})
+    desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
     diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
+                 "hangs": hangs, "desync": desyncs,
+                 "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
     out = run_dir / "observe"
     _write(out / "diagnosis.json", json.dumps(diagnosis, indent=1))
-    _write(out / "trace.json", json.dumps(trace(snaps, offsets)))
+    _write(out / "trace.json", json.dumps(timeline.trace(snaps, offsets)))
     lines = [f"{run_dir}: attempt {attempts[-1]}, {len(snaps)} ranks' snapshots",
              f"clocks aligned from matched collectives; residual {residual * 1e3:.3f} ms"]
     lines += [f"hang (attempt {h['attempt']}): rank {h['rank']}, {h['reason']}: {h['detail']}" for h in hangs] or \
         ["no hang reported"]
+    lines += [f"desync (attempt {d['attempt']}): rank {d['rank']}: {d['detail']}" for d in desyncs] or \
+        ["no desync reported"]
     _write(out / "report.txt", "\n".join(lines) + "\n")
     return diagnosis
 
