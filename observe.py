@@ -50,6 +50,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import timeline
+# An op-log entry's fields (timeline.py defines them: it reads entries without importing this module)
+from timeline import BYTES, DIM, DONE, DTYPE, FIELDS, GROUP, HASH, OP, PAIR_SEQ, PEER, POST, SEQ, SITE, STEP, WAIT  # noqa: F401
+
 log = logging.getLogger("observe")
 
 HERE = str(Path(__file__).resolve().parent)
@@ -62,9 +66,6 @@ COLLECTIVES = {  # torch.distributed function -> op name
     "all_gather_object": "all_gather_object", "broadcast_object_list": "broadcast_object_list",
 }
 POINT_TO_POINT = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
-FIELDS = ("group", "dim", "seq", "op", "bytes", "dtype", "peer", "pair_seq", "site", "step", "post", "wait",
-          "done", "hash")
-GROUP, DIM, SEQ, OP, BYTES, DTYPE, PEER, PAIR_SEQ, SITE, STEP, POST, WAIT, DONE, HASH = range(len(FIELDS))
 
 
 @dataclass
@@ -639,7 +640,6 @@ def diagnose(run_dir: Path) -> dict:
         raise SystemExit(f"{run_dir}/observe has no snapshots: was the run started with observe.ops=true?")
     folder = snapshot_dir(run_dir, attempts[-1])
     snaps = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
-    import timeline
     offsets, residual = timeline.clock_offsets(snaps)
     hangs, faults = [], run_dir / "faults.jsonl"
     events = [json.loads(line) for line in faults.read_text().splitlines()] if faults.exists() else []

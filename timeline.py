@@ -7,7 +7,10 @@ from __future__ import annotations
 import collections
 import statistics
 
-from observe import DIM, DONE, GROUP, OP, PAIR_SEQ, PEER, POST, SEQ, SITE, STEP, BYTES
+# An op-log entry (observe.Recorder's ring): a list of these fields, in this order
+FIELDS = ("group", "dim", "seq", "op", "bytes", "dtype", "peer", "pair_seq", "site", "step", "post", "wait",
+          "done", "hash")
+GROUP, DIM, SEQ, OP, BYTES, DTYPE, PEER, PAIR_SEQ, SITE, STEP, POST, WAIT, DONE, HASH = range(len(FIELDS))
 
 
 def clock_offsets(snaps: dict) -> tuple:
