@@ -330,6 +330,10 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
                        ("ft.heartbeat_interval", cfg.ft.heartbeat_interval)):
         if value <= 0:
             raise ConfigError(key, f"{value} <= 0", "use a positive number of seconds")
+    if 0 < cfg.observe.stall_s <= cfg.ft.hang_timeout / 10:  # snapshots are up to hang_timeout/10 s old
+        raise ConfigError("observe.stall_s", f"{cfg.observe.stall_s} s is within the snapshots' age, "
+                          f"ft.hang_timeout/10 = {cfg.ft.hang_timeout / 10:g} s, so an early verdict could read stale state",
+                          f"use observe.stall_s above {cfg.ft.hang_timeout / 10:g}, or 0 (only at the hang timeout)")
     for key, value in (("ft.straggler_interval", cfg.ft.straggler_interval), ("train.gc_interval", t.gc_interval),
                        ("checkpoint.interval", cfg.checkpoint.interval), ("checkpoint.keep", cfg.checkpoint.keep)):
         if value < 0:

@@ -80,8 +80,14 @@ class ObserveConfig:
     stall_s: float = 60.0
     # Heartbeats between cross-rank comparisons of each group's running hash (a desync found
     # before it hangs: a store set per group on every rank, a read of its members on each group's
-    # lowest rank). 0: off.
-    desync_every: int = 5
+    # lowest rank). 30 heartbeats is the snapshots' own cadence (ft.hang_timeout/10 at the
+    # defaults), which a divergence needs before it can be bisected; it keeps the one store's load
+    # at ~groups/30 sets a second per rank (about 3,000 a second at 12,288 ranks). 0: off.
+    desync_every: int = 30
+    # Only groups of at most this many ranks are compared: the mesh's tp, pp and dp groups of the
+    # paper's layouts (8, 8 or 35, up to 192 at 12,288 GPUs), not the world group of a large job,
+    # whose reader would fetch a key per rank (agree's all-reduce, posted from one line anyway).
+    desync_max_group: int = 256
 
 
 class Recorder:
@@ -307,11 +313,13 @@ class Recorder:
         for e in reversed(list(self.ops)):  # whole entries: the main thread sets seq and hash apart
             if e[HASH] is not None and e[GROUP] not in newest:
                 newest[e[GROUP]] = (e[SEQ], e[HASH])
+        compared = {name: list(ranks_of(members)) for name, members in list(self.members.items())
+                    if len(ranks_of(members)) <= self.cfg.desync_max_group}
         for name, point in newest.items():
-            store.set(f"{prefix}{name}/{self.rank}", json.dumps(point))
+            if name in compared:
+                store.set(f"{prefix}{name}/{self.rank}", json.dumps(point))
         found = []
-        for name, members in list(self.members.items()):
-            ranks = list(ranks_of(members))
+        for name, ranks in compared.items():
             if len(ranks) < 2 or min(ranks) != self.rank or name in self.desynced:
                 continue
             others = [r for r in ranks if r != self.rank]

@@ -328,3 +328,26 @@ def test_the_desync_check_bisects_to_the_first_differing_op_and_names_the_odd_ra
     assert recs[0].check_desync(tmp_path, store) == [] and recs[0].check_desync(tmp_path, store) == []  # once
     (event,) = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert event["event"] == "desync" and event["desync"] == report
+
+
+def test_an_early_stall_verdict_within_the_snapshots_age_is_refused_before_any_rank_works():
+    import config
+    from errors import ConfigError
+    with pytest.raises(ConfigError, match="observe.stall_s"):
+        config.validate(config.compose(["ft.hang_timeout=900", "observe.stall_s=60"]))
+    config.validate(config.compose(["ft.hang_timeout=900", "observe.stall_s=120"]))
+    config.validate(config.compose(["ft.hang_timeout=900", "observe.stall_s=0"]))
+
+
+def test_the_desync_check_leaves_out_groups_larger_than_its_bound():
+    """A large job's world group is not published or read (its reader would fetch a key per rank)."""
+    from pathlib import Path
+    import torch.distributed as dist
+    store = dist.HashStore()
+    rec = observe.Recorder(observe.ObserveConfig(desync_every=1, desync_max_group=4), 0, {"rank": 0}, {})
+    rec.members = {"tp": ["range", 0, 4, 1], "world": ["range", 0, 4096, 1]}
+    rec.ops.append(["tp", "tp", 0, "all_reduce", 4, "float32", None, None, "a.py:1", 1, 0.0, 0.0, 0.0, 7])
+    rec.ops.append(["world", "dp", 0, "all_reduce", 4, "float32", None, None, "a.py:2", 1, 0.0, 0.0, 0.0, 9])
+    assert rec.check_desync(Path("."), store) == []
+    prefix = f"observe/desync/{observe._attempt()}/"
+    assert store.check([f"{prefix}tp/0"]) and not store.check([f"{prefix}world/0"])
