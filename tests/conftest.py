@@ -175,3 +175,17 @@ def spawn(fn, world: int, *args) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="forkserver")
+
+
+@pytest.fixture
+def gpu_node(monkeypatch):
+    """A node of 8 CUDA GPUs, as torch.cuda reports it, whose name a test sets (gpu_node["name"]);
+    no launcher's variables. Nothing touches a real GPU."""
+    import torch
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    named = {"name": None}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: named["name"])
+    return named

@@ -40,12 +40,8 @@ def test_auto_without_flash_attn_on_a_gpu_says_why(monkeypatch):
 
 
 @pytest.fixture
-def a100_node(monkeypatch):
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "LOCAL_RANK", "SLURM_LOCALID"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+def a100_node(gpu_node):
+    gpu_node["name"] = "NVIDIA A100-SXM4-80GB"
     kernels.flash_attn_problem.cache_clear()
     yield
     kernels.flash_attn_problem.cache_clear()

@@ -11,20 +11,8 @@ from errors import ConfigError
 BASE = ["model=tiny", "logging.wandb.mode=disabled"]
 
 
-@pytest.fixture
-def gpu(monkeypatch):
-    """A node of 8 GPUs whose name the test sets; no launcher's variables."""
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "LOCAL_RANK", "SLURM_LOCALID"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    named = {"name": None}
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: named["name"])
-    return named
-
-
-def test_the_a100_config_on_an_h100_is_one_line_naming_the_h100_config(gpu):
-    gpu["name"] = "NVIDIA H100 80GB HBM3"
+def test_the_a100_config_on_an_h100_is_one_line_naming_the_h100_config(gpu_node):
+    gpu_node["name"] = "NVIDIA H100 80GB HBM3"
     with pytest.raises(ConfigError) as err:
         config.validate(config.compose(BASE + ["hardware=a100_cluster"]))
     line = str(err.value)
@@ -32,9 +20,9 @@ def test_the_a100_config_on_an_h100_is_one_line_naming_the_h100_config(gpu):
     assert "hardware=h100_cluster" in line, line
 
 
-def test_the_config_of_the_gpu_detected_passes_and_its_peak_is_the_tables(gpu):
+def test_the_config_of_the_gpu_detected_passes_and_its_peak_is_the_tables(gpu_node):
     for name, hardware, key in (("NVIDIA A100-SXM4-80GB", "a100_cluster", "A100"), ("NVIDIA H100 80GB HBM3", "h100_cluster", "H100")):
-        gpu["name"] = name
+        gpu_node["name"] = name
         cfg = config.compose(BASE + [f"hardware={hardware}"])
         config.validate(cfg)
         assert cfg.hardware.peak_tflops == machine.DEVICE_PEAK_TFLOPS[key]
@@ -42,19 +30,19 @@ def test_the_config_of_the_gpu_detected_passes_and_its_peak_is_the_tables(gpu):
             machine.peak_tflops(torch.device("cuda", 0), torch.bfloat16)[0]
 
 
-def test_a_gpu_without_a_config_of_its_own_is_told_to_drop_the_pin(gpu):
-    gpu["name"] = "NVIDIA H100 PCIe"  # not the SXM part h100_cluster describes: 756, not 989 TFLOP/s
+def test_a_gpu_without_a_config_of_its_own_is_told_to_drop_the_pin(gpu_node):
+    gpu_node["name"] = "NVIDIA H100 PCIe"  # not the SXM part h100_cluster describes: 756, not 989 TFLOP/s
     with pytest.raises(ConfigError) as err:
         config.validate(config.compose(BASE + ["hardware=h100_cluster"]))
     assert "756" in str(err.value) and "hardware.gpu=null hardware.peak_tflops=null" in str(err.value)
-    gpu["name"] = "NVIDIA H100 80GB HBM3"  # the auto config names no GPU: the table's peak for whatever runs
+    gpu_node["name"] = "NVIDIA H100 80GB HBM3"  # the auto config names no GPU: the table's peak for whatever runs
     config.validate(config.compose(BASE + ["hardware=auto"]))
     assert machine.peak_tflops(torch.device("cuda", 0), torch.bfloat16) == (989.0, "table:H100")
 
 
-def test_an_fp32_run_divides_by_the_fp32_peak_unless_tf32_is_on(gpu, monkeypatch):
+def test_an_fp32_run_divides_by_the_fp32_peak_unless_tf32_is_on(gpu_node, monkeypatch):
     """torch leaves TF32 off for matmuls: an fp32 run on an A100 reaches 19.5 TFLOP/s, not TF32's 156."""
-    gpu["name"] = "NVIDIA A100-SXM4-80GB"
+    gpu_node["name"] = "NVIDIA A100-SXM4-80GB"
     cuda, a100 = torch.device("cuda", 0), config.compose(BASE + ["hardware=a100_cluster"]).hardware
     monkeypatch.setattr(machine, "tf32_matmuls", lambda: False)
     assert machine.peak_tflops(cuda, torch.float32) == (19.5, "table:A100 fp32")
