@@ -18,17 +18,24 @@ backend obeys exactly this rule (flash-attn spells it window_size=(W-1, 0)):
 - reference: naive softmax(QKᵀ)V in fp32, the oracle.
 - auto:      flash where it can run, else banded where the window skips enough, else sdpa.
 
-Fused operators (kernels.fused=true) are the eager functions below run through torch.compile:
-inductor turns each into one read-and-write pass forward and one backward, where eager PyTorch
-makes a pass per op. The functions are compiled lazily, once, the first time they are called.
-A lone LayerNorm, one ATen kernel each way already, stays ATen's (layer_norm). The attention's
-heads and RoPE (heads_with_rope) are compiled under either true or triton (no hand-written kernel).
+kernels.fused=true fuses inside a compiled step (train.compile=true; auto compiles on CUDA):
+there inductor turns each elementwise chain (residual add + LayerNorm, bias + GeLU, the heads with
+RoPE) into one read-and-write pass forward and one backward, with its neighbours, and the loss
+takes the form whose fp32 upcast stays in registers (_cross_entropy). From eager code it runs the
+eager ops, so that it costs nothing there: a kernel inductor builds can only be called through
+Python wrappers. One torch.compile'd function per op pays dynamo's frame evaluation and
+AOTAutograd's autograd.Function and runtime wrappers on every call, 173 Python function calls for
+an add + LayerNorm forward and backward against eager's 16 (a step at bench_step's launch shape:
+1,976 against 649); a graph compiled ahead (torch._inductor.standalone_compile) still runs behind
+AOTAutograd's runtime wrapper (26 calls forward, 40 backward), and a torch.library.custom_op
+around it adds ~43 more, an autograd.Function ~9. So eager code calls no inductor kernel.
 
-kernels.fused=triton runs hand-written Triton kernels instead (CUDA, the optional `triton`
-extra, kernels_triton.py): residual add + LayerNorm and bias + GeLU forward and backward, and the
-cross-entropy, each one pass over its rows. Triton is imported on first use; on CPU it runs only
-in its interpreter (TRITON_INTERPRET=1), which is how the tests check it against the eager reference.
-Elsewhere, like kernels.attention=flash, the switch is a one-line error naming what to use.
+kernels.fused=triton runs hand-written Triton kernels from eager code (CUDA, the optional
+`triton` extra, kernels_triton.py): residual add + LayerNorm and bias + GeLU forward and backward,
+and the cross-entropy, each one pass over its rows, each behind one autograd.Function. Inside a
+compiled step inductor fuses the same ops itself. Triton is imported on first use; on CPU it runs
+only in its interpreter (TRITON_INTERPRET=1), which is how the tests check it against the eager
+reference. Elsewhere, like kernels.attention=flash, the switch is a one-line error naming what to use.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ import functools
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -49,9 +56,10 @@ import kernels_triton
 @dataclass
 class KernelsConfig:
     attention: str = "auto"   # auto | flash | banded | sdpa | reference
-    # LayerNorm(+residual), bias+GeLU and cross-entropy: false (eager) | true (torch.compile) |
-    # triton (Triton kernels, CUDA). Any, not bool: OmegaConf has no bool-or-str type, so
-    # config.validate checks the value against FUSED_IMPLS.
+    # LayerNorm(+residual), bias+GeLU and cross-entropy: false (eager) | true (fused by inductor
+    # inside a compiled step, train.compile; eager ops from eager code) | triton (Triton kernels,
+    # CUDA). Any, not bool: OmegaConf has no bool-or-str type, so config.validate checks the value
+    # against FUSED_IMPLS.
     fused: Any = False
     # Query rows per block of the banded backend: it computes T·(W + block) scores, so smaller is
     # less waste, until per-block overheads win. 128 measured best on CPU (experiments/bench_kernels.py).
@@ -317,8 +325,7 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
 
 # --- Attention's inputs: the heads of the QKV projection, q and k rotated (RoPE) ---
 
-def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                    fused=False) -> tuple:
+def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
     """[B, T, 3*d] projections, rows grouped (head, q|k|v, head_dim) -> q, k, v, each [B, H, T, D],
     q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
     reference) with the fp32 cos/sin tables [T, D] rounded to qkv's dtype.
@@ -329,15 +336,12 @@ def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     gradients and copies them back into the projection's layout. Here q and k are rotated
     together, a mul and two half-width multiply-adds over both; backward, one copy gathers dq and
     dk, the same three ops write their inverse rotation straight into the projection's layout,
-    and one copy writes dv. Inside a compiled model the plain ops go to inductor instead.
-
-    fused (kernels.fused, true or triton): the same plain ops compiled by inductor, one kernel each
-    way: forward, q and k read once and written rotated; backward, dq, dk and dv read once and the
-    projection's gradient written once (3.9 ms a layer forward and backward against the
-    written-out 8.0 ms, fp32, bench_step's default shape; the half-width multiply-adds above run at ~1 GB/s)."""
+    and one copy writes dv. Inside a compiled model the plain ops go to inductor instead, which
+    makes one kernel each way of them (3.9 ms a layer forward and backward against the written-out
+    8.0 ms, fp32, bench_step's default shape: the half-width multiply-adds run at ~1 GB/s)."""
     if torch.compiler.is_compiling():
         return _heads_then_rope(qkv, head_dim, cos, sin)
-    return (_FusedHeadsWithRope if fused else _HeadsWithRope).apply(qkv, head_dim, cos, sin)
+    return _HeadsWithRope.apply(qkv, head_dim, cos, sin)
 
 
 def _heads(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -350,7 +354,7 @@ def _heads(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The reference rotation of x [..., T, D] by the tables [T, D]: x * cos + (-x2, x1) * sin, each
     half written out. Compiled (kernels.fused, or a compiled model), this form is one vectorized
-    pass; the same sum with the rotated copy built by cat([-x2, x1]) compiled to a kernel 2-4x
+    pass; the same sum with the rotated copy built by cat([-x2, x1]) compiles to a kernel 2-4x
     slower (q and k forward 2.80 against 0.73 ms at bench_step's default shape, fp32)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -404,68 +408,10 @@ class _HeadsWithRope(torch.autograd.Function):
         return grad.view(B, T, -1), None, None, None
 
 
-def _rotated_q_and_k(qkv, head_dim: int, cos, sin):
-    """The fused forward's source: q and k rotated, each laid out [B, T, H, D]."""
-    q, k, _ = _heads(qkv, head_dim).unbind(3)
-    cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]: over the heads
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
-def _heads_with_rope_grad(dq, dk, dv, cos, sin):
-    """The fused backward's source: dq and dk turned back (the inverse rotation, -sin) and dv,
-    [B, H, T, D] each, written into the projection's [B, T, 3*d] layout."""
-    cos, sin = cos[:, None], sin[:, None]
-    dq, dk, dv = (g.transpose(1, 2) for g in (dq, dk, dv))
-    return torch.stack([apply_rope(dq, cos, -sin), apply_rope(dk, cos, -sin), dv], dim=3).flatten(2)
-
-
-class _FusedHeadsWithRope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qkv, head_dim, cos, sin):
-        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
-        ctx.save_for_backward(cos, sin)
-        q, k = _rotated_q_and_k_fused(qkv, head_dim, cos, sin)
-        v = _heads(qkv, head_dim)[:, :, :, 2]
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        cos, sin = ctx.saved_tensors
-        return _heads_with_rope_grad_fused(dq, dk, dv, cos, sin), None, None, None
-
-
 # --- Fused elementwise operators and the loss ---
 #
-# Each eager function below is the reference AND the source of its fused version: the fused path
-# is the same code compiled by inductor, so the two can only differ by rounding. They take
-# tensors (weights, bias), not modules, so one compiled graph serves every layer: a module
-# argument would make dynamo guard on its identity and recompile per layer.
-
-class _Compiled:
-    """fn compiled by torch.compile on first call, one static graph per input shape.
-
-    dynamic=False: a training run calls each op on one or two shapes (train, eval), and the
-    static graphs ran ~30% faster than one dynamic-shape graph here (LayerNorm + residual, bf16,
-    CPU); each new shape costs a compile (2-4 s on CPU). dynamic=None would be worse than either:
-    after the second shape it swaps in a dynamic graph that then also serves the first."""
-
-    def __init__(self, fn: Callable):
-        self.fn, self.compiled = fn, None
-
-    def __call__(self, *args):
-        if torch.compiler.is_compiling():  # inside a compiled model: let the outer graph fuse it
-            return self.fn(*args)
-        if any(torch.is_tensor(a) and a.is_meta for a in args):  # a rehearsal: shapes only, nothing to compile
-            return self.fn(*args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=False)
-        return self.compiled(*args)
-
-
-def _add_layer_norm(x, delta, weight, bias, eps: float):
-    x = x + delta
-    return x, F.layer_norm(x, weight.shape, weight, bias, eps)
-
+# The functions below are what a compiled step fuses, written so that inductor's one pass each
+# way computes what eager computes. They take tensors (weights, bias), not modules.
 
 def _bias_gelu(x, bias):
     # The bias joins in x's dtype, as it would inside the GEMM (nn.Linear under autocast), so a
@@ -488,19 +434,12 @@ def _cross_entropy(logits, targets):
     return (torch.logsumexp(logits, dim=-1) - target_logit).mean()
 
 
-_add_layer_norm_fused = _Compiled(_add_layer_norm)
-_bias_gelu_fused = _Compiled(_bias_gelu)
-_cross_entropy_fused = _Compiled(_cross_entropy)
-_rotated_q_and_k_fused = _Compiled(_rotated_q_and_k)
-_heads_with_rope_grad_fused = _Compiled(_heads_with_rope_grad)
-
-
 def layer_norm(x: torch.Tensor, norm: nn.LayerNorm, fused=False) -> torch.Tensor:
     """fused: a value of KernelsConfig.fused (False, True or "triton"), for every function here.
 
-    A lone LayerNorm is already one ATen kernel forward and one backward, so compiling it has
-    nothing to fuse; on this CPU inductor's LayerNorm loops ran at 0.40-0.70x of ATen's (1 thread,
-    bf16 and fp32, experiments/bench_kernels.py). fused=true keeps ATen's; only Triton replaces it."""
+    A lone LayerNorm is already one ATen kernel forward and one backward, so there is nothing to
+    fuse; on a CPU inductor's LayerNorm loops run at 0.40-0.70x of ATen's (1 thread, bf16 and fp32,
+    experiments/bench_kernels.py). Only Triton replaces it."""
     if _use_triton(fused, x):
         return kernels_triton.TritonLayerNorm.apply(x, None, norm.weight, norm.bias, norm.eps)
     return _norm(x, norm)
@@ -519,31 +458,33 @@ def _norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
 
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm, fused=False):
-    """Residual add then LayerNorm: returns (x + delta, LN(x + delta))."""
-    if not fused:
-        x = x + delta
-        return x, _norm(x, norm)
+    """Residual add then LayerNorm: returns (x + delta, LN(x + delta)). Inside a compiled step
+    inductor fuses the two, whatever fused says."""
     if _use_triton(fused, x):
         return kernels_triton.TritonLayerNorm.apply(x, delta, norm.weight, norm.bias, norm.eps)
-    return _add_layer_norm_fused(x, delta, norm.weight, norm.bias, norm.eps)
+    x = x + delta
+    return x, _norm(x, norm)
 
 
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], fused=False) -> torch.Tensor:
-    """Without a bias (model.bias=false) fused=true has nothing to fuse and keeps ATen's GeLU, one
-    kernel each way, as layer_norm keeps ATen's LayerNorm: inductor's lone GeLU ran at 0.70x of it
-    here (forward and backward of [2048, 1536] fp32, 6.01 against 4.19 ms; bench_step's default MLP)."""
+    """GeLU(x + bias); inside a compiled step inductor fuses the two, whatever fused says. Without
+    a bias (model.bias=false) there is nothing to fuse: ATen's GeLU is one kernel each way, and
+    inductor's lone GeLU runs at 0.70x of it on a CPU (forward and backward of [2048, 1536] fp32,
+    6.01 against 4.19 ms; bench_step's default MLP)."""
     if _use_triton(fused, x):
         return kernels_triton.TritonBiasGelu.apply(x, bias)
-    return (_bias_gelu_fused if fused and bias is not None else _bias_gelu)(x, bias)
+    return _bias_gelu(x, bias)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, fused=False) -> torch.Tensor:
-    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    if not fused:
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype. fused=true inside a
+    compiled step, and on meta tensors (a rehearsal, which stands for a GPU's compiled step): the
+    form inductor fuses into two reductions (_cross_entropy); from eager code, ATen's."""
     if _use_triton(fused, logits):
         return kernels_triton.TritonCrossEntropy.apply(logits.flatten(0, -2), targets.flatten()).mean()
-    return _cross_entropy_fused(logits, targets)
+    if fused and (torch.compiler.is_compiling() or logits.is_meta):
+        return _cross_entropy(logits, targets)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
 # --- Triton kernels (kernels.fused=triton): when they run; the kernels are in kernels_triton.py ---
