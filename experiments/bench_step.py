@@ -28,6 +28,9 @@ and MegaScale's switch that nanoGPT has no counterpart for (--variants fused):
   ours+fused  kernels.fused=true: compiled, the loss in the form inductor fuses into two
               reductions (the elementwise chains inductor fuses either way); eager, the eager
               ops, which dispatch what `ours` does (kernels.fused fuses inside a compiled step)
+and, compiled, the step recorded as CUDA graphs (--variants graphs):
+  ours+graphs train.compile_mode=reduce-overhead: one graph launch replays the compiled step's
+              kernels (CUDA; on a CPU the step compiles as `ours` does)
 Throughput is tokens/s (batch * seq / median step time). The CPU model and whether it computes
 bf16 natively (AVX512-BF16, AMX) are printed first, with how much longer a bf16 GEMM takes than an
 fp32 one: AVX512 without BF16 emulates it at ~4x (timed), AVX2 alone at ~1000x, where the bf16
@@ -140,7 +143,8 @@ def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: Optional[int] = 
         for module in (m for chunk in engine.chunks for m in chunk.modules() if isinstance(m, Attention)):
             module.mix = functools.partial(mix_without_rope, module)
     if compiled:
-        engine.compile()
+        import train
+        engine.compile(**train.compile_mode_choice(cfg.train.compile_mode, device)[0])
     opt = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr, norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(opt, cfg.optim, 10 ** 6)
     g = torch.Generator().manual_seed(0)
@@ -375,6 +379,8 @@ def count_table(args) -> str:
             contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
         if "fused" in args.variants:
             contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
+        if "graphs" in args.variants and compiled:
+            contenders["ours+graphs"] = our_stepper(shape, dtype, True, extra=("train.compile_mode=reduce-overhead",))
         times = interleaved(contenders, args.steps, args.warmup)
         for name, step in contenders.items():
             c = dispatch_counts(step)
@@ -513,6 +519,8 @@ def bench(args) -> list:
                 contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
             if "fused" in args.variants:
                 contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
+            if "graphs" in args.variants and compiled:
+                contenders["ours+graphs"] = our_stepper(shape, dtype, True, extra=("train.compile_mode=reduce-overhead",))
             times = {name: [] for name in [*contenders, *(["ours+loop"] if args.loop else [])]}
             ratios = {name: [] for name in contenders}
             round_ratios = {name: [] for name in contenders}
@@ -569,8 +577,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=tuple(SHAPES), default="issue")
     p.add_argument("--dtype", default="fp32,bf16", help="fp32, bf16 or both (comma-separated)")
     p.add_argument("--compile", choices=("eager", "compiled", "both"), default="both")
-    p.add_argument("--variants", default="", help="also time what differs by design (vocab, rope) and "
-                   "kernels.fused=true (fused), comma-separated")
+    p.add_argument("--variants", default="", help="also time what differs by design (vocab, rope), "
+                   "kernels.fused=true (fused) and, compiled, train.compile_mode=reduce-overhead (graphs), "
+                   "comma-separated")
     p.add_argument("--no-loop", dest="loop", action="store_false",
                    help="leave out ours+loop (a whole train.py run a round)")
     p.add_argument("--rounds", type=int, default=3)

@@ -188,7 +188,8 @@ def cpu_run(tmp_path_factory, cache_dir) -> list:
 @pytest.mark.parametrize("precision, switches", [
     ("fp32", ["train.compile=false"]), ("bf16", ["train.compile=false"]),
     ("bf16", ["train.compile=true", "kernels.fused=true"]), ("bf16", ["train.compile=false", "kernels.fused=triton"]),
-    ("bf16", [])], ids=["fp32", "bf16", "bf16-compiled", "bf16-triton", "bf16-default"])
+    ("bf16", []), ("bf16", ["train.compile_mode=reduce-overhead"])],
+    ids=["fp32", "bf16", "bf16-compiled", "bf16-triton", "bf16-default", "bf16-cudagraphs"])
 def test_train_py_on_one_gpu_follows_the_cpu_run_and_resumes(precision, switches, cpu_run, tmp_path, cache_dir):
     """train.py on one GPU takes the CPU run's steps (the same weights, data and maths), saves on
     the device at step 6 and a run resumed from there continues it."""
