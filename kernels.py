@@ -23,12 +23,14 @@ there inductor turns each elementwise chain (residual add + LayerNorm, bias + Ge
 RoPE) into one read-and-write pass forward and one backward, with its neighbours, and the loss
 takes the form whose fp32 upcast stays in registers (_cross_entropy). From eager code it runs the
 eager ops, so that it costs nothing there: a kernel inductor builds can only be called through
-Python wrappers. One torch.compile'd function per op pays dynamo's frame evaluation and
+Python wrappers. A torch.compile'd function per op pays dynamo's frame evaluation and
 AOTAutograd's autograd.Function and runtime wrappers on every call, 173 Python function calls for
-an add + LayerNorm forward and backward against eager's 16 (a step at bench_step's launch shape:
-1,976 against 649); a graph compiled ahead (torch._inductor.standalone_compile) still runs behind
-AOTAutograd's runtime wrapper (26 calls forward, 40 backward), and a torch.library.custom_op
-around it adds ~43 more, an autograd.Function ~9. So eager code calls no inductor kernel.
+an add + LayerNorm forward and backward against eager's 16 (with each op so compiled, a step at
+bench_step's launch shape calls 1,976 against 649); a graph compiled ahead
+(torch._inductor.standalone_compile) still runs behind AOTAutograd's runtime wrapper (26 calls
+forward, 40 backward), and a torch.library.custom_op around it adds ~43 more a call forward and
+backward, an autograd.Function ~9. So eager code calls no inductor kernel, and the Triton kernels
+below stay behind autograd.Functions rather than custom ops.
 
 kernels.fused=triton runs hand-written Triton kernels from eager code (CUDA, the optional
 `triton` extra, kernels_triton.py): residual add + LayerNorm and bias + GeLU forward and backward,
@@ -62,7 +64,7 @@ class KernelsConfig:
     # against FUSED_IMPLS.
     fused: Any = False
     # Query rows per block of the banded backend: it computes T·(W + block) scores, so smaller is
-    # less waste, until per-block overheads win. 128 measured best on CPU (experiments/bench_kernels.py).
+    # less waste, until per-block overheads win. 128 is the fastest on a CPU (experiments/bench_kernels.py).
     attention_block: int = 128
 
 
@@ -125,8 +127,8 @@ class _ScaledMaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # In the probabilities' dtype, in place, the row sums accumulated in fp32: the backward's
-        # transients are one square of the dtype at a time (in fp32 they were four, the largest
-        # thing alive at the backward's peak), as in Megatron's kernel, which keeps none.
+        # transients are one square of the dtype at a time (in fp32 they would be four, the
+        # largest thing alive at the backward's peak), as in Megatron's kernel, which keeps none.
         (probs,) = ctx.saved_tensors
         rows = (grad * probs).sum(-1, keepdim=True, dtype=torch.float32).to(grad.dtype)
         return torch.sub(grad, rows).mul_(probs).mul_(ctx.scale), None, None
@@ -183,13 +185,13 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
 
     Work: T·(block + W) scores instead of the T²/2 of causal SDPA, so the speed-up over it is
     about T / (2·(W + block)). The mask covers every score of the middle call, also those of
-    keys all of a block's queries see. Masking only where needed was tried and measured: three
-    calls per window (the masked left edge, the unmasked interior, the block's own keys causal)
-    of SDPA's CPU flash kernel, merged by their log-sum-exps, with the kernel's backward per piece.
-    At s=8192, W=256-1024, 1 thread (experiments/bench_band_split.py), the mask cost 0-4% of the
-    single call; the split ran at 0.75-0.93x of it in fp32 (what precision=auto trains in on this
-    CPU) and 1.02-1.06x in bf16: three calls, the merge and the pieces' gradient copies cost about
-    what the mask's one add per score does, so the single call stays.
+    keys all of a block's queries see. Masking only where needed does not pay: three calls per
+    window (the masked left edge, the unmasked interior, the block's own keys causal) of SDPA's
+    CPU flash kernel, merged by their log-sum-exps, with the kernel's backward per piece. At
+    s=8192, W=256-1024, 1 thread (experiments/bench_band_split.py), the mask costs 0-4% of the
+    single call; the split runs at 0.75-0.93x of it in fp32 (what precision=auto trains in on a
+    CPU without native bf16) and 1.02-1.06x in bf16: three calls, the merge and the pieces'
+    gradient copies cost about what the mask's one add per score does.
     """
     B, H, T, D = q.shape
     if window is None or window >= T:
@@ -226,11 +228,11 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
     return torch.cat(outs, dim=2)
 
 
-# flash-attn's sliding window (window_size) arrived in 2.3.0. From 2.7.0 its functions are torch
+# flash-attn has a sliding window (window_size) from 2.3.0. From 2.7.0 its functions are torch
 # custom ops (torch.library.custom_op, flash_attn::_flash_attn_forward/_backward, PR
-# Dao-AILab/flash-attention#1139, merged in August 2024 after 2.6.3): torch.compile keeps them in
-# its graph, where 2.3-2.6's pybind calls broke the graph at every layer's attention. 3.x is
-# another API. pyproject.toml's `gpu` extra pins the same range.
+# Dao-AILab/flash-attention#1139): torch.compile keeps them in its graph, where 2.3-2.6's pybind
+# calls break the graph at every layer's attention. 3.x is another API. pyproject.toml's `gpu`
+# extra pins the same range.
 FLASH_ATTN_RANGE = ">=2.7,<3"
 
 
@@ -255,8 +257,8 @@ def flash_attn_problem() -> Optional[tuple]:
 def flash_attn_importable() -> bool:
     """flash-attn imports and is a version this code can call (else auto picks another backend).
     A constant to torch.compile: every layer asks it (kernels.attention=auto on CUDA in bf16), and
-    tracing into the cached import broke the graph inside the blocks' loop, which sent the whole
-    compiled step back to eager (an H200 ran train.compile=true at 0.86x of eager)."""
+    tracing into the cached import would break the graph inside the blocks' loop and send the
+    whole compiled step back to eager (train.compile=true at 0.86x of eager on an H200)."""
     return flash_attn_problem() is None
 
 
@@ -307,7 +309,7 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
     banded backend's query block size; `dropout` the probability of dropping an attention
     probability (training only: the caller passes 0 in eval). Every backend applies it inside its
     softmax(QKᵀ)V, so dropout changes which random numbers are drawn between backends, never what
-    they compute in expectation; at 0 they are equal to the reference, as before."""
+    they compute in expectation; at 0 every backend equals the reference."""
     if impl == "auto":
         impl = pick_attention_impl(q, window, block)
     if impl == "flash":
@@ -330,9 +332,9 @@ def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
     reference) with the fp32 cos/sin tables [T, D] rounded to qkv's dtype.
 
-    Written out rather than left to autograd (one layer at bench_step's default shape, fp32, forward and
-    backward, took 7.5 ms here against autograd's 14-18.6 ms). Autograd's rotation builds the rotated copy with a neg, a cat and
-    two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
+    Written out rather than left to autograd (one layer at bench_step's default shape, fp32, forward
+    and backward: 7.5 ms on a 2-core CPU against autograd's 14-18.6 ms). Autograd's rotation builds
+    the rotated copy with a neg, a cat and two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
     gradients and copies them back into the projection's layout. Here q and k are rotated
     together, a mul and two half-width multiply-adds over both; backward, one copy gathers dq and
     dk, the same three ops write their inverse rotation straight into the projection's layout,
