@@ -10,9 +10,10 @@
 #     PARTS=efficiency bash experiments/gpu_check.sh OUT_DIR NANOGPT_DIR     # the efficiency checks alone
 #
 # PARTS (default "tests bench") picks what runs: tests, tests/test_cuda.py; bench, bench_step at its
-# default shape; efficiency, the per-GPU efficiency checks, ~6 min on an H100 in all: what the step
-# dispatches (bench_step --count), bench_step against nanoGPT at nanoGPT's GPT-2 124M configuration
-# and at bench_step's default shape, bf16, eager and compiled, then one transformer layer forward
+# default shape; efficiency, the per-GPU efficiency checks (~6 min on an H100 without the CUDA
+# graphs' checks, which add at most 5 min, their time limits): what the step dispatches
+# (bench_step --count), bench_step against nanoGPT at nanoGPT's GPT-2 124M configuration and at
+# bench_step's default shape, bf16, eager and compiled, then one transformer layer forward
 # and backward at GPT-3 175B's TP8 slice (experiments/bench_layer.py) against the H100's peak and
 # perfmodel's per-layer compute time, and the LayerNorm-under-autocast test; and the step recorded
 # as CUDA graphs (train.compile_mode=reduce-overhead): train.py's losses against the CPU run's and
