@@ -590,8 +590,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     if lay.pp == 1:
         first = _add(_add(first, head_f), head_b)
     busy = lambda c: sum(v for k, v in c.items() if k != "hidden")
-    mb = dict(max(first, last, key=busy))
-    mb["grad_accumulation"] = accumulation_time(cfg, lay, r)  # in the backward, on the compute stream
+    mb = max(first, last, key=busy)
     fwd_s = busy(fwd) * (m.n_layers // lay.pp)  # one microbatch's forward; recomputation runs in the backward
     bwd_s = busy(mb) - fwd_s
 
@@ -698,17 +697,6 @@ def dp_time(cfg: config.Config, lay: JobLayout, net: Network, fwd_s: float, bwd_
     v, group = lay.vpp, min(lay.pp, lay.microbatches)
     exposed = sum(x / v + (v - 1) * max(0.0, x / v - group * step / v) for x, step in ((ag, fwd_s), (rs, bwd_s)))
     return {"dp_comm": exposed, "dp_hidden": rs + ag - exposed}
-
-
-def accumulation_time(cfg: config.Config, lay: JobLayout, r: Rates) -> float:
-    """One microbatch's gradient accumulation (grad_accumulation_bytes, a step's, over its
-    microbatches): a memory-bound pass over the rank's gradients, an add per parameter tensor and,
-    where the parameters' dtype is not the buffer's, a cast before it."""
-    params = max(rank_params(cfg.model, lay))
-    e = _elem(cfg)
-    nbytes = grad_accumulation_bytes(cfg, lay, params, e, 4 if cfg.parallel.reduce_dtype == "fp32" else 2)
-    tensors = cfg.model.n_layers // lay.pp * (12 if cfg.model.block == "sequential" else 10) + 3
-    return stream_time(r, nbytes / lay.microbatches, tensors * (1 if e == 4 else 2))
 
 
 def optimizer_time(cfg: config.Config, lay: JobLayout, r: Rates) -> float:

@@ -30,7 +30,6 @@ from experiments.tables import markdown_table  # noqa: E402
 
 TERMS = {"gemm": "GEMMs", "attention": "attention", "elementwise": "elementwise", "tp_comm": "exposed TP",
          "pp_comm": "exposed PP", "dp_comm": "exposed DP", "bubble": "bubble", "optimizer": "optimizer",
-         "grad_accumulation": "gradient accumulation",
          "data": "data", "overlap_slowdown": "overlap's cost"}
 COUNTED = "FLOPs counted"
 ASSUMPTIONS = {  # the paper's silences: name -> overrides of every step

@@ -527,17 +527,3 @@ def test_banded_keys_are_the_scores_the_banded_kernel_computes(seq, window, bloc
     with cuda_attention(ledger), ledger:
         kernels.attention_banded(q, k, v, window, block)
     assert ledger.flops["attention"] == pytest.approx(4 * n * seq * pm.banded_keys(cfg, seq) * d)
-
-
-def test_the_step_prices_the_gradient_accumulation_the_code_moves():
-    """Each microbatch's accumulation is a memory-bound pass over accounting's bytes (those the
-    rehearsal records of the code within 5%: tests/test_rehearsal.py), in the step and its bubble:
-    at Table 2's first row (175B, TP8 PP8, ~2.7e9 parameters a rank) it is ~8% of the step."""
-    _, cfg, gpus = cli.table2_configs("Megatron-LM")[0]
-    pred = pm.predict(cfg, gpus)
-    hw = pm.resolve_hardware(cfg.hardware)
-    r = pm.Rates.of(hw, pm.precision(pm.resolve_config(cfg, hw)), pred.layout.gpus)
-    per_step = pm.accounting(cfg, gpus)["grad_accumulation_bytes"]
-    assert pred.breakdown["grad_accumulation"] >= per_step / r.mem * 0.99  # the last rank's head is a bit more
-    assert pred.breakdown["grad_accumulation"] == pytest.approx(per_step / r.mem, rel=0.05)
-    assert 0.04 < pred.breakdown["grad_accumulation"] / pred.step_s < 0.15
