@@ -1,8 +1,9 @@
 """The whole configuration schema, its validation, and the one-line errors for bad input.
 
 Each module owns the dataclass of its own switches (model.ModelConfig, parallel.ParallelConfig,
-kernels.KernelsConfig, ...); this file assembles them into the root that Hydra composes from
-conf/. Because the root is a structured config, an unknown key is an error, never a silent default.
+kernels.KernelsConfig, ...; the cluster model's, rehearse and hardware.perfmodel, in
+clustermodel/schema.py); this file assembles them into the root that Hydra composes from conf/.
+Because the root is a structured config, an unknown key is an error, never a silent default.
 
 Bad input stops the run before any rank does work: one line naming the key and the fix, exit 2.
 """
@@ -257,6 +258,7 @@ def convergence_setting(what: str, base: Any = None, *, _root_) -> Any:
 
 
 def world_size() -> int:
+    """This process's world: torchrun's WORLD_SIZE, else srun's SLURM_NTASKS, else 1."""
     for var in ("WORLD_SIZE", "SLURM_NTASKS"):
         if os.environ.get(var):
             return int(os.environ[var])
