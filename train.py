@@ -42,7 +42,6 @@ from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
 log = logging.getLogger("train")
-config.register()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -549,6 +548,7 @@ def _pickle_config_modules_by_name() -> None:
 
 
 if __name__ == "__main__":
+    config.register()  # the schema and the YAML's resolvers, for every composition below (Hydra's too)
     jobs = config.preflight(sys.argv[1:])
     slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
     if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued
