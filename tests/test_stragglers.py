@@ -1,0 +1,111 @@
+"""Stragglers named as culprits (stragglers.py): a rank slowed by slow:RANK@1.3 is the only one
+flagged, its waiting peer and a rank with a one-step spike are not, and a pipeline whose last stage
+does more work flags no one. Two short gloo runs serve every assertion; the scores themselves are
+checked on figures given by hand."""
+import json
+
+import pytest
+import torch
+
+import observe
+import stragglers
+from conftest import SMALL, read_metrics, run_train
+
+WINDOW = ["ft.straggler_interval=5", "ft.straggler_windows=3", "ft.heartbeat_interval=0.2"]
+SPIKE_STEP = 7
+
+
+@pytest.fixture(scope="module")
+def slowed_run(tmp_path_factory, cache_dir):
+    """2 dp ranks: rank 1 computes 1.3x as long every step, rank 0 ten times as long in one step."""
+    run_dir = tmp_path_factory.mktemp("slowed")
+    run_train(run_dir, SMALL + WINDOW + ["parallel.dp=2", "train.max_steps=35"], cache_dir, nproc=2,
+              MEGAREPRO_FAULT=f"slow:1@1.3,spike:0@{SPIKE_STEP}")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, cache_dir):
+    """pp 2 x dp 2 with no fault: the last stage also runs the head and the loss."""
+    run_dir = tmp_path_factory.mktemp("pipeline")
+    run_train(run_dir, SMALL + WINDOW + ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2",
+                                         "train.max_steps=30"], cache_dir, nproc=4)
+    return run_dir
+
+
+def _verdicts(run_dir):
+    return [(v["rank"], v["kind"], v["step"], v["first_step"]) for row in read_metrics(run_dir)
+            for v in row.get("straggler_verdicts", [])]
+
+
+def test_a_slowed_rank_is_the_only_one_flagged_and_its_waiting_peer_and_a_spike_are_not(slowed_run):
+    verdicts = _verdicts(slowed_run)
+    assert {(rank, kind) for rank, kind, *_ in verdicts} == {(1, "compute")}, verdicts
+    first = min(step for *_, step in verdicts)
+    assert first <= 30  # 3 windows of 5 steps, read a window late, one noisy window allowed
+    rows = read_metrics(slowed_run)
+    assert max(r["compute_s"] for r in rows if r["step"] == SPIKE_STEP) > 3 * min(r["compute_s"] for r in rows)
+    # the victim's waits grew: rank 0 waits for rank 1, which hardly waits at all
+    figures = {r: json.loads((slowed_run / "observe" / "stragglers" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert figures[0]["wait_s"] > figures[1]["wait_s"] and figures[1]["compute_s"] > figures[0]["compute_s"]
+    last = [v for row in rows for v in row.get("straggler_verdicts", [])][-1]
+    assert last["slowdown"] > 1.2 and 0 < last["cost_pct"] < 100
+
+
+def test_the_diagnosis_lists_the_culprit_and_draws_the_heat_map(slowed_run):
+    diagnosis = observe.diagnose(slowed_run)
+    assert [(s["rank"], s["kind"]) for s in diagnosis["stragglers"]] == [(1, "compute")]
+    assert set(diagnosis["stragglers"][0]) >= {"rank", "kind", "slowdown", "cost_pct"}
+    assert (slowed_run / "observe" / "heatmap.png").stat().st_size > 0
+    assert "straggler: rank 1, compute" in (slowed_run / "observe" / "report.txt").read_text()
+
+
+def test_a_pipeline_whose_last_stage_does_more_work_flags_no_one(pipeline_run):
+    assert _verdicts(pipeline_run) == []
+    figures = [json.loads(p.read_text()) for p in sorted((pipeline_run / "observe" / "stragglers").glob("rank*"))]
+    assert len(figures) == 4
+    work = stragglers.stage_work(pipeline_run)
+    assert work[1] > work[0]  # the model predicts the head's extra work
+
+
+# --- the scores, on figures given by hand ---
+
+def _scores(figures, me, pp=1, pp_rank=0, threshold=0.2):
+    out = stragglers.group_scores(torch.tensor(figures, dtype=torch.float64), torch.arange(len(figures)) + 10,
+                                  me, threshold, pp, pp_rank)
+    return [stragglers.unpack(v) if v >= 0 else None for v in out.tolist()]
+
+
+def test_the_culprit_scores_and_the_victims_waiting_for_it_do_not():
+    # compute, input, comm wait, step: rank 12 computes 1.5x and arrives last (waits least)
+    figures = [[1.0, 0.01, 0.6, 2.0], [1.02, 0.01, 0.55, 2.0], [1.5, 0.01, 0.05, 2.0], [0.98, 0.01, 0.6, 2.0]]
+    culprit = _scores(figures, 2)[0]
+    assert culprit[2] == 12 and culprit[0] == pytest.approx(1.5 / 0.98, abs=1e-3)
+    assert culprit[1] == pytest.approx(0.52, abs=1e-3)  # its excess over the reference, per step
+    assert all(_scores(figures, me)[0][0] < 1.1 for me in (0, 1, 3))
+    # a rank computing long while waiting longest is not the one the others wait for
+    assert _scores([[1.0, 0.0, 0.05, 2.0], [1.5, 0.0, 0.6, 2.0]], 1)[0][0] == 1.0
+
+
+def test_a_group_that_computes_normally_reports_its_transfer_floor_for_its_own_stage_only():
+    figures = [[1.0, 0.0, 0.9, 2.0], [1.0, 0.0, 0.7, 2.0]]
+    scores = _scores(figures, 0, pp=2, pp_rank=1)
+    assert scores[2] is None and scores[3] is None  # stage 0's slots: untouched
+    assert scores[4] == (0.7, 0.7, 10)  # stage 1: the floor, by the group's lowest rank
+    assert _scores(figures, 1, pp=2, pp_rank=1)[4] is None  # one member speaks for the group
+    slow = [[1.0, 0.0, 0.9, 2.0], [1.6, 0.0, 0.1, 2.0]]  # a compute straggler's group: no link floor
+    assert _scores(slow, 0)[2] is None
+
+
+def test_a_packed_culprit_is_the_max_of_its_score():
+    a = stragglers.pack(torch.tensor(1.31), torch.tensor(0.2), torch.tensor(12287))
+    b = stragglers.pack(torch.tensor(1.3), torch.tensor(5.0), torch.tensor(3))
+    assert max(a.item(), b.item()) == a.item() and stragglers.unpack(a.item()) == (1.31, 0.2, 12287)
+
+
+def test_a_ranks_bytes_per_window_grow_with_its_dp_group_not_with_the_world():
+    from clustermodel import rank_costs
+    paper = rank_costs.straggler_bytes(12288, dp=192, pp=8)  # Table 2's largest layout
+    small = rank_costs.straggler_bytes(1536, dp=192, pp=1)
+    assert paper["after"] - small["after"] < 300  # the all-reduce's 2 + 2 pp int64 only
+    assert paper["before"] > 7 * small["before"]  # the world all-gather it replaces
