@@ -257,7 +257,7 @@ def heat_map(run_dir: Path, out: Path) -> Optional[Path]:
     pp = 1 + max(r["coords"]["pp"] for r in ranks)
     tp = 1 + max(r["coords"]["tp"] for r in ranks)
     panels = {"compute": lambda r: r["compute_s"] / (per_work * work[r["coords"]["pp"]])}
-    for key, name in (("input_s", "input"), ("wait_s", "link (comm wait)")):
+    for key, name in (("input_s", "input"), ("wait_s", "comm wait")):  # (a culprit's victims wait long)
         med = {s: statistics.median(x[key] for x in ranks if x["coords"]["pp"] == s) or 1e-9 for s in range(pp)}
         panels[name] = lambda r, key=key, med=med: r[key] / med[r["coords"]["pp"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 1 + 0.5 * dp), squeeze=False)
@@ -268,8 +268,8 @@ def heat_map(run_dir: Path, out: Path) -> Optional[Path]:
             grid[c["dp"]][c["pp"] * tp + c["tp"]] = ratio(r)
         image = ax.imshow(grid, cmap="coolwarm", vmin=0.5, vmax=1.5, aspect="auto")
         ax.set_title(f"{name}: measured / predicted")
-        ax.set_xlabel("pp x tp (stage-major)")
-        ax.set_ylabel("dp")
+        ax.set_xticks(range(pp * tp), [f"pp{s} tp{t}" for s in range(pp) for t in range(tp)], fontsize=7)
+        ax.set_yticks(range(dp), [f"dp{d}" for d in range(dp)], fontsize=7)
         for r in ranks:
             c = r["coords"]
             ax.text(c["pp"] * tp + c["tp"], c["dp"], str(r["rank"]), ha="center", va="center", fontsize=7)

@@ -109,3 +109,21 @@ def test_a_ranks_bytes_per_window_grow_with_its_dp_group_not_with_the_world():
     small = rank_costs.straggler_bytes(1536, dp=192, pp=1)
     assert paper["after"] - small["after"] < 300  # the all-reduce's 2 + 2 pp int64 only
     assert paper["before"] > 7 * small["before"]  # the world all-gather it replaces
+
+
+def test_a_slow_link_persisting_in_three_of_four_windows_is_a_link_verdict_naming_its_group():
+    class Layout:
+        rank, world, dp, pp, pp_rank, mesh = 0, 1, 1, 2, 0, None
+    detector = stragglers.Detector(Layout, interval=5, threshold=0.2, windows=3, device=torch.device("cpu"))
+    low = stragglers.LOW
+
+    def window(floor_s, least_s, step):  # stage 1's dp groups: the highest floor (group of rank 5), the least
+        top = stragglers.pack(torch.tensor(floor_s), torch.tensor(floor_s), torch.tensor(5))
+        detector.pending = (torch.tensor([0, 0, low, low, top.item(), -round(least_s * 1e6)]), 1.0)
+        return detector._read(step)
+    assert window(0.9, 0.1, 5) == [] and window(0.9, 0.1, 10) == []
+    assert window(0.15, 0.1, 15) == []  # a window within LINK_FACTOR: not a suspect
+    (verdict,) = window(0.9, 0.1, 20)  # 3 of the last 4
+    assert (verdict["rank"], verdict["kind"], verdict["ranks"]) == (5, "link", [5])
+    assert verdict["slowdown"] == pytest.approx(9, rel=0.01) and verdict["cost_pct"] == pytest.approx(80)
+    assert window(0.9, 0.1, 25)[0]["first_step"] == 20
