@@ -657,8 +657,10 @@ def diagnose(run_dir: Path) -> dict:
                           "attempt": event["attempt"], "detail": event["root"]["detail"]})
     desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
     import stragglers
+    late = stragglers.post_lateness(snaps, offsets)
     diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "desync": desyncs, "stragglers": stragglers.from_metrics(run_dir),
+                 "hangs": hangs, "desync": desyncs, "stragglers": stragglers.from_metrics(run_dir, late),
+                 "post_late_ms": {str(r): ms for r, ms in late.items()},
                  "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
     out = run_dir / "observe"
@@ -672,7 +674,8 @@ def diagnose(run_dir: Path) -> dict:
     lines += [f"desync (attempt {d['attempt']}): rank {d['rank']}: {d['detail']}" for d in desyncs] or \
         ["no desync reported"]
     lines += [f"straggler: rank {s['rank']}, {s['kind']}, {s['slowdown']:.2f}x its peers, {s['cost_pct']:.1f}% of "
-              f"the step (first at step {s['first_step']})" for s in diagnosis["stragglers"]] or ["no straggler reported"]
+              f"the step (first at step {s['first_step']}); posts its collectives {s.get('post_late_ms', '?')} ms "
+              "after the first member (median)" for s in diagnosis["stragglers"]] or ["no straggler reported"]
     _write(out / "report.txt", "\n".join(lines) + "\n")
     return diagnosis
 

@@ -215,8 +215,9 @@ def log_verdicts(verdicts: list, step: int) -> dict:
 
 # --- Offline: the diagnosis's list and the heat map ---
 
-def from_metrics(run_dir: Path) -> list:
-    """diagnosis.json's `stragglers`: the last verdict of each (rank, kind) in metrics.jsonl."""
+def from_metrics(run_dir: Path, late: Optional[dict] = None) -> list:
+    """diagnosis.json's `stragglers`: the last verdict of each (rank, kind) in metrics.jsonl, with
+    how late its rank posted its collectives (`late`: post_lateness's) where known."""
     path = Path(run_dir) / "metrics.jsonl"
     last = {}
     if path.exists():
@@ -224,7 +225,29 @@ def from_metrics(run_dir: Path) -> list:
             row = json.loads(line)
             for v in row.get("straggler_verdicts", []):
                 last[(v["rank"], v["kind"])] = v
+    for v in last.values():
+        if late and v["rank"] in late:
+            v["post_late_ms"] = late[v["rank"]]
     return [last[k] for k in sorted(last)]
+
+
+def post_lateness(snaps: dict, offsets: dict) -> dict:
+    """{rank: median ms after the first member that it posted the collectives in its op log's ring
+    that another member's ring holds too}, clocks aligned (timeline.clock_offsets): a culprit posts
+    late, its victims early and wait."""
+    from timeline import GROUP, OP, PEER, POST, SEQ
+    posts: dict = {}  # (group, seq) -> {rank: aligned post time}
+    for rank, snap in snaps.items():
+        for e in snap["ops"]:
+            if e[PEER] is None and not e[OP].startswith("skipped") and rank in offsets:
+                posts.setdefault((e[GROUP], e[SEQ]), {})[rank] = e[POST] - offsets[rank]
+    late = collections.defaultdict(list)
+    for by_rank in posts.values():
+        if len(by_rank) > 1:
+            first = min(by_rank.values())
+            for rank, t in by_rank.items():
+                late[rank].append(t - first)
+    return {r: round(1e3 * statistics.median(late[r]), 3) for r in sorted(late)}
 
 
 def stage_work(run_dir: Path) -> dict:

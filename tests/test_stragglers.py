@@ -55,7 +55,9 @@ def test_a_slowed_rank_is_the_only_one_flagged_and_its_waiting_peer_and_a_spike_
 def test_the_diagnosis_lists_the_culprit_and_draws_the_heat_map(slowed_run):
     diagnosis = observe.diagnose(slowed_run)
     assert [(s["rank"], s["kind"]) for s in diagnosis["stragglers"]] == [(1, "compute")]
-    assert set(diagnosis["stragglers"][0]) >= {"rank", "kind", "slowdown", "cost_pct"}
+    assert set(diagnosis["stragglers"][0]) >= {"rank", "kind", "slowdown", "cost_pct", "post_late_ms"}
+    late = diagnosis["post_late_ms"]  # from the op logs: the culprit posts no earlier than its victim
+    assert late["1"] >= late["0"] and diagnosis["stragglers"][0]["post_late_ms"] == late["1"]
     assert (slowed_run / "observe" / "heatmap.png").stat().st_size > 0
     assert "straggler: rank 1, compute" in (slowed_run / "observe" / "report.txt").read_text()
 
