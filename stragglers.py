@@ -1,8 +1,11 @@
 """Stragglers named as culprits, not victims (MegaScale section 5; the score is nvidia-resiliency-ext's
 fastest-over-own, on window medians).
 
-Every step a rank times its own work (overlap.WaitClock): compute is the step's span less every
-wait and less the data loader's time; input is the loader's time; wait is the time blocked on
+Every step a rank times its own work: compute is its forward and backward less every wait in them
+(overlap.WaitClock's: TP, PP, DP), the optimizer left out (the same work on every rank of a group,
+it only dilutes a slowdown; on CUDA, where the host's clock sees launches, not kernels, it is
+WaitClock's compute, the stream's span less its waits, optimizer included); input is the data
+loader's time; wait is the time blocked on
 collectives and sends (comm: what a slow link lengthens). Every ft.straggler_interval steps (a
 window) it keeps the median of each over the window, so a one-step spike moves nothing.
 
@@ -41,9 +44,9 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import socket
 import statistics
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -114,12 +117,27 @@ class Detector:
         self.recent = collections.deque(maxlen=windows + 1)
         self.verdicts: dict = {}   # (kind, rank) -> its verdict, as first confirmed then updated
         self.figures_dir = Path(run_dir) / "observe" / "stragglers" if run_dir is not None else None
+        self.compute_s = 0.0       # this step's forward and backward, less their waits (timed())
+
+    def timed(self, forward_backward):
+        """forward_backward, its own time (less overlap.CLOCK's waits) added to this step's compute;
+        an evaluation's (backward=False) is not training's."""
+        from overlap import CLOCK
+
+        def timed(*args, **kwargs):
+            waited, t0 = sum(CLOCK.seconds.values()), time.perf_counter()
+            out = forward_backward(*args, **kwargs)
+            if kwargs.get("backward", True):
+                self.compute_s += time.perf_counter() - t0 - (sum(CLOCK.seconds.values()) - waited)
+            return out
+        return timed
 
     def step(self, step: int, timing: dict, data_s: float) -> list:
         """Add one step's figures; at a window's end, compare and return the verdicts confirmed or
         updated by the previous window's result (a list of dicts; empty between windows)."""
-        compute = max(timing["compute_s"] - data_s, 0.0)
-        self.rows.append((compute, data_s, timing["comm_s"], timing["step_s"]))
+        compute = timing["compute_s"] if self.device.type == "cuda" else self.compute_s
+        self.rows.append((max(compute, 0.0), data_s, timing["comm_s"], timing["step_s"]))
+        self.compute_s = 0.0
         if step % self.interval:
             return []
         out = self._read(step) if self.pending is not None else []
@@ -184,16 +202,24 @@ class Detector:
         return next((r for r in rows if min(r) == rank), [rank])
 
     def _write_figures(self, step: int, medians: list) -> None:
-        """This rank's window medians, for the heat map (one small file per rank, renamed into place)."""
+        """This rank's window medians, appended to its own file (a line a window), for the heat map."""
         if self.figures_dir is None:
             return
         self.figures_dir.mkdir(parents=True, exist_ok=True)
-        path = self.figures_dir / f"rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(), "step": step,
-                                   "coords": self.layout.coordinates(),
-                                   **dict(zip(("compute_s", "input_s", "wait_s", "step_s"), medians))}))
-        os.replace(tmp, path)
+        with open(self.figures_dir / f"rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"rank": self.rank, "host": socket.gethostname(), "step": step,
+                                "coords": self.layout.coordinates(),
+                                **dict(zip(("compute_s", "input_s", "wait_s", "step_s"), medians))}) + "\n")
+
+
+def figures(run_dir: Path) -> dict:
+    """{rank: [its window medians, oldest first]} from observe/stragglers/rank<K>.jsonl."""
+    out = {}
+    for path in (Path(run_dir) / "observe" / "stragglers").glob("rank*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if rows:
+            out[rows[0]["rank"]] = rows
+    return out
 
 
 def log_verdicts(verdicts: list, step: int) -> dict:
@@ -232,22 +258,24 @@ def from_metrics(run_dir: Path, late: Optional[dict] = None) -> list:
 
 
 def post_lateness(snaps: dict, offsets: dict) -> dict:
-    """{rank: median ms after the first member that it posted the collectives in its op log's ring
-    that another member's ring holds too}, clocks aligned (timeline.clock_offsets): a culprit posts
-    late, its victims early and wait."""
-    from timeline import GROUP, OP, PEER, POST, SEQ
-    posts: dict = {}  # (group, seq) -> {rank: aligned post time}
+    """{rank: ms, per step, that it posted its collectives after the first member posted them:
+    summed over the step's collectives in its op log's ring that another member's ring holds too,
+    the median over steps (a one-step spike moves nothing)}, clocks aligned (timeline.clock_offsets).
+    A culprit posts late, its victims early and wait; a step's first collective that waits for every
+    member (a DP reduction) puts the ranks back in step, so it is the sum that tells them apart."""
+    from timeline import GROUP, OP, PEER, POST, SEQ, STEP
+    posts: dict = {}  # (group, seq) -> {rank: (aligned post time, step)}
     for rank, snap in snaps.items():
         for e in snap["ops"]:
             if e[PEER] is None and not e[OP].startswith("skipped") and rank in offsets:
-                posts.setdefault((e[GROUP], e[SEQ]), {})[rank] = e[POST] - offsets[rank]
-    late = collections.defaultdict(list)
+                posts.setdefault((e[GROUP], e[SEQ]), {})[rank] = (e[POST] - offsets[rank], e[STEP])
+    late = collections.defaultdict(lambda: collections.defaultdict(float))  # rank -> step -> seconds
     for by_rank in posts.values():
         if len(by_rank) > 1:
-            first = min(by_rank.values())
-            for rank, t in by_rank.items():
-                late[rank].append(t - first)
-    return {r: round(1e3 * statistics.median(late[r]), 3) for r in sorted(late)}
+            first = min(t for t, _ in by_rank.values())
+            for rank, (t, step) in by_rank.items():
+                late[rank][step] += t - first
+    return {r: round(1e3 * statistics.median(late[r].values()), 3) for r in sorted(late)}
 
 
 def stage_work(run_dir: Path) -> dict:
@@ -266,14 +294,14 @@ def stage_work(run_dir: Path) -> dict:
 def heat_map(run_dir: Path, out: Path) -> Optional[Path]:
     """A figure: ranks laid out dp x (pp, tp), one panel per kind, colour = measured / predicted
     (compute: over the stage's predicted work scaled to the job's median rank; input and wait: over
-    the median of the ranks of the same stage, which the model predicts alike). None without figures."""
-    files = sorted((Path(run_dir) / "observe" / "stragglers").glob("rank*.json"))
-    if not files:
+    the median of the ranks of the same stage, which the model predicts alike), each rank's last
+    window. None without figures."""
+    ranks = [rows[-1] for _, rows in sorted(figures(run_dir).items())]  # each rank's last window
+    if not ranks:
         return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ranks = [json.loads(f.read_text()) for f in files]
     work = stage_work(run_dir)
     per_work = statistics.median(r["compute_s"] / work[r["coords"]["pp"]] for r in ranks) or 1e-9
     dp = 1 + max(r["coords"]["dp"] for r in ranks)

@@ -167,6 +167,8 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     collector = ft.CollectGarbage(cfg.train.gc_interval)
     detector = stragglers.Detector(layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
                                    cfg.ft.straggler_windows, device, run_dir) if cfg.ft.straggler_interval else None
+    if detector is not None:  # its compute: the forward and backward's own time, slowed ones included
+        engine.forward_backward = detector.timed(engine.forward_backward)
     step, history, status = start_step, [], "finished"
     # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
     # rehearsal records it (clustermodel/recorder.py), so that the two can be compared op by op.

@@ -2,7 +2,7 @@
 flagged, its waiting peer and a rank with a one-step spike are not, and a pipeline whose last stage
 does more work flags no one. Two short gloo runs serve every assertion; the scores themselves are
 checked on figures given by hand."""
-import json
+import statistics
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ import observe
 import stragglers
 from conftest import SMALL, read_metrics, run_train
 
-WINDOW = ["ft.straggler_interval=5", "ft.straggler_windows=3", "ft.heartbeat_interval=0.2"]
+WINDOW = ["ft.straggler_interval=5", "ft.straggler_windows=3"]
 SPIKE_STEP = 7
 
 
@@ -19,17 +19,18 @@ SPIKE_STEP = 7
 def slowed_run(tmp_path_factory, cache_dir):
     """2 dp ranks: rank 1 computes 1.3x as long every step, rank 0 ten times as long in one step."""
     run_dir = tmp_path_factory.mktemp("slowed")
-    run_train(run_dir, SMALL + WINDOW + ["parallel.dp=2", "train.max_steps=35"], cache_dir, nproc=2,
+    run_train(run_dir, SMALL + WINDOW + ["parallel.dp=2", "train.max_steps=50"], cache_dir, nproc=2,
               MEGAREPRO_FAULT=f"slow:1@1.3,spike:0@{SPIKE_STEP}")
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, cache_dir):
-    """pp 2 x dp 2 with no fault: the last stage also runs the head and the loss."""
+    """pp 2 with no fault, the head's vocabulary 16x the tokenizer's: the last stage computes well
+    over 1 + the threshold times the first stage's work (a comparison across stages would flag it)."""
     run_dir = tmp_path_factory.mktemp("pipeline")
-    run_train(run_dir, SMALL + WINDOW + ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2",
-                                         "train.max_steps=30"], cache_dir, nproc=4)
+    run_train(run_dir, SMALL + WINDOW + ["parallel.pp=2", "parallel.microbatches=2", "model.vocab_size=8192",
+                                         "train.max_steps=20"], cache_dir, nproc=2)  # 3 windows read: a verdict could come
     return run_dir
 
 
@@ -42,12 +43,13 @@ def test_a_slowed_rank_is_the_only_one_flagged_and_its_waiting_peer_and_a_spike_
     verdicts = _verdicts(slowed_run)
     assert {(rank, kind) for rank, kind, *_ in verdicts} == {(1, "compute")}, verdicts
     first = min(step for *_, step in verdicts)
-    assert first <= 30  # 3 windows of 5 steps, read a window late, one noisy window allowed
+    assert first >= 20  # it persisted: 3 windows of 5 steps, read a window late
     rows = read_metrics(slowed_run)
     assert max(r["compute_s"] for r in rows if r["step"] == SPIKE_STEP) > 3 * min(r["compute_s"] for r in rows)
-    # the victim's waits grew: rank 0 waits for rank 1, which hardly waits at all
-    figures = {r: json.loads((slowed_run / "observe" / "stragglers" / f"rank{r}.json").read_text()) for r in (0, 1)}
-    assert figures[0]["wait_s"] > figures[1]["wait_s"] and figures[1]["compute_s"] > figures[0]["compute_s"]
+    # over the windows, the victim waits for the culprit, which computes longer and hardly waits
+    windows = stragglers.figures(slowed_run)
+    median = lambda rank, key: statistics.median(w[key] for w in windows[rank])
+    assert median(0, "wait_s") > median(1, "wait_s") and median(1, "compute_s") > median(0, "compute_s")
     last = [v for row in rows for v in row.get("straggler_verdicts", [])][-1]
     assert last["slowdown"] > 1.2 and 0 < last["cost_pct"] < 100
 
@@ -56,18 +58,19 @@ def test_the_diagnosis_lists_the_culprit_and_draws_the_heat_map(slowed_run):
     diagnosis = observe.diagnose(slowed_run)
     assert [(s["rank"], s["kind"]) for s in diagnosis["stragglers"]] == [(1, "compute")]
     assert set(diagnosis["stragglers"][0]) >= {"rank", "kind", "slowdown", "cost_pct", "post_late_ms"}
-    late = diagnosis["post_late_ms"]  # from the op logs: the culprit posts no earlier than its victim
-    assert late["1"] >= late["0"] and diagnosis["stragglers"][0]["post_late_ms"] == late["1"]
+    late = diagnosis["post_late_ms"]  # from the op logs: the culprit posts late, the victim early
+    assert late["1"] > late["0"] and diagnosis["stragglers"][0]["post_late_ms"] == late["1"]
     assert (slowed_run / "observe" / "heatmap.png").stat().st_size > 0
     assert "straggler: rank 1, compute" in (slowed_run / "observe" / "report.txt").read_text()
 
 
 def test_a_pipeline_whose_last_stage_does_more_work_flags_no_one(pipeline_run):
     assert _verdicts(pipeline_run) == []
-    figures = [json.loads(p.read_text()) for p in sorted((pipeline_run / "observe" / "stragglers").glob("rank*"))]
-    assert len(figures) == 4
+    windows = stragglers.figures(pipeline_run)
+    compute = {r: statistics.median(w["compute_s"] for w in windows[r]) for r in (0, 1)}
+    assert compute[1] > 1.2 * compute[0]  # it does more work, and is not flagged for it
     work = stragglers.stage_work(pipeline_run)
-    assert work[1] > work[0]  # the model predicts the head's extra work
+    assert work[1] > 1.2 * work[0]  # the model predicts the head's extra work
 
 
 # --- the scores, on figures given by hand ---
