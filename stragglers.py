@@ -226,7 +226,8 @@ def log_verdicts(verdicts: list, step: int) -> dict:
     """Log each verdict (rank 0: a warning when first confirmed, then its updates) and return the
     metrics row's fields for them."""
     for v in verdicts:
-        log.log(logging.WARNING if v["step"] == v["first_step"] else logging.INFO, "straggler at step %d: rank %d, %s, %.2fx its peers, costs %.1f%% of the step%s", step,
+        log.log(logging.WARNING if v["step"] == v["first_step"] else logging.INFO,
+                "straggler at step %d: rank %d, %s, %.2fx its peers, costs %.1f%% of the step%s", step,
                     v["rank"], v["kind"], v["slowdown"], v["cost_pct"],
                     f" (its dp group: ranks {v['ranks']})" if "ranks" in v else "")
     if not verdicts:

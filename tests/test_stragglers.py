@@ -30,7 +30,7 @@ def pipeline_run(tmp_path_factory, cache_dir):
     over 1 + the threshold times the first stage's work (a comparison across stages would flag it)."""
     run_dir = tmp_path_factory.mktemp("pipeline")
     run_train(run_dir, SMALL + WINDOW + ["parallel.pp=2", "parallel.microbatches=2", "model.vocab_size=8192",
-                                         "train.max_steps=20"], cache_dir, nproc=2)  # 3 windows read: a verdict could come
+                                         "train.max_steps=20"], cache_dir, nproc=2)  # 3 windows read
     return run_dir
 
 
