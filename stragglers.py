@@ -228,8 +228,8 @@ def log_verdicts(verdicts: list, step: int) -> dict:
     for v in verdicts:
         log.log(logging.WARNING if v["step"] == v["first_step"] else logging.INFO,
                 "straggler at step %d: rank %d, %s, %.2fx its peers, costs %.1f%% of the step%s", step,
-                    v["rank"], v["kind"], v["slowdown"], v["cost_pct"],
-                    f" (its dp group: ranks {v['ranks']})" if "ranks" in v else "")
+                v["rank"], v["kind"], v["slowdown"], v["cost_pct"],
+                f" (its dp group: ranks {v['ranks']})" if "ranks" in v else "")
     if not verdicts:
         return {}
     row = {"stragglers": len(verdicts), "straggler_verdicts": verdicts,  # metrics.jsonl's list
