@@ -16,8 +16,8 @@ restarts comes from detecting a broken rank fast and restarting from the newest 
   its first collective), minutes at the paper's scale, and rank 0 logs how long it took and why.
   Collectives themselves time out after ft.collective_timeout seconds (the process group's timeout).
 - Stragglers (stragglers.py): every ft.straggler_interval steps a rank compares its own work with
-  its dp group's; a rank ft.straggler_threshold slower for ft.straggler_windows windows in a row is
-  logged as the culprit, with its kind (compute, input, link) and what it costs the step.
+  its dp group's; a rank ft.straggler_threshold slower in ft.straggler_windows of the last that many
+  plus one windows is logged as the culprit, with its kind (compute, input, link) and its cost.
 - GC: Python's collector is off during steps and runs on every rank at the same step, every
   train.gc_interval steps (MegaScale traced decaying MFU to ranks collecting at different times).
 - Faults (MEGAREPRO_FAULT, for tests and experiments/faults.py): kill:RANK@STEP (SIGKILL itself),
@@ -55,7 +55,7 @@ class FTConfig:
     heartbeat_interval: float = 1.0     # seconds between heartbeat writes and checks
     straggler_interval: int = 20        # steps in a straggler window (stragglers.py); 0: off
     straggler_threshold: float = 0.2    # a rank this much slower than its peers' reference is a suspect
-    straggler_windows: int = 3          # windows in a row a suspect must stay one before a verdict
+    straggler_windows: int = 3          # windows, of the last this many + 1, a suspect must be one in for a verdict
 
 
 def attempt() -> int:

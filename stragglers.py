@@ -5,9 +5,9 @@ Every step a rank times its own work: compute is its forward and backward less e
 (overlap.WaitClock's: TP, PP, DP), the optimizer left out (the same work on every rank of a group,
 it only dilutes a slowdown; on CUDA, where the host's clock sees launches, not kernels, it is
 WaitClock's compute, the stream's span less its waits, optimizer included); input is the data
-loader's time; wait is the time blocked on
-collectives and sends (comm: what a slow link lengthens). Every ft.straggler_interval steps (a
-window) it keeps the median of each over the window, so a one-step spike moves nothing.
+loader's time; wait is the time blocked on collectives and sends (comm: what a slow link
+lengthens). Every ft.straggler_interval steps (a window) it keeps the median of each over the
+window, so a one-step spike moves nothing.
 
 Who is compared with whom: only ranks that do the same work, the dp group of a (pp, tp)
 coordinate (the same stage, the same slice). Their predicted work is identical, so dividing by the
@@ -22,7 +22,7 @@ Scores, computed on the device from the group's gathered figures (no host read):
 - link: a group's transfer floor is the least comm wait among its members (the member that
   arrives last waits for the transfer alone), compared with the floors of the stage's other groups
   (other tp coordinates: the same collectives). A group whose members compute normally and whose
-  floor is link_factor times the stage's lowest, costing more than the threshold of the step, has a
+  floor is LINK_FACTOR times the stage's lowest, costing more than the threshold of the step, has a
   slow link; one group cannot tell which of its members' links is slow, so the verdict names its
   lowest rank and lists its ranks.
 
@@ -34,7 +34,7 @@ needs ft.straggler_windows windows over 1 + ft.straggler_threshold among the las
 one (one noisy window does not reset it; a one-step spike moves no median), and an excess of at
 least a quarter of the threshold of the step (a ratio of two tiny times is noise); with the
 defaults (20-step windows, 3 of 4, read one window late) it comes within 100 steps of a
-slowdown's start.
+slowdown's start. One culprit per kind a window: the worst (the MAX).
 Priced: the step time without the culprit's slowness is the measured step less its excess on the
 critical path (own median less the reference: a synchronous step waits for it); cost_pct is that
 excess over the measured step.
