@@ -640,7 +640,7 @@ def _report(rank: int, snap: Optional[dict], reason: str, detail: str, entry: Op
 # --- python observe.py RUN_DIR: the diagnosis, the timeline and a short report ---
 
 def diagnose(run_dir: Path) -> dict:
-    """Write RUN_DIR/observe/diagnosis.json, trace.json and report.txt from the newest attempt's
+    """Write RUN_DIR/observe/diagnosis.json, trace.json, heatmap.png and report.txt from the newest attempt's
     snapshots and faults.jsonl; works while the run still runs (the snapshots are renamed into place)."""
     run_dir = Path(run_dir)
     attempts = sorted(int(p.name.removeprefix("attempt")) for p in (run_dir / "observe").glob("attempt*"))
@@ -656,19 +656,26 @@ def diagnose(run_dir: Path) -> dict:
             hangs.append({**{k: event["root"].get(k) for k in ("rank", "op", "group", "seq", "reason")},
                           "attempt": event["attempt"], "detail": event["root"]["detail"]})
     desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
+    import stragglers
+    late = stragglers.post_lateness(snaps, offsets)
     diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "desync": desyncs,
+                 "hangs": hangs, "desync": desyncs, "stragglers": stragglers.from_metrics(run_dir, late),
+                 "post_late_ms": {str(r): ms for r, ms in late.items()},
                  "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
     out = run_dir / "observe"
     _write(out / "diagnosis.json", json.dumps(diagnosis, indent=1))
     _write(out / "trace.json", json.dumps(timeline.trace(snaps, offsets)))
+    stragglers.heat_map(run_dir, out)
     lines = [f"{run_dir}: attempt {attempts[-1]}, {len(snaps)} ranks' snapshots",
              f"clocks aligned from matched collectives; residual {residual * 1e3:.3f} ms"]
     lines += [f"hang (attempt {h['attempt']}): rank {h['rank']}, {h['reason']}: {h['detail']}" for h in hangs] or \
         ["no hang reported"]
     lines += [f"desync (attempt {d['attempt']}): rank {d['rank']}: {d['detail']}" for d in desyncs] or \
         ["no desync reported"]
+    lines += [f"straggler: rank {s['rank']}, {s['kind']}, {s['slowdown']:.2f}x its peers, {s['cost_pct']:.1f}% of "
+              f"the step (first at step {s['first_step']}); posts its collectives {s.get('post_late_ms', '?')} ms "
+              "after the first member (median)" for s in diagnosis["stragglers"]] or ["no straggler reported"]
     _write(out / "report.txt", "\n".join(lines) + "\n")
     return diagnosis
 

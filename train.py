@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -37,6 +38,7 @@ import observe
 import optim
 import parallel
 import sampling
+import stragglers
 from errors import ConfigError, fail
 from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
@@ -160,7 +162,15 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         CLOCK.on_wait = observer.wait_span
     beat = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work, observer)
     faults = ft.Faults(rank, run_dir)
+    if engine.pipeline is not None:  # slow:/spike: faults, in the step's own compute
+        engine.pipeline._compute = faults.slowing(engine.pipeline._compute, lambda: beat.step)
+    else:
+        engine.forward_backward = faults.slowing(engine.forward_backward, lambda: beat.step)
     collector = ft.CollectGarbage(cfg.train.gc_interval)
+    detector = stragglers.Detector(layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
+                                   cfg.ft.straggler_windows, device, run_dir) if cfg.ft.straggler_interval else None
+    if detector is not None:  # its compute: the forward and backward's own time, slowed ones included
+        engine.forward_backward = detector.timed(engine.forward_backward)
     step, history, status = start_step, [], "finished"
     # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
     # rehearsal records it (clustermodel/recorder.py), so that the two can be compared op by op.
@@ -176,7 +186,9 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             CLOCK.start_step(device)
             beat.progress(step, "data")
+            loading = time.perf_counter()
             inputs, targets = next(loader)
+            data_s = time.perf_counter() - loading
             beat.progress(step, "compute")
             recording = recorder is not None and step <= start_step + cfg.rehearse.steps
             with recorder if recording else contextlib.nullcontext():
@@ -197,7 +209,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
                 beat.progress(step, "eval")
                 row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
-            row.update(health(step, row, cfg, layout, collector))
+            row.update(health(step, timing, data_s, collector, detector, rank))
             run_log.step(row)
             history.append(row)
             _report(row, cfg, bar, rank)
@@ -264,20 +276,14 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
     return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
 
 
-def health(step: int, row: dict, cfg: config.Config, layout, collector) -> dict:
-    """The synchronised GC (its time) and, every ft.straggler_interval steps, the ranks whose
-    compute is more than ft.straggler_threshold slower than the median, with their hosts."""
+def health(step: int, timing: dict, data_s: float, collector, detector, rank: int) -> dict:
+    """The synchronised GC (its time) and the straggler verdicts confirmed at this step (stragglers.py:
+    the rank, the kind, its slowdown over its peers and its cost to the step), logged by rank 0."""
     out = {"gc_s": collector.after_step(step)}
-    every = cfg.ft.straggler_interval
-    if every and step % every == 0:
-        slow = ft.stragglers(row["compute_s"], layout, cfg.ft.straggler_threshold)
-        out["stragglers"] = len(slow)
-        for r, host, seconds, slowdown in slow:
-            log.warning("straggler at step %d: rank %d on %s computes in %.3f s, %.0f%% slower than the median",
-                        step, r, host, seconds, 100 * slowdown)
-        if slow:
-            out["straggler_ranks"] = [f"{r}@{host}" for r, host, _, _ in slow]
-            out["straggler_max_slowdown"] = max(s for *_, s in slow)
+    if detector is not None:
+        verdicts = detector.step(step, timing, data_s)
+        if rank == 0:
+            out.update(stragglers.log_verdicts(verdicts, step))
     return out
 
 

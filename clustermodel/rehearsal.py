@@ -183,7 +183,7 @@ class _Run:
             "checkpoint_bytes": self.saved, "schedule": self.first_step, "crash": self.crash,
             "comm": self.recorder.events, "violations": self.recorder.violations, "seconds": seconds,
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "costs": rank_costs.costs(rank, world, self.recorder.events, cfg.ft),  # communicators, sockets, fs calls
+            "costs": rank_costs.costs(rank, world, self.recorder.events, cfg.ft, layout),  # communicators, sockets, fs calls
         }
 
 
