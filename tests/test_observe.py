@@ -21,7 +21,8 @@ FAULTS = "skip:1@3,hang:0@4#1"
 def faulty_run(tmp_path_factory, cache_dir):
     run_dir = tmp_path_factory.mktemp("observe")
     args = SMALL + ["parallel.pp=2", "parallel.microbatches=2", f"train.max_steps={STEPS}", "checkpoint.interval=2",
-                    "ft.hang_timeout=3", "ft.heartbeat_interval=0.1", "observe.stall_s=1", f"hydra.run.dir={run_dir}"]
+                    "ft.hang_timeout=3", "ft.heartbeat_interval=0.1", "observe.stall_s=1", "train.gc_interval=1",
+            f"hydra.run.dir={run_dir}"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "--max-restarts=2", "train.py"] + args, cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=train_env(cache_dir, MEGAREPRO_FAULT=FAULTS, OMP_NUM_THREADS=1))
@@ -83,7 +84,17 @@ def test_every_snapshot_says_who_wrote_it_and_holds_the_ops_and_spans(faulty_run
             per_group.setdefault(o["group"], []).append(o["seq"])
     assert all(seqs == list(range(seqs[0], seqs[0] + len(seqs))) for seqs in per_group.values())
     kinds = {(s[0], s[1]) for s in snap["spans"]}
-    assert {("phase", "data"), ("phase", "compute"), ("wait", "bubble"), ("wait", "comm")} <= kinds
+    assert {("phase", "data"), ("phase", "compute"), ("segment", "gc"), ("segment", "checkpoint save"),
+            ("segment", "agreed read")} <= kinds
+    # Each wait named by what it waits for; rank 1, the last stage, receives activations and sends gradients
+    assert {("wait", "bubble pp recv"), ("wait", "comm pp send"), ("wait", "comm optimizer"),
+            ("wait", "bubble agree")} <= kinds
+    # Forward and backward of every microbatch of every step, each once
+    steps = {s[2] for s in snap["spans"] if s[0] == "phase" and s[1] == "compute"}
+    passes = sorted((s[2], s[1]) for s in snap["spans"] if s[0] == "segment" and s[1].split()[0] in ("forward", "backward"))
+    assert passes == sorted((step, f"{kind} c0 mb{mb}") for step in steps for kind in ("forward", "backward")
+                            for mb in range(2))
+    assert all(s[4] >= 0 for s in snap["spans"] if s[0] != "phase")
 
 
 # --- localize, on hand-made snapshots ---
