@@ -675,10 +675,23 @@ def _write(path: Path, text: str) -> None:
 def main(argv: Optional[list] = None) -> None:
     import argparse
     parser = argparse.ArgumentParser(prog="observe.py", description="A run dir's diagnosis, timeline and report.")
-    parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir)")
+    parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir), or a folder of PyTorch "
+                        "Flight Recorder dumps (<prefix><rank>, as TORCH_FR_DUMP_TEMP_FILE names them)")
     run_dir = parser.parse_args(argv).run_dir
-    diagnose(run_dir)
+    if not any((run_dir / "observe").glob("attempt*")) and run_dir.is_dir() and _holds_dumps(run_dir):
+        import flightrec  # another job's collectives, from its Flight Recorder
+        flightrec.diagnose(run_dir)
+    else:
+        diagnose(run_dir)
     print((run_dir / "observe" / "report.txt").read_text(), end="")
+
+
+def _holds_dumps(folder: Path) -> bool:
+    import flightrec
+    try:
+        return bool(flightrec.dump_files(folder))
+    except SystemExit:
+        return False
 
 
 if __name__ == "__main__":
