@@ -633,8 +633,10 @@ def dim_names(layout) -> dict:
 # --- python observe.py RUN_DIR: the diagnosis, the timeline and a short report ---
 
 def diagnose(run_dir: Path) -> dict:
-    """Write RUN_DIR/observe/diagnosis.json, trace.json and report.txt from the newest attempt's
-    snapshots and faults.jsonl; works while the run still runs (the snapshots are renamed into place)."""
+    """Write RUN_DIR/observe/diagnosis.json, trace.json, timeline.png and report.txt from the newest
+    attempt's snapshots and faults.jsonl; works while the run still runs (the snapshots are renamed
+    into place). The timeline gains the replay's predicted track where predicted.py has written
+    observe/predicted.json."""
     run_dir = Path(run_dir)
     attempts = sorted(int(p.name.removeprefix("attempt")) for p in (run_dir / "observe").glob("attempt*"))
     if not attempts:
@@ -654,8 +656,11 @@ def diagnose(run_dir: Path) -> dict:
                  "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
     out = run_dir / "observe"
+    predicted = _predicted(run_dir, snaps)
+    diagnosis["predicted_track"] = sorted(predicted)
     _write(out / "diagnosis.json", json.dumps(diagnosis, indent=1))
-    _write(out / "trace.json", json.dumps(timeline.trace(snaps, offsets)))
+    _write(out / "trace.json", json.dumps(timeline.trace(snaps, offsets, predicted)))
+    timeline.figure(snaps, offsets, out / "timeline.png", predicted)
     lines = [f"{run_dir}: attempt {attempts[-1]}, {len(snaps)} ranks' snapshots",
              f"clocks aligned from matched collectives; residual {residual * 1e3:.3f} ms"]
     lines += [f"hang (attempt {h['attempt']}): rank {h['rank']}, {h['reason']}: {h['detail']}" for h in hangs] or \
@@ -664,6 +669,13 @@ def diagnose(run_dir: Path) -> dict:
         ["no desync reported"]
     _write(out / "report.txt", "\n".join(lines) + "\n")
     return diagnosis
+
+
+def _predicted(run_dir: Path, snaps: dict) -> dict:
+    """{rank: the replay's predicted spans} from RUN_DIR/observe/predicted.json (python predicted.py
+    RUN_DIR writes it), or {}."""
+    path = Path(run_dir) / "observe" / "predicted.json"
+    return timeline.lay_predicted(snaps, json.loads(path.read_text())["stages"]) if path.exists() else {}
 
 
 def _write(path: Path, text: str) -> None:

@@ -202,6 +202,47 @@ def test_the_diagnosis_names_the_last_hang_and_the_trace_is_valid(faulty_run):
     assert starts and starts == sorted(e["id"] for e in events if e["ph"] == "f")  # every flow paired
     sends = [e for e in events if e["ph"] == "X" and e["name"].startswith("send")]
     assert sends and len(starts) >= len(sends)  # each send linked to its receive, and the collectives too
+    assert (run_dir / "observe" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_replays_predicted_track_lies_beside_each_rank_and_the_trace_stays_valid(faulty_run, capsys):
+    """python predicted.py RUN_DIR: the run rehearsed (one rank per stage), its replay's steady step
+    laid at each measured step of each rank, in the trace and the figure."""
+    import predicted
+    import timeline
+    from clustermodel import perfmodel as pm, replay
+    _, run_dir, _ = faulty_run
+    predicted.main([str(run_dir)])
+    assert "rank 1, skipped" in capsys.readouterr().out  # observe.py's report, redrawn with the track
+    stages = json.loads((run_dir / "observe" / "predicted.json").read_text())["stages"]
+    cfg = predicted.run_config(run_dir)
+    hw = pm.resolve_hardware(cfg.hardware)
+    step_s = replay.predict(replay.rehearse(cfg, hw, 2, run_dir / "rehearsal"), cfg, hw, 2)["step_s"]
+    assert sorted(stages) == ["0", "1"]
+    for segments in stages.values():  # the whole replayed step, compute and waits end to end, no gap
+        ends = [start + seconds for _, _, start, seconds in segments]
+        assert segments[0][2] == pytest.approx(0.0, abs=1e-9)
+        assert all(nxt[2] == pytest.approx(end, abs=1e-9) for nxt, end in zip(segments[1:], ends))
+        assert ends[-1] == pytest.approx(step_s, rel=1e-6)  # the replay's own step time
+        assert {"compute", "bubble pp recv"} <= {name for _, name, _, _ in segments}
+    diagnosis = json.loads((run_dir / "observe" / "diagnosis.json").read_text())
+    assert diagnosis["predicted_track"] == [0, 1]
+    events = json.loads((run_dir / "observe" / "trace.json").read_text())["traceEvents"]
+    snaps = {r: json.loads((observe.snapshot_dir(run_dir, 2) / f"rank{r}.json").read_text()) for r in (0, 1)}
+    for rank, snap in snaps.items():
+        tid = timeline.PREDICTED_TID + rank
+        assert any(e["ph"] == "M" and e.get("tid") == tid and e["args"].get("name") == f"rank {rank} predicted"
+                   for e in events)
+        measured = sorted({s[2] for s in snap["spans"] if s[:2] == ["phase", "data"]})
+        mine = [e for e in events if e["ph"] == "X" and e.get("tid") == tid]
+        assert measured and len(mine) == len(measured) * len(stages[str(snap["coords"]["pp"])])
+        assert sorted({e["args"]["step"] for e in mine}) == measured
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    assert sorted(e["id"] for e in events if e["ph"] == "s") == sorted(e["id"] for e in events if e["ph"] == "f")
+    drawn = timeline.figure(snaps, timeline.clock_offsets(snaps)[0], run_dir / "observe" / "check.png",
+                            timeline.lay_predicted(snaps, stages))
+    assert list(drawn) == ["rank 0", "rank 0 predicted", "rank 1", "rank 1 predicted"]
+    assert {"forward", "backward", "wait bubble"} <= set(drawn["rank 1"]) and drawn["rank 1 predicted"]["compute"]
 
 
 def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_millisecond():
