@@ -9,14 +9,16 @@ while it runs, and on a hang the rank it started from.
   dtype, call site), kept in each entry. The functions are wrapped once at start-up, here, so
   no call site changes, and the rehearsal's Recorder (clustermodel/recorder.py), which wraps the same
   functions, wraps these in turn.
-- Spans: the phases the heartbeat is told (data, compute, eval, checkpoint) and every wait
-  overlap.WaitClock times (comm, bubble), with wall-clock start and duration; the op log's waits
-  say which group (tp, pp, dp) each wait was on.
+- Spans: the phases the heartbeat is told (data, compute, eval, checkpoint), the segments spans.py
+  times (forward and backward per chunk and microbatch, gc, checkpoint save, the agreed read) and
+  every wait overlap.WaitClock times, named by what it waits for (comm tp, bubble pp recv, comm pp
+  send, comm dp, comm optimizer, bubble agree: wait_label), with wall-clock start and duration.
 - Snapshots: the heartbeat thread (ft.Heartbeat) writes <run dir>/observe/attempt<A>/rank<K>.json (temporary
   file, then rename) with the ring, the spans, the main thread's Python stack and who wrote it
   (rank, host, pid, attempt, dp/pp/tp coordinates), at the heartbeat file's own bounded rate
   (at most every ft.hang_timeout/10 seconds once the first step is over, and only when
-  something changed), and once more at once when it finds a hang.
+  something changed), once more at once when it finds a hang, and at once on a stop signal
+  (lastwords.py, which also leaves every thread's stack on a fatal one).
 - Hang localization (hangs.localize): on the hang timeout, rank 0 reads every rank's snapshot
   (once, O(world) on one rank only) and names the root rank and why. The report is appended to
   faults.jsonl; the job then exits HANG_EXIT as ft.py does.
@@ -31,11 +33,9 @@ while it runs, and on a hang the rank it started from.
 from __future__ import annotations
 
 import collections
-import faulthandler
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -321,7 +321,7 @@ class Recorder:
         folder = snapshot_dir(run_dir, _attempt())
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")  # the heartbeat's and a signal's may write at once
         tmp.write_text(json.dumps(self.snapshot(exiting)))
         os.replace(tmp, path)
         return path
@@ -517,7 +517,8 @@ def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=Non
         if device is not None and torch.device(device).type == "cuda":
             spans.DEVICE = spans.DeviceSegments(torch.cuda.Event)
     if cfg.signals and run_dir is not None:
-        LAST_WORDS = LastWords(RECORDER, Path(run_dir))
+        import lastwords
+        LAST_WORDS = lastwords.LastWords(RECORDER, Path(run_dir))
     return RECORDER
 
 
@@ -534,89 +535,7 @@ def stop() -> None:
         RECORDER = None
 
 
-class LastWords:
-    """A rank's last state on disk when it is signalled, even while its main thread is wedged.
-
-    - A stop signal (STOPS: a launcher's SIGTERM, SLURM's USR1/USR2 before a preemption, Ctrl-C):
-      this rank's snapshot is written at once, noting the signal, by a thread that
-      signal.set_wakeup_fd wakes (a Python handler runs only in the main thread, and not until a
-      collective it waits in returns, which a hang never does); then the handler that was there
-      before runs (train.py's stop flag, which saves and exits at the next agreed step, and through
-      it submitit's requeue), or the default action once the snapshot is out.
-    - A fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL): no Python runs after it, so
-      faulthandler writes every thread's stack to rank<K>.stacks.txt beside the snapshot, then
-      the default action ends the process (the snapshot is the heartbeat's last one).
-    Where the wakeup fd is taken already (an event loop's), the snapshot is written by the handler."""
-
-    STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-
-    def __init__(self, recorder: Recorder, run_dir: Path):
-        self.recorder, self.run_dir = recorder, run_dir
-        folder = snapshot_dir(run_dir, _attempt())
-        folder.mkdir(parents=True, exist_ok=True)
-        self.stacks = open(folder / f"rank{recorder.rank}.stacks.txt", "w")
-        self.faulthandler_was = faulthandler.is_enabled()  # (to stderr: PYTHONFAULTHANDLER, torchrun's)
-        faulthandler.enable(self.stacks, all_threads=True)
-        self.written = threading.Event()
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.write_fd, False)
-        self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
-        self.woken = self.previous_fd == -1
-        if not self.woken:  # someone else's: put it back, and write from the handler instead
-            signal.set_wakeup_fd(self.previous_fd)
-        self.previous = {s: signal.signal(s, self._handle) for s in self.STOPS}
-        self.thread = threading.Thread(target=self._watch, name="observe-signals", daemon=True)
-        self.thread.start()
-
-    def _watch(self) -> None:
-        while True:
-            try:
-                received = os.read(self.read_fd, 64)
-            except OSError:
-                return
-            if not received or 0 in received:  # closed, or close()'s own byte
-                return
-            for signum in received:
-                if signum in self.STOPS:
-                    self._write(signum)
-
-    def _write(self, signum: int) -> None:
-        self.recorder.signals.append({"name": signal.Signals(signum).name, "time": time.time()})
-        try:
-            self.recorder.write(self.run_dir)
-        except OSError as err:
-            log.warning("the snapshot on %s was not written: %s", signal.Signals(signum).name, err)
-        self.written.set()
-
-    def _handle(self, signum, frame) -> None:
-        if self.woken:
-            self.written.wait(timeout=5.0)  # the thread's snapshot is out before any exit
-        else:
-            self._write(signum)
-        self.written.clear()
-        previous = self.previous[signum]
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-    def close(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-        if self.woken:
-            signal.set_wakeup_fd(-1)
-        os.write(self.write_fd, b"\0")
-        self.thread.join(timeout=5.0)
-        os.close(self.read_fd)
-        os.close(self.write_fd)
-        faulthandler.disable()
-        if self.faulthandler_was:
-            faulthandler.enable()
-        self.stacks.close()
-
-
-LAST_WORDS: Optional[LastWords] = None
+LAST_WORDS = None  # lastwords.LastWords, while a run records
 
 
 def dim_names(layout) -> dict:
@@ -651,8 +570,11 @@ def diagnose(run_dir: Path) -> dict:
             hangs.append({**{k: event["root"].get(k) for k in ("rank", "op", "group", "seq", "reason")},
                           "attempt": event["attempt"], "detail": event["root"]["detail"]})
     desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
+    signals = {r: s["signals"] for r, s in sorted(snaps.items()) if s.get("signals")}
+    fatal = {int(p.name.split(".")[0].removeprefix("rank")): p.read_text().splitlines()[0]
+             for p in sorted(folder.glob("rank*.stacks.txt")) if p.stat().st_size}  # faulthandler's first line
     diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "desync": desyncs,
+                 "hangs": hangs, "desync": desyncs, "signals": signals, "fatal": fatal,
                  "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
     out = run_dir / "observe"
@@ -667,6 +589,8 @@ def diagnose(run_dir: Path) -> dict:
         ["no hang reported"]
     lines += [f"desync (attempt {d['attempt']}): rank {d['rank']}: {d['detail']}" for d in desyncs] or \
         ["no desync reported"]
+    lines += [f"rank {r} received {', '.join(s['name'] for s in got)}" for r, got in signals.items()]
+    lines += [f"rank {r}: {first} (every thread's stack in {folder.name}/rank{r}.stacks.txt)" for r, first in fatal.items()]
     _write(out / "report.txt", "\n".join(lines) + "\n")
     return diagnosis
 

@@ -1,4 +1,4 @@
-"""A signalled rank's last state on disk (observe.LastWords): two gloo ranks, rank 0 wedged in an
+"""A signalled rank's last state on disk (lastwords.LastWords): two gloo ranks, rank 0 wedged in an
 all-reduce its peer never posts (its main thread inside gloo, where no Python signal handler runs)
 and rank 1 asleep with a handler of its own installed first (as train.py's stop flag is)."""
 import json
@@ -17,7 +17,7 @@ import os, signal, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, os.environ["REPO"])
-import ft, observe
+import ft, lastwords, observe
 
 rank, run_dir = int(os.environ["RANK"]), Path(os.environ["RUN_DIR"])
 dist.init_process_group("gloo")
@@ -26,7 +26,7 @@ if rank == 1:  # the handler that was there before (train.py's stop flag, submit
                                                 os._exit(7)))
 recorder = observe.Recorder(observe.ObserveConfig(), rank, {"rank": rank, "dp": rank, "pp": 0, "tp": 0}, {})
 recorder.install()
-observe.LastWords(recorder, run_dir)
+lastwords.LastWords(recorder, run_dir)
 beat = ft.Heartbeat(run_dir, rank, 2, ft.FTConfig(hang_timeout=600, heartbeat_interval=0.05), observer=recorder)
 dist.all_reduce(torch.ones(4))
 beat.progress(1, "compute")
@@ -107,3 +107,13 @@ def test_a_fatal_signal_leaves_every_threads_stack_beside_the_snapshot(signalled
     assert "Fatal Python error: Aborted" in stacks
     assert "all_reduce" in stacks and "rank.py" in stacks
     assert stacks.count("hread 0x") >= 3  # the main thread, the heartbeat's and the signal watcher's
+
+
+def test_the_diagnosis_says_which_rank_was_signalled_and_which_died_of_a_fatal_signal(signalled):
+    import observe
+    run_dir = signalled[0]
+    diagnosis = observe.diagnose(run_dir)
+    assert {r: [s["name"] for s in got] for r, got in diagnosis["signals"].items()} == {0: ["SIGTERM"], 1: ["SIGTERM"]}
+    assert diagnosis["fatal"] == {0: "Fatal Python error: Aborted"}
+    report = (run_dir / "observe" / "report.txt").read_text()
+    assert "rank 0 received SIGTERM" in report and "rank 0: Fatal Python error: Aborted" in report
