@@ -516,7 +516,7 @@ def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=Non
         spans.SINK = RECORDER
         if device is not None and torch.device(device).type == "cuda":
             spans.DEVICE = spans.DeviceSegments(torch.cuda.Event)
-    if cfg.signals and run_dir is not None:
+    if cfg.signals and run_dir is not None and threading.current_thread() is threading.main_thread():  # (signal's rule)
         import lastwords
         LAST_WORDS = lastwords.LastWords(RECORDER, Path(run_dir))
     return RECORDER

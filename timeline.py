@@ -50,14 +50,21 @@ def clock_offsets(snaps: dict) -> tuple:
 def lay_predicted(snaps: dict, stages: dict) -> dict:
     """{rank: spans in the snapshots' form ([kind, name, step, start, seconds])}: its pipeline stage's
     predicted step (predicted.py's predicted.json: {stage: [[kind, name, start, seconds]]}) laid at
-    the start of each step the rank measured (its "data" phase)."""
+    the start of each step the rank measured (its "data" phase), or where the predicted step before
+    it ends if that is later (a track's slices do not overlap: the lag shows how far the
+    prediction falls behind)."""
     out = {}
     for rank, snap in snaps.items():
         segments = stages.get(str(snap["coords"].get("pp", 0)), [])
         starts = {step: start for kind, name, step, start, _ in snap["spans"] if (kind, name) == ("phase", "data")}
-        if segments:
-            out[rank] = [[kind, name, step, begin + start, seconds] for step, begin in sorted(starts.items())
-                         for kind, name, start, seconds in segments]
+        if not segments:
+            continue
+        length, free, laid = max(start + seconds for _, _, start, seconds in segments), float("-inf"), []
+        for step, begin in sorted(starts.items()):
+            begin = max(begin, free)
+            laid += [[kind, name, step, begin + start, seconds] for kind, name, start, seconds in segments]
+            free = begin + length
+        out[rank] = laid
     return out
 
 
@@ -125,7 +132,7 @@ def trace(snaps: dict, offsets: dict, predicted: Optional[dict] = None) -> dict:
 
 COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "wait comm": "#dd8452", "wait bubble": "#c44e52",
            "agreed read": "#8172b3", "gc": "#937860", "checkpoint save": "#8c8c8c", "data": "#da8bc3",
-           "compute": "#64b5cd"}
+           "compute": "#64b5cd", "waiting (unfinished)": "#222222"}
 
 
 def kind_of(kind: str, name: str) -> Optional[str]:
@@ -151,13 +158,18 @@ def figure(snaps: dict, offsets: dict, path: Path, predicted: Optional[dict] = N
     starts = [s[3] - offsets.get(r, 0.0) for _, r, spans in rows for s in spans]
     t0 = min(starts) if starts else 0.0
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * max(len(rows), 1)))
-    drawn = {}
+    drawn, waiting = {}, {}
+    for rank, snap in snaps.items():
+        waiting[f"rank {rank}"] = [(e[WAIT] - offsets.get(rank, 0.0) - t0, snap["time"] - e[WAIT]) for e in snap["ops"]
+                                   if e[WAIT] is not None and e[DONE] is None]
     for y, (label, rank, spans) in enumerate(rows):
         by_kind = collections.defaultdict(list)
         for kind, name, step, start, seconds in spans:
             key = kind_of(kind, name)
             if key is not None and seconds is not None:
                 by_kind[key].append((start - offsets.get(rank, 0.0) - t0, seconds))
+        if label in waiting:  # an op it still waits in when the snapshot was written (a hang)
+            by_kind["waiting (unfinished)"] = waiting[label]
         for key, bars in by_kind.items():
             ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=COLOURS[key], label=key)
         drawn[label] = {k: len(v) for k, v in by_kind.items()}

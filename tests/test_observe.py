@@ -237,6 +237,8 @@ def test_the_replays_predicted_track_lies_beside_each_rank_and_the_trace_stays_v
         mine = [e for e in events if e["ph"] == "X" and e.get("tid") == tid]
         assert measured and len(mine) == len(measured) * len(stages[str(snap["coords"]["pp"])])
         assert sorted({e["args"]["step"] for e in mine}) == measured
+        mine.sort(key=lambda e: e["ts"])
+        assert all(b["ts"] >= a["ts"] + a["dur"] - 1.0 for a, b in zip(mine, mine[1:]))  # no overlap (us rounding)
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
     assert sorted(e["id"] for e in events if e["ph"] == "s") == sorted(e["id"] for e in events if e["ph"] == "f")
     drawn = timeline.figure(snaps, timeline.clock_offsets(snaps)[0], run_dir / "observe" / "check.png",
