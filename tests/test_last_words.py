@@ -31,7 +31,17 @@ beat = ft.Heartbeat(run_dir, rank, 2, ft.FTConfig(hang_timeout=600, heartbeat_in
 dist.all_reduce(torch.ones(4))
 beat.progress(1, "compute")
 time.sleep(0.5)  # the heartbeat writes the new phase; nothing changes after it for 60 s
-Path(run_dir, f"ready{rank}").write_text("")
+
+
+def ready():  # once the main thread's all-reduce has begun its wait (the wrapper stamps it, then enters gloo)
+    while rank == 0 and not (recorder.ops[-1][observe.BYTES] == 32 and recorder.ops[-1][observe.WAIT]):
+        time.sleep(0.01)
+    time.sleep(0.3)
+    Path(run_dir, f"ready{rank}").write_text("")
+
+
+import threading
+threading.Thread(target=ready, daemon=True).start()
 if rank == 0:
     dist.all_reduce(torch.ones(8))  # rank 1 never posts it
 time.sleep(600)
@@ -61,7 +71,6 @@ def signalled(tmp_path_factory):
     try:
         for r in range(2):
             _wait_for(run_dir / f"ready{r}")
-        time.sleep(0.3)  # rank 0 is in its all-reduce by now
         beats = {r: json.loads((run_dir / "heartbeat" / f"rank{r}.json").read_text()) for r in range(2)}
         sent, snaps = {}, {}
         for r in range(2):  # rank 0 first: its peer's exit would end its all-reduce
