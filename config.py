@@ -45,6 +45,10 @@ class TrainConfig:
     # torch.compile the model: true, false, or null (auto, the default): compiled on CUDA, eager on
     # CPU, the faster of the two where each was measured (experiments/results/bench_step.md)
     compile: Optional[bool] = None
+    # torch.compile's mode for the compiled step: default, or reduce-overhead, which records it as
+    # CUDA graphs (a graph launch instead of a launch per kernel) where a step is launch-bound.
+    # CUDA only: elsewhere the step compiles as default, and the log line says so.
+    compile_mode: str = "default"
     gc_interval: int = 100        # Python's GC off during steps, run on every rank each N steps; 0: Python's own
 
 
@@ -292,6 +296,23 @@ def world_size() -> int:
     return 1
 
 
+COMPILE_MODES = ("default", "reduce-overhead")
+
+
+def _check_cuda_graphs(cfg: Config) -> None:
+    """train.compile_mode=reduce-overhead records the one-graph step (forward, loss and backward of
+    a microbatch): it needs a compiled step, and pipeline or tensor parallelism compile chunk by
+    chunk, with their schedule and collectives between the graphs."""
+    if cfg.train.compile is False:
+        raise ConfigError("train.compile_mode", "reduce-overhead records the compiled step, and train.compile=false "
+                          "compiles none", "set train.compile=true (or leave it auto: compiled on CUDA), or "
+                          "train.compile_mode=default")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        raise ConfigError("train.compile_mode", f"reduce-overhead with parallel.tp={cfg.parallel.tp}, "
+                          f"parallel.pp={cfg.parallel.pp}: CUDA graphs are recorded for the one-graph step only",
+                          "use train.compile_mode=default with pipeline or tensor parallelism")
+
+
 def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> None:
     """Every check that can fail before training starts. Raises ConfigError. remote: the job will
     run elsewhere (a SLURM launcher's nodes), so this machine's devices do not matter."""
@@ -303,6 +324,7 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     _choice("kernels.attention", cfg.kernels.attention, ATTENTION_IMPLS)
     _choice("kernels.fused", cfg.kernels.fused, FUSED_IMPLS)
     _choice("train.recompute", t.recompute, ("none", "selective", "full"))
+    _choice("train.compile_mode", t.compile_mode, COMPILE_MODES)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("online", "offline", "disabled"))
     if m.d_model % m.n_heads:
         raise ConfigError("model.n_heads", f"{m.n_heads} heads do not divide d_model={m.d_model}",
@@ -310,6 +332,8 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     if (m.d_model // m.n_heads) % 2:
         raise ConfigError("model.n_heads", f"head dim {m.d_model // m.n_heads} is odd and rotary needs it even",
                           "choose n_heads so that d_model/n_heads is even")
+    if t.compile_mode == "reduce-overhead":
+        _check_cuda_graphs(cfg)
     if cfg.kernels.attention_block < 1:
         raise ConfigError("kernels.attention_block", f"{cfg.kernels.attention_block} < 1",
                           "use a positive query block size, e.g. 128")
