@@ -168,7 +168,7 @@ def figure(snaps: dict, offsets: dict, path: Path, predicted: Optional[dict] = N
             key = kind_of(kind, name)
             if key is not None and seconds is not None:
                 by_kind[key].append((start - offsets.get(rank, 0.0) - t0, seconds))
-        if label in waiting:  # an op it still waits in when the snapshot was written (a hang)
+        if waiting.get(label):  # an op it still waits in when the snapshot was written (a hang)
             by_kind["waiting (unfinished)"] = waiting[label]
         for key, bars in by_kind.items():
             ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=COLOURS[key], label=key)

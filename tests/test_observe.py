@@ -405,3 +405,17 @@ def test_the_desync_check_leaves_out_groups_larger_than_its_bound():
     assert rec.check_desync(Path("."), store) == []
     prefix = f"observe/desync/{observe._attempt()}/"
     assert store.check([f"{prefix}tp/0"]) and not store.check([f"{prefix}world/0"])
+
+
+def test_the_figure_draws_each_ranks_spans_by_kind_and_a_wait_still_unfinished(tmp_path):
+    """A hand-made hang: rank 0 waits in a receive from t=2 until its snapshot at t=7; rank 1 ran a
+    forward and a backward and is busy. Each drawn once, on aligned clocks."""
+    import timeline
+    recv = ["g", "pp", 0, "recv", 4, "float32", 1, 1, "pipeline.py:9 _post", 1, 1.5, 2.0, None, None]
+    snaps = {0: {"time": 7.0, "ops": [recv], "spans": [["wait", "bubble pp recv", 1, 1.0, 0.5]]},
+             1: {"time": 7.0, "ops": [], "spans": [["segment", "forward c0 mb0", 1, 1.0, 0.4],
+                                                   ["segment", "backward c0 mb0", 1, 1.5, 0.6],
+                                                   ["phase", "compute", 1, 1.0, None]]}}
+    drawn = timeline.figure(snaps, {0: 0.0, 1: 0.0}, tmp_path / "t.png")
+    assert drawn == {"rank 0": {"wait bubble": 1, "waiting (unfinished)": 1}, "rank 1": {"forward": 1, "backward": 1}}
+    assert (tmp_path / "t.png").stat().st_size > 1000
