@@ -43,6 +43,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
+import spans
+
 log = logging.getLogger("ft")
 HANG_EXIT = 75  # what a rank exits with when it finds the job hung (EX_TEMPFAIL: retry)
 
@@ -187,7 +191,8 @@ class CollectGarbage:
     def after_step(self, step: int) -> float:
         if self.interval > 0 and step % self.interval == 0:
             t0 = time.perf_counter()
-            gc.collect()
+            with spans.segment("gc"):
+                gc.collect()
             return time.perf_counter() - t0
         return 0.0
 

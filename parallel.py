@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+import spans
 from errors import ConfigError
 from overlap import CLOCK
 from pipeline import Pipeline, autocast, split_for_pipeline
@@ -525,14 +526,16 @@ class ParallelModel:
         if self.pipeline is not None:
             return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
         total = None  # (one microbatch: its loss as it is, no zeros, no division by 1, no add)
-        for x, y in zip(xs, ys):
+        for mb, (x, y) in enumerate(zip(xs, ys)):
             if self._cuda_graphs:  # each microbatch a new replay: the last one's outputs are used up
                 torch.compiler.cudagraph_mark_step_begin()
-            with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward):
+            with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward), \
+                    spans.segment(spans.action_name(("F", mb, 0)), x.device):
                 loss = self._microbatch_loss(x, y)
                 loss = loss / len(xs) if len(xs) > 1 else loss
             if backward:
-                loss.backward()
+                with spans.segment(spans.action_name(("B", mb, 0)), x.device):
+                    loss.backward()
             kept = loss.detach().clone() if self._cuda_graphs else loss.detach()  # a replay reuses its outputs' memory
             total = kept if total is None else total + kept
         return total
@@ -620,7 +623,8 @@ def agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tens
 
 def read_agreed(agreed: torch.Tensor, layout) -> tuple:
     """The host read of agree's result: (mean loss, stop flag[, grad norm])."""
-    values = agreed.tolist()
+    with spans.segment("agreed read"):  # the host's wait for the step's device work
+        values = agreed.tolist()
     values[0] /= layout.dp * layout.tp
     values[1] = values[1] > 0
     return tuple(values)

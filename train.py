@@ -38,6 +38,7 @@ import observe
 import optim
 import parallel
 import sampling
+import spans
 import stragglers
 from errors import ConfigError, fail
 from overlap import CLOCK
@@ -157,9 +158,9 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     # --- The loop ---
     stop = _StopFlag()
     first_step_work = ", ".join(["torch.compile of every chunk"] * compiling + ["the communicators' set-up"] * (world > 1))
-    observer = observe.start(cfg.observe, layout)  # the op log and spans, written by the heartbeat
+    observer = observe.start(cfg.observe, layout, run_dir, device)  # the op log and spans, written by the heartbeat
     if observer is not None and cfg.observe.spans:
-        CLOCK.on_wait = observer.wait_span
+        CLOCK.on_wait, CLOCK.describe = observer.wait_span, observer.wait_label
     beat = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work, observer)
     faults = ft.Faults(rank, run_dir)
     if engine.pipeline is not None:  # slow:/spike: faults, in the step's own compute
@@ -237,7 +238,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         loader.close()
         saver.close()
         beat.close()
-        CLOCK.on_wait = None
+        CLOCK.on_wait = CLOCK.describe = None
         observe.stop()
         collector.close()
         if bar is not None:
@@ -376,7 +377,8 @@ def save(saver, step, engine, optimizer, scheduler, loader, cfg) -> None:
     """Every rank saves its pieces (checkpoint.py); with checkpoint.async_save this returns once
     they are copied to host memory."""
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-    saver.save(step, checkpoint.training_state(step, engine, optimizer, scheduler, loader, config_dict))
+    with spans.segment("checkpoint save"):  # what the save holds training up (an async save: its copy to host)
+        saver.save(step, checkpoint.training_state(step, engine, optimizer, scheduler, loader, config_dict))
 
 
 def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group, model_cfg=None) -> int:
