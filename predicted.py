@@ -69,12 +69,8 @@ def _wait_name(parts: list) -> str:
 def run_config(run_dir: Path):
     """The run's config (its .hydra/config.yaml), on the hardware its replay prices it on: its own,
     or this CPU's calibration (hardware=cpu_local) where it left the machine to `auto`."""
-    from omegaconf import OmegaConf
-
-    import config
     from clustermodel import cli
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config.Config),
-                                              OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")))
+    cfg = cli.run_config(Path(run_dir))
     if cfg.hardware.name == "auto":
         cfg.hardware = cli.compose(["hardware=cpu_local"]).hardware
     return cfg
@@ -93,7 +89,7 @@ def step_segments(run_dir: Path, world: int, rehearse: bool = False) -> Optional
     lay = pm.layout_of(cfg, world)
     cfg = pm.resolve_config(cfg, hw)
     traced = _Traced(records, pm.Rates.of(hw, pm.precision(cfg), lay.gpus), pm.Network(hw, lay),
-                     hw.overlap_slowdown or 0.0, replay.host_cost(hw, lay.gpus), replay.core_sharing(hw, lay.gpus),
+                     hw.perfmodel.overlap_slowdown or 0.0, replay.host_cost(hw, lay.gpus), replay.core_sharing(hw, lay.gpus),
                      weight=lay.gpus / len(records))
     traced.run()
     out = {}
