@@ -308,7 +308,7 @@ def tp_shard_infos(model: torch.nn.Module, tp: TPSettings) -> dict:
 def apply_tp(model: torch.nn.Module, tp: TPSettings) -> None:
     """Walks TP_PLAN over `model`: keeps this rank's slice of each split parameter (on the meta
     device: its shape only) and puts each style's TP module in its plain module's place, the
-    deepest modules first."""
+    deepest modules first. Runs before anything hooks the modules it replaces (recompute, DP)."""
     unplanned = sorted({n.rpartition(".")[0] for n, _ in model.named_parameters()
                         if style_of(n.rpartition(".")[0]) is None})
     if unplanned:
@@ -318,6 +318,8 @@ def apply_tp(model: torch.nn.Module, tp: TPSettings) -> None:
         for param, dim in style.split:
             _keep_slice(module, param, dim, tp.rank, tp.size)
         if style.module is not None:
+            if module._forward_pre_hooks or module._forward_hooks:  # they would go with the plain module
+                raise ValueError(f"{name} has forward hooks: apply_tp before what hooks it (parallel.parallelize)")
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, style.module(module, tp))
 

@@ -179,3 +179,16 @@ def test_apply_tp_walks_the_plan_and_keeps_every_name():
     assert infos["embed.weight"].offset == 64 and infos["blocks.0.attn.out.weight"].offset == 32
     assert {n for n, i in infos.items() if i.tp_replicated} == {
         n for n in after if ".ln_" in n or n.startswith("norm.") or n.endswith(("attn.out.bias", "mlp.fc_out.bias"))}
+
+
+def test_apply_tp_refuses_a_module_already_hooked():
+    """Recompute's hooks on a plain block would go with it when TP puts its own block in place:
+    apply_tp says so instead (parallel.parallelize applies TP first)."""
+    import parallel
+    import tensor_parallel as tpl
+    from model import GPT, ModelConfig
+    with torch.device("meta"):
+        model = GPT(ModelConfig(n_layers=1, n_heads=4, d_model=64, vocab_size=128))
+    parallel.apply_recompute(model, "full")
+    with pytest.raises(ValueError, match="blocks.0 has forward hooks"):
+        tpl.apply_tp(model, tpl.TPSettings(rank=0, size=2))
