@@ -6,8 +6,9 @@ as torchtitan's parallelize plans map names to ColwiseParallel, RowwiseParallel 
 SequenceParallel. apply_tp walks it: each rank keeps its slice of every split parameter, and
 where a style runs a module differently, a TP module takes the plain one's place under the same
 name, holding the same parameters, so parameter names (and checkpoints) do not depend on the
-layout. Everything else needs to know about a parameter comes from the same plan
-(tp_shard_dim, tp_shard_infos).
+layout. What other files need to know about a TP slice comes from the same plan: tp_shard_dim
+(the checkpoint's logical coordinates) and tp_shard_infos (which parallel.py records in
+sharding.py's registry).
 
 The layers are written here by hand rather than taken from torch.distributed.tensor.parallel:
 the ablations control when each all-gather and reduce-scatter runs (parallel.overlap.tp: off,
