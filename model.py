@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import kernels
 from kernels import KernelsConfig
@@ -96,31 +97,19 @@ def _constant_rope_tables(seq_len: int, head_dim: int, theta: float, device,
     return _cached_rope_tables(seq_len, head_dim, theta, device, dtype)
 
 
-class CoreAttention(nn.Module):
-    """softmax(QK^T)V over q, k, v [B, heads, T, head_dim]: the part selective recomputation re-runs
-    instead of storing (its activations grow with s^2 for full attention and are cheap to
-    recompute), hence a module of its own."""
-
-    def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
-        super().__init__()
-        self.window, self.impl, self.block_size, self.dropout = cfg.attention.window, ops.attention, ops.attention_block, cfg.dropout
-
-    def forward(self, q, k, v):
-        return kernels.attention(q, k, v, window=self.window, impl=self.impl, block=self.block_size,
-                                 dropout=self.dropout if self.training else 0.0)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_heads
+        self.window = cfg.attention.window
         self.rope_theta, self.max_seq_len = cfg.rope_theta, cfg.max_seq_len
-        self.fused = ops.fused
+        self.impl, self.block_size = ops.attention, ops.attention_block
+        self.dropout, self.fused = cfg.dropout, ops.fused
         # Rows grouped as (head, q|k|v, head_dim), the GPT-NeoX/Megatron layout: a tensor-parallel
         # shard of the rows is a whole set of heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.core = CoreAttention(cfg, ops)
+        self.recompute_core = False  # train.recompute=selective (parallel.apply_recompute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.mix(self.qkv(x)))
@@ -132,7 +121,17 @@ class Attention(nn.Module):
         cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device, self.max_seq_len, qkv.dtype)
         # The head count comes from qkv, not the config: under TP this rank holds a slice.
         q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin, self.fused)  # kernels.apply_rope on q and k
-        return self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
+        if self.recompute_core:  # stored: q, k, v; the core's activations are recomputed in backward
+            o = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            o = self.core(q, k, v)
+        return o.transpose(1, 2).reshape(B, T, -1)
+
+    def core(self, q, k, v):
+        """softmax(QK^T)V: the part selective recomputation re-runs instead of storing (its
+        activations grow with s^2 for full attention and are cheap to recompute)."""
+        return kernels.attention(q, k, v, window=self.window, impl=self.impl, block=self.block_size,
+                                 dropout=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -162,6 +161,7 @@ class Block(nn.Module):
         self.ln_2 = None if self.parallel else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg, ops)
         self.dropout = cfg.dropout
+        self.recompute = False  # train.recompute=full (parallel.apply_recompute): see GPT.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
@@ -199,7 +199,8 @@ class GPT(nn.Module):
         it then takes or returns hidden states instead."""
         h = self.embed(tokens) if self.embed is not None else tokens
         for block in self.blocks.values():
-            h = block(h)
+            # Full recomputation stores only the block's input and runs it again in backward.
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if block.recompute else block(h)
         if self.head is None:
             return h
         return self.head(kernels.layer_norm(h, self.norm, fused=self.fused))

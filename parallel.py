@@ -194,28 +194,28 @@ def _pipeline_channels(mesh, names: tuple, timeout_s: Optional[float] = None) ->
     return channels
 
 
-def tp_settings(layout: Layout, cfg: ParallelConfig, recompute: str = "none") -> TPSettings:
+def tp_settings(layout: Layout, cfg: ParallelConfig) -> TPSettings:
     return TPSettings(group=layout.group("tp"), rank=layout.tp_rank, size=layout.tp, overlap=cfg.overlap.tp,
-                      pieces=cfg.overlap.tp_chunks, regather=recompute != "full")
+                      pieces=cfg.overlap.tp_chunks)
 
 
 def apply_recompute(model: torch.nn.Module, mode: str) -> None:
     """full: store only each block's input and recompute the block in backward. selective: recompute
     only attention's core (Korthikanti et al. 2022), whose activations are the largest per FLOP.
-    torch's composable checkpoint: a forward pre-hook and hook on the module, which keep its class,
-    its forward and its parameters' names, on whichever module holds the place (the plain block
-    or tensor_parallel's)."""
-    from torch.distributed._composable import checkpoint
+    The model runs torch.utils.checkpoint where its switches say (Block.recompute,
+    Attention.recompute_core), which dynamo traces into a compiled graph; a TP block takes its
+    plain block's switch, so TP and recompute apply in either order."""
     for block in model.blocks.values():
-        checkpoint(block if mode == "full" else block.attn.core)
+        if mode == "full":
+            block.recompute = True
+        elif mode == "selective":
+            block.attn.recompute_core = True
 
 
 def parallelize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none") -> None:
-    """TP, then activation recomputation, in place (torchtitan's order). The order matters once:
-    recompute hooks the modules that hold their places, and TP puts its own blocks in place of the
-    plain ones."""
+    """TP, then activation recomputation, in place (torchtitan's order)."""
     if layout.tp > 1:
-        apply_tp(chunk, tp_settings(layout, cfg, recompute))
+        apply_tp(chunk, tp_settings(layout, cfg))
     if recompute != "none":
         apply_recompute(chunk, recompute)
 

@@ -42,10 +42,6 @@ class TPSettings:
     size: int = 1
     overlap: str = "off"       # parallel.overlap.tp: off | chunked | domino
     pieces: int = 1            # parallel.overlap.tp_chunks
-    # Keep gathered activations as shards for backward (overlap.regather_saved). Off under full
-    # recompute: its checkpoint keeps nothing of the block, and its saved-tensor hooks must be the
-    # innermost ones.
-    regather: bool = True
 
 
 # --- Collectives as autograd functions (Megatron's "mappings"; the gather before the
@@ -159,22 +155,25 @@ class SequenceParallelBlock(torch.nn.Module):
     """model.Block on a sequence-sharded residual stream. It takes over the plain block's
     LayerNorms, attention and MLP under their own names and runs them with the TP collectives in
     between, scheduled as parallel.overlap.tp says: one after another (off), MegaScale's sequence
-    pieces (chunked), or Domino's row pieces that go through the block independently (domino)."""
+    pieces (chunked), or Domino's row pieces that go through the block independently (domino).
+    Gathered activations are kept as shards for backward (overlap.regather_saved), except under
+    full recompute (`recompute`, as model.Block's), whose checkpoint keeps nothing of the block
+    and whose saved-tensor hooks must be the innermost ones."""
 
     drop = Block.drop  # the residual dropout, as the plain block draws it
 
     def __init__(self, block: Block, tp: TPSettings):
         super().__init__()
         self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
-        self.parallel, self.fused, self.dropout = block.parallel, block.fused, block.dropout
-        self.group, self.overlap, self.pieces, self.regather = tp.group, tp.overlap, tp.pieces, tp.regather
+        self.parallel, self.fused, self.dropout, self.recompute = block.parallel, block.fused, block.dropout, block.recompute
+        self.group, self.overlap, self.pieces = tp.group, tp.overlap, tp.pieces
 
     @classmethod
     def from_plain(cls, block: Block, tp: TPSettings) -> "SequenceParallelBlock":
         return cls(block, tp)
 
     def forward(self, x):
-        with overlap.regather_saved() if self.regather else contextlib.nullcontext():
+        with contextlib.nullcontext() if self.recompute else overlap.regather_saved():
             if self.overlap == "chunked":
                 return _chunked_block(self, x)
             if self.overlap == "domino":
@@ -186,7 +185,7 @@ class SequenceParallelBlock(torch.nn.Module):
 def _megatron_block(block: SequenceParallelBlock, x):
     """overlap.tp=off, the ablation's baseline: Megatron-LM's sequence-parallel block. Forward's
     collectives block; backward hides what Megatron-LM's does (overlap.GatheredLinears)."""
-    g, attn, mlp, keep_full = block.group, block.attn, block.mlp, not block.regather
+    g, attn, mlp, keep_full = block.group, block.attn, block.mlp, block.recompute
     h = kernels.layer_norm(x, block.ln_1, fused=block.fused)
     if block.parallel:  # PTB: one gather for QKV and MLP-in, one reduce-scatter of their summed outputs
         qkv, f = overlap.GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias, mlp.fc_in.weight, None)
@@ -309,7 +308,7 @@ def tp_shard_infos(model: torch.nn.Module, tp: TPSettings) -> dict:
 def apply_tp(model: torch.nn.Module, tp: TPSettings) -> None:
     """Walks TP_PLAN over `model`: keeps this rank's slice of each split parameter (on the meta
     device: its shape only) and puts each style's TP module in its plain module's place, the
-    deepest modules first. Runs before anything hooks the modules it replaces (recompute, DP)."""
+    deepest modules first. Runs before anything hooks the modules it replaces (ZeRO's DP overlap)."""
     unplanned = sorted({n.rpartition(".")[0] for n, _ in model.named_parameters()
                         if style_of(n.rpartition(".")[0]) is None})
     if unplanned:
@@ -320,7 +319,7 @@ def apply_tp(model: torch.nn.Module, tp: TPSettings) -> None:
             _keep_slice(module, param, dim, tp.rank, tp.size)
         if style.module is not None:
             if module._forward_pre_hooks or module._forward_hooks:  # they would go with the plain module
-                raise ValueError(f"{name} has forward hooks: apply_tp before what hooks it (parallel.parallelize)")
+                raise ValueError(f"{name} has forward hooks: apply_tp before anything hooks the model")
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, style.module(module, tp))
 

@@ -25,7 +25,7 @@ BATCHED = (torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 class FlopLedger(TorchDispatchMode):
     """FLOPs of every op the rank runs: GEMMs and attention by torch's FlopCounterMode formulas,
     and one FLOP per output element for pointwise ops (elementwise). Attention is what runs inside
-    model.CoreAttention in the forward, and every batched matmul (the model's linears are mm/addmm;
+    Attention.core in the forward, and every batched matmul (the model's linears are mm/addmm;
     only attention multiplies batches of matrices, forward and backward), and the fused kernels'
     own count (cuda_attention)."""
 

@@ -154,8 +154,8 @@ class _Run:
         scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         tokens = torch.zeros((cfg.train.batch_size // layout.dp, cfg.train.seq_len), dtype=torch.long, device=device)
         schedule = _label_pipeline(engine, ledger, pipeline)
-        original_core = gpt.CoreAttention.forward
-        gpt.CoreAttention.forward = _attention_context(original_core, self.flops)
+        original_core = gpt.Attention.core
+        gpt.Attention.core = _attention_context(original_core, self.flops)
         try:
             with cuda_attention(self.flops):
                 for step in range(1, cfg.rehearse.steps + 1):
@@ -178,7 +178,7 @@ class _Run:
                     state = checkpoint.training_state(step, engine, optimizer, scheduler, _NoData(), {})
                     self.saved = checkpoint_bytes(state, layout.rank)
         finally:
-            gpt.CoreAttention.forward = original_core
+            gpt.Attention.core = original_core
 
     def record(self, rank: int, world: int, seconds: float) -> dict:
         import machine

@@ -181,14 +181,22 @@ def test_apply_tp_walks_the_plan_and_keeps_every_name():
         n for n in after if ".ln_" in n or n.startswith("norm.") or n.endswith(("attn.out.bias", "mlp.fc_out.bias"))}
 
 
-def test_apply_tp_refuses_a_module_already_hooked():
-    """Recompute's hooks on a plain block would go with it when TP puts its own block in place:
-    apply_tp says so instead (parallel.parallelize applies TP first)."""
+def test_recompute_and_tp_apply_in_either_order():
+    """A TP block takes its plain block's recompute switch (and keeps no re-gather hooks then), so
+    recompute before TP is recompute after TP; a module already hooked is refused, not replaced
+    with its hooks dropped."""
     import parallel
     import tensor_parallel as tpl
     from model import GPT, ModelConfig
+    for first in ("recompute", "tp"):
+        with torch.device("meta"):
+            model = GPT(ModelConfig(n_layers=1, n_heads=4, d_model=64, vocab_size=128))
+        steps = [lambda: parallel.apply_recompute(model, "full"), lambda: tpl.apply_tp(model, tpl.TPSettings(size=2))]
+        for step in steps if first == "recompute" else steps[::-1]:
+            step()
+        assert isinstance(model.blocks["0"], tpl.SequenceParallelBlock) and model.blocks["0"].recompute, first
     with torch.device("meta"):
         model = GPT(ModelConfig(n_layers=1, n_heads=4, d_model=64, vocab_size=128))
-    parallel.apply_recompute(model, "full")
+    model.blocks["0"].register_forward_pre_hook(lambda *_: None)
     with pytest.raises(ValueError, match="blocks.0 has forward hooks"):
         tpl.apply_tp(model, tpl.TPSettings(rank=0, size=2))
