@@ -236,6 +236,7 @@ class ParallelModel:
         microbatch casts the weights again)."""
         self.layout, self.cfg, self.fused = layout, cfg, fused
         self._microbatch_loss = self._eager_microbatch_loss  # compile() may swap in a compiled one
+        self._cuda_graphs = False  # compile(mode="reduce-overhead"): the compiled step replays CUDA graphs
         on_meta = next(model.parameters()).is_meta
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Split first: TP and recompute apply to the modules each chunk really holds.
@@ -285,6 +286,7 @@ class ParallelModel:
         names were given. Returns what was compiled, for the log line."""
         if self.pipeline is None and self.layout.tp == 1:
             self._microbatch_loss = torch.compile(self._eager_microbatch_loss, **options)
+            self._cuda_graphs = options.get("mode") == "reduce-overhead"
             return "forward, loss and backward, one graph"
         for chunk in self.chunks:
             chunk.compile(**options)
@@ -324,12 +326,15 @@ class ParallelModel:
             return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
         total = None  # (one microbatch: its loss as it is, no zeros, no division by 1, no add)
         for x, y in zip(xs, ys):
+            if self._cuda_graphs:  # each microbatch a new replay: the last one's outputs are used up
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward):
                 loss = self._microbatch_loss(x, y)
                 loss = loss / len(xs) if len(xs) > 1 else loss
             if backward:
                 loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
+            kept = loss.detach().clone() if self._cuda_graphs else loss.detach()  # a replay reuses its outputs' memory
+            total = kept if total is None else total + kept
         return total
 
     def finish_gradients(self, max_norm: float) -> torch.Tensor:

@@ -42,7 +42,6 @@ from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
 log = logging.getLogger("train")
-config.register()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -115,7 +114,10 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                             dtype=autocast_dtype, device=device, seed=cfg.train.seed)
     compiling, why = compile_choice(cfg.train.compile, device)
     if compiling:
-        why += f": torch.compile of {engine.compile()}"
+        options, note = compile_mode_choice(cfg.train.compile_mode, device)
+        why += f": torch.compile of {engine.compile(**options)}{note}"
+    elif cfg.train.compile_mode != "default":
+        why += f"; train.compile_mode={cfg.train.compile_mode} unused: the step runs eager"
     if rank == 0:
         log.info("%s; %s", why, allocator)
     ran = what_computed(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
@@ -335,6 +337,18 @@ def what_computed(cfg: config.Config, device: torch.device, dtype: torch.dtype, 
     return ran
 
 
+def compile_mode_choice(mode: str, device: torch.device) -> tuple:
+    """(torch.compile's options, what the log line adds) for train.compile_mode. reduce-overhead
+    records the compiled step as CUDA graphs, one launch for a graph's kernels, which pays where a
+    step is launch-bound; CUDA graphs exist on CUDA only, so elsewhere the step compiles as default."""
+    if mode == "default":
+        return {}, ""
+    if device.type != "cuda":
+        return {}, (f"; train.compile_mode={mode}: no CUDA graphs on {device.type.upper()}, the step compiles "
+                    "as mode=default")
+    return {"mode": mode}, f"; train.compile_mode={mode}: the step recorded as CUDA graphs"
+
+
 def compile_choice(setting, device: torch.device) -> tuple:
     """(whether to torch.compile, the log line saying why). train.compile=true or false is obeyed;
     null, the default, picks the faster of the two where each was measured, with
@@ -534,6 +548,7 @@ def _pickle_config_modules_by_name() -> None:
 
 
 if __name__ == "__main__":
+    config.register()  # the schema and the YAML's resolvers, for every composition below (Hydra's too)
     jobs = config.preflight(sys.argv[1:])
     slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
     if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued
