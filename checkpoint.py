@@ -200,7 +200,7 @@ def flat_range_rectangles(shape, lo: int, hi: int) -> list:
 
 def _logical(name: str, local: torch.Size, layout) -> tuple:
     """(logical shape, offsets of this TP rank's slice) of parameter `name`."""
-    from parallel import tp_shard_dim
+    from tensor_parallel import tp_shard_dim
     dim = tp_shard_dim(name.removeprefix("_orig_mod."))
     shape, base = list(local), [0] * len(local)
     if dim is not None and layout.tp > 1:

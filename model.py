@@ -8,9 +8,10 @@ Two switches belong to the ablation:
   tokens before it, in every attention backend of kernels.py.
 
 This file holds no collectives and no process groups. parallel.py shards this model from outside
-(torchtitan-style), which is why the QKV rows are grouped per head (so a TP shard is a
-contiguous slice of heads) and why blocks live in a ModuleDict (a pipeline stage deletes the
-blocks it doesn't own and every parameter keeps its name, so checkpoints stay layout-free).
+(torchtitan-style; tensor_parallel.py's plan names its modules), which is why the QKV rows are
+grouped per head (so a TP shard is a contiguous slice of heads) and why blocks live in a
+ModuleDict (a pipeline stage deletes the blocks it doesn't own and every parameter keeps its name,
+so checkpoints stay layout-free).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import kernels
 from kernels import KernelsConfig
@@ -62,15 +64,14 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device, max_seq_len: 
     """cos/sin tables [T, head_dim], GPT-NeoX layout (rotate the two halves), rounded to fp32 and
     then to `dtype` (the compute dtype: q and k's), once per dtype and device, not in every layer.
 
-    Built in numpy's fp64 and rounded once. torch's CPU cos/sin (fp32 and fp64 alike) returned a
-    different table on their first call in about 1 process in 10 under load, and a run computes
-    the table once, so two runs of one config did not write identical checkpoints;
-    numpy's are single-threaded and always the same. Cached: every layer of every step asks for the
-    same table. Inside torch.compile the table of max_seq_len positions is a constant of the graph,
-    sliced to T: traced instead, the numpy calls became torch's pow, cos and sin fused into the
-    rotation's kernels, evaluated per element of q and k in every layer (218 of a compiled step's 1,340 ms
-    at bench_step's default shape); and a constant of T itself would break the graph once T turns
-    symbolic (a second sequence length)."""
+    Built in numpy's fp64 and rounded once: torch's CPU cos/sin (fp32 and fp64 alike) can return a
+    different table on their first call in a process under load, and a run computes the table
+    once, so two runs of one config would not write identical checkpoints; numpy's are
+    single-threaded and always the same. Cached: every layer of every step asks for the same
+    table. Inside torch.compile the table of max_seq_len positions is a constant of the graph,
+    sliced to T: traced, the numpy calls would become torch's pow, cos and sin fused into the
+    rotation's kernels and evaluated per element of q and k in every layer; and a constant of T
+    itself would break the graph once T turns symbolic (a second sequence length)."""
     if torch.compiler.is_compiling():
         longest = seq_len if isinstance(seq_len, int) and seq_len > (max_seq_len or 0) else max_seq_len
         cos, sin = _constant_rope_tables(longest, head_dim, theta, device, dtype)
@@ -108,6 +109,7 @@ class Attention(nn.Module):
         # shard of the rows is a whole set of heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.recompute_core = False  # train.recompute=selective (parallel.apply_recompute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.mix(self.qkv(x)))
@@ -119,7 +121,11 @@ class Attention(nn.Module):
         cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device, self.max_seq_len, qkv.dtype)
         # The head count comes from qkv, not the config: under TP this rank holds a slice.
         q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin)  # kernels.apply_rope on q and k
-        return self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
+        if self.recompute_core:  # stored: q, k, v; the core's activations are recomputed in backward
+            o = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            o = self.core(q, k, v)
+        return o.transpose(1, 2).reshape(B, T, -1)
 
     def core(self, q, k, v):
         """softmax(QK^T)V: the part selective recomputation re-runs instead of storing (its
@@ -155,6 +161,7 @@ class Block(nn.Module):
         self.ln_2 = None if self.parallel else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg, ops)
         self.dropout = cfg.dropout
+        self.recompute = False  # train.recompute=full (parallel.apply_recompute): see GPT.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
@@ -167,7 +174,7 @@ class Block(nn.Module):
     def drop(self, branch: torch.Tensor) -> torch.Tensor:
         """Dropout on a residual branch before it joins the stream (Megatron's bias-dropout-add).
         PTB drops the sum of its two branches: under TP they are summed before the one
-        reduce-scatter they share, and the mask is drawn after it (parallel.py)."""
+        reduce-scatter they share, and the mask is drawn after it (tensor_parallel.py)."""
         if not (self.dropout and self.training):
             return branch
         return torch.native_dropout(branch, self.dropout, True)[0]  # a bool mask kept, as CUDA's F.dropout
@@ -192,23 +199,25 @@ class GPT(nn.Module):
         it then takes or returns hidden states instead."""
         h = self.embed(tokens) if self.embed is not None else tokens
         for block in self.blocks.values():
-            h = block(h)
+            # Full recomputation stores only the block's input and runs it again in backward.
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if block.recompute else block(h)
         if self.head is None:
             return h
         return self.head(kernels.layer_norm(h, self.norm, fused=self.fused))
 
     @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None) -> None:
+    def init_weights(self, seed: Optional[int] = None, slices: Optional[dict] = None) -> None:
         """GPT-2/Megatron init: N(0, 0.02), with the residual projections scaled by 1/sqrt(2L) so the
         residual stream's variance does not grow with depth; biases 0, norm weights 1.
 
         Layout-free and local: a weight is drawn slice by slice along one axis, slice i from its
         own generator seeded by (seed, parameter name, i), so a module holding only part of a
-        parameter (a pipeline stage, a TP slice marked with `_logical_offset`) draws exactly its
-        part, with one slice in memory on top, and gets the values one process would hold. The
-        axis is the one tensor parallelism splits: rows, except the output projections (attn.out,
-        mlp.fc_out), which are drawn column by column. Runs after to_empty() for a meta-built
-        model, on any device (drawn on the CPU, so every device gets the same numbers)."""
+        parameter (a pipeline stage, or a tensor-parallel slice: `slices` maps its name to
+        (dim, index of its first slice along dim)) draws exactly its part, with one slice in
+        memory on top, and gets the values one process would hold. The axis is the one tensor
+        parallelism splits: rows, except the output projections (attn.out, mlp.fc_out), which are
+        drawn column by column. Runs after to_empty() for a meta-built model, on any device (drawn
+        on the CPU, so every device gets the same numbers)."""
         seed = 0 if seed is None else seed
         std, L = self.cfg.init_std, self.cfg.n_layers
         for name, p in self.named_parameters():
@@ -216,15 +225,16 @@ class GPT(nn.Module):
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
                 continue
             projection = name.endswith(("attn.out.weight", "mlp.fc_out.weight"))
-            _draw_normal(p, name, seed, std / math.sqrt(2 * L) if projection else std, axis=1 if projection else 0)
+            axis = 1 if projection else 0
+            dim, offset = (slices or {}).get(name, (axis, 0))
+            if dim != axis:
+                raise ValueError(f"{name} is a slice along dim {dim}, but is drawn along dim {axis}")
+            _draw_normal(p, name, seed, std / math.sqrt(2 * L) if projection else std, axis, offset)
 
 
-def _draw_normal(p: torch.Tensor, name: str, seed: int, std: float, axis: int) -> None:
-    """Fill p with N(0, std²), slice i along `axis` from a generator seeded by (seed, name, i + the
-    offset of p's first slice in the logical parameter)."""
-    dim, offset = getattr(p, "_logical_offset", (axis, 0))
-    if dim != axis:
-        raise ValueError(f"{name} is a slice along dim {dim}, but is drawn along dim {axis}")
+def _draw_normal(p: torch.Tensor, name: str, seed: int, std: float, axis: int, offset: int) -> None:
+    """Fill p with N(0, std²), slice i along `axis` from a generator seeded by (seed, name, i +
+    offset), where offset is the index of p's first slice in the whole parameter."""
     base = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:7], "little")
     view = p.movedim(axis, 0)
     gen = torch.Generator(device="cpu")

@@ -7,9 +7,9 @@ DeepSpeed's LAMB takes the norm of whatever buffer it is handed, which is wrong 
 
 - every tensor the optimizer sees is a piece of exactly one logical parameter (ZeRO shards each
   parameter on its own along dim 0, zero-padded; never a flat buffer that mixes parameters);
-- a piece may carry `_norm_owner = False` when it is a replica of elements another rank of the
-  norm group also holds (a LayerNorm weight replicated over TP is owned by tp-rank 0 only), so
-  summing partial squared norms over the group counts each element exactly once;
+- a piece's ShardInfo (sharding.py) may say `norm_owner=False` when it is a replica of elements
+  another rank of the norm group also holds (a LayerNorm weight replicated over TP is owned by
+  tp-rank 0 only), so summing partial squared norms over the group counts each element once;
 - the ranks of the norm group hold the same parameter list in the same order (the same model
   code, sharded), so the i-th entry of the packed norm vector means the same parameter on each.
 
@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from errors import ConfigError
 from overlap import CLOCK
+from sharding import shard_info
 
 
 @dataclass
@@ -71,9 +72,9 @@ def check_config(cfg: OptimConfig) -> None:
 
 def is_bias_or_norm(name: str, p: torch.Tensor) -> bool:
     """Biases and normalization weights: 1-D tensors, or named so. A ZeRO shard is a flat piece of
-    its parameter, so parallel.py records the parameter's own rank in `_logical_ndim`."""
+    its parameter, so zero.py records the parameter's own ndim in its ShardInfo."""
     parts = name.split(".")
-    ndim = getattr(p, "_logical_ndim", p.ndim)
+    ndim = shard_info(p).logical_ndim or p.ndim
     return ndim < 2 or name.endswith("bias") or any(s.startswith("ln_") or "norm" in s for s in parts)
 
 
@@ -128,7 +129,7 @@ class Lamb(torch.optim.Optimizer):
 
     ‖·‖ are L2 norms of the whole logical tensor, whatever piece of it this rank holds: with a
     norm_group, each rank computes ‖p_piece‖² and ‖u_piece‖² of every tensor of every trust-ratio
-    group (zero for pieces with `_norm_owner = False`, or with no grad this step), packs them into
+    group (zero for pieces whose ShardInfo has `norm_owner=False`, or with no grad this step), packs them into
     one fp32 vector [2, n_tensors] and sums it with ONE all_reduce per step over norm_group. The
     vector's layout comes from the parameter list, not from which grads exist, so ranks agree on
     it; a tensor with no grad is not updated. Zero padding (p = 0, g = 0) contributes nothing.
@@ -247,7 +248,7 @@ class Lamb(torch.optim.Optimizer):
             params = [p for ps, _, _ in live for p in ps]
             updates = [u for _, us, _ in live for u in us]
             index = self._on_device(tuple(i for _, _, idx in live for i in idx), device)
-            owner = self._on_device(tuple(float(getattr(p, "_norm_owner", True)) for p in params), device)
+            owner = self._on_device(tuple(float(shard_info(p).norm_owner) for p in params), device)
             p_norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
             u_norms = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
             squares[:, index] = torch.stack([p_norms, u_norms]).square() * owner
@@ -278,7 +279,7 @@ class Lamb(torch.optim.Optimizer):
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_group=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for sharded parameters: the global L2 norm of all grads, each
-    logical element counted once (pieces with `_norm_owner = False` add nothing), summed with one
+    logical element counted once (pieces whose ShardInfo has `norm_owner=False` add nothing), summed with one
     all_reduce over norm_group. Scales grads by max_norm / (norm + 1e-6) when the norm exceeds
     max_norm, as torch does. Returns the total norm (an fp32 0-d tensor) on every rank; nothing is
     read by the host."""
@@ -295,7 +296,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_group=
 def grad_squares(params: list, device) -> torch.Tensor:
     """This rank's share of the squared global gradient norm: the owned pieces' grads, in one
     foreach pass, as an fp32 0-d tensor on `device` (to be summed over the ranks)."""
-    owned = [p.grad for p in params if p.grad is not None and getattr(p, "_norm_owner", True)]
+    owned = [p.grad for p in params if p.grad is not None and shard_info(p).norm_owner]
     if not owned:
         return torch.zeros((), dtype=torch.float32, device=device)
     return torch.stack(torch._foreach_norm(owned, 2, dtype=torch.float32)).square().sum()

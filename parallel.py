@@ -13,11 +13,12 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-import overlap
 import spans
 from errors import ConfigError
 from overlap import CLOCK
 from pipeline import Pipeline, autocast, split_for_pipeline
+from sharding import describe
+from tensor_parallel import TPSettings, apply_tp, tp_shard_infos, vocab_parallel_cross_entropy
 from zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
 
 
@@ -194,225 +195,30 @@ def _pipeline_channels(mesh, names: tuple, timeout_s: Optional[float] = None) ->
     return channels
 
 
-# --- Collectives as autograd functions (Megatron's "mappings"; the gather before the
-# column-parallel GEMMs, with Megatron-LM's async backward, is overlap.GatheredLinears) ---
-
-class ReduceScatterSeq(torch.autograd.Function):
-    """Partial sums over the full sequence -> summed, sequence-sharded; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return overlap.reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return overlap.gather_seq(grad, ctx.group), None
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over logits split along the vocabulary, never gathering them: each rank
-    sends a max, a sum of exponentials and its target logit per token (two all-reduces)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start):
-        ctx.logits_dtype = logits.dtype
-        exp = logits.float()  # one fp32 copy, shifted and exponentiated in place (Megatron's does the same)
-        v_local = exp.shape[-1]
-        row_max = exp.max(dim=-1).values
-        with CLOCK.waiting("comm", exp.device):
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        exp.sub_(row_max.unsqueeze(-1))
-        local_t = targets - vocab_start
-        mine = (local_t >= 0) & (local_t < v_local)
-        picked = exp.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
-        exp.exp_()
-        sums = torch.stack([exp.sum(-1), picked])
-        with CLOCK.waiting("comm", logits.device):
-            dist.all_reduce(sums, group=group)
-        losses = sums[0].log() - sums[1]
-        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local_t.clamp(0, v_local - 1), mine)
-        return losses.mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local_t, mine = ctx.saved_tensors
-        g = softmax  # d loss_i / d logit = softmax - onehot(target), on the rank that holds the target
-        g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
-        return g.mul_(grad / local_t.numel()).to(ctx.logits_dtype), None, None, None
-
-
-# --- Tensor parallelism with sequence parallelism, applied to the plain model ---
-# Modules keep their names and get a subclass whose forward adds the collectives (the technique
-# FSDP2's fully_shard uses), so the model file stays free of parallel code and checkpoint names
-# do not depend on the layout.
-
-class RowParallelLinear(torch.nn.Linear):
-    """Holds a column slice of the weight; returns partial sums. The bias is added by the caller
-    after the reduce-scatter, so that it is counted once."""
-
-    def forward(self, x):
-        return torch.nn.functional.linear(x, self.weight)
-
-
-class ColumnParallelHead(torch.nn.Linear):
-    """The output projection split along the vocabulary: full-sequence input, local logits."""
-
-    def forward(self, x):
-        return overlap.GatheredLinears.apply(x, self.tp_group, False, self.weight, None)[0]
-
-
-class VocabParallelEmbedding(torch.nn.Embedding):
-    """Each rank holds a slice of the vocabulary's rows; a token outside it contributes zeros and
-    the reduce-scatter both sums the slices and shards the sequence."""
-
-    def forward(self, tokens):
-        local = tokens - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        h = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
-        return ReduceScatterSeq.apply(h.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
-
-
-def _tp_block_forward(block, x):
-    """A transformer block on a sequence-sharded residual stream, its TP collectives run as
-    parallel.overlap.tp says: one after another (off), MegaScale's sequence pieces (chunked), or
-    Domino's row pieces that go through the block independently (domino). Gathered activations
-    are kept as shards for backward (overlap.regather_saved), except under full recompute, which
-    keeps none."""
-    if block.regather:
-        with overlap.regather_saved():
-            return _tp_block_steps(block, x)
-    return _tp_block_steps(block, x)
-
-
-def _tp_block_steps(block, x):
-    if block.tp_overlap == "chunked":
-        return _chunked_block(block, x)
-    if block.tp_overlap == "domino":
-        rows = [_block_steps(block, r) for r in x.chunk(block.tp_chunks, dim=0)]
-        return torch.cat(overlap.interleave(rows), dim=0)
-    return _megatron_block(block, x)
-
-
-def _megatron_block(block, x):
-    """overlap.tp=off, the ablation's baseline: Megatron-LM's sequence-parallel block. Forward's
-    collectives block; backward hides what Megatron-LM's does (overlap.GatheredLinears)."""
-    import kernels
-    g, attn, mlp, keep_full = block.tp_group, block.attn, block.mlp, not block.regather
-    h = kernels.layer_norm(x, block.ln_1, fused=block.fused)
-    if block.parallel:  # PTB: one gather for QKV and MLP-in, one reduce-scatter of their summed outputs
-        qkv, f = overlap.GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias, mlp.fc_in.weight, None)
-        y = ReduceScatterSeq.apply(attn.out(attn.mix(qkv)) + mlp.activate_and_project(f), g)
-        return x + block.drop(_add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias))
-    qkv, = overlap.GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias)
-    a = ReduceScatterSeq.apply(attn.out(attn.mix(qkv)), g)
-    x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn.out.bias)), block.ln_2, fused=block.fused)
-    f, = overlap.GatheredLinears.apply(h, g, keep_full, mlp.fc_in.weight, None)
-    return x + block.drop(_add_bias(ReduceScatterSeq.apply(mlp.activate_and_project(f), g), mlp.fc_out.bias))
-
-
-def _block_steps(block, x):
-    """Domino's row piece through the block, as a generator that yields at each TP collective
-    (overlap.interleave runs it); each reduce-scatter names its gather, to prefetch the re-gather.
-    PTB shares one all-gather (its attention and MLP read the same LN output) and one
-    reduce-scatter (their outputs are summed before it): half the TP collectives of the
-    sequential block (MegaScale §3.1)."""
-    import kernels
-    g = block.tp_group
-    attn_bias, mlp_bias = block.attn.out.bias, block.mlp.fc_out.bias
-    gather = overlap.gather_async(kernels.layer_norm(x, block.ln_1, fused=block.fused), g)
-    full = yield gather
-    if block.parallel:
-        y = yield overlap.reduce_scatter_async(block.attn(full) + block.mlp(full), g, after=(gather,))
-        return x + block.drop(_add_bias(_add_bias(y, attn_bias), mlp_bias))
-    a = yield overlap.reduce_scatter_async(block.attn(full), g, after=(gather,))
-    x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn_bias)), block.ln_2, fused=block.fused)
-    gather = overlap.gather_async(h, g)
-    full = yield gather
-    m = yield overlap.reduce_scatter_async(block.mlp(full), g, after=(gather,))
-    return x + block.drop(_add_bias(m, mlp_bias))
-
-
-def _chunked_block(block, x):
-    """MegaScale's TP overlap: the token-wise GEMMs (QKV, MLP, output projections) run on pieces of
-    the sequence while the other pieces' all-gathers and reduce-scatters are on the wire."""
-    import kernels
-    g, k, attn, mlp = block.tp_group, block.tp_chunks, block.attn, block.mlp
-    h = kernels.layer_norm(x, block.ln_1, fused=block.fused)
-    if block.parallel:  # PTB: one region; the MLP's partial sums join attention's before the shared reduce-scatter
-        y = overlap.chunked_region(h, g, k, pre=lambda f: (attn.qkv(f), mlp(f)), mix=attn.mix,
-                                   post=lambda a, m: attn.out(a) + m)
-        return x + block.drop(_add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias))
-    a = overlap.chunked_region(h, g, k, pre=lambda f: (attn.qkv(f),), mix=attn.mix, post=attn.out)
-    x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn.out.bias)), block.ln_2, fused=block.fused)
-    return x + block.drop(_add_bias(overlap.chunked_region(h, g, k, pre=mlp), mlp.fc_out.bias))
-
-
-def tp_shard_dim(name: str) -> Optional[int]:
-    """The dim along which apply_tp splits a parameter over the TP group (None: replicated)."""
-    if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc_in.weight", "mlp.fc_in.bias",
-                      "embed.weight", "head.weight")):
-        return 0
-    if name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
-        return 1
-    return None
-
-
-def _add_bias(x, bias):
-    return x if bias is None else x + bias
-
-
-def _keep_slice(module, name: str, dim: int, rank: int, parts: int) -> None:
-    """Keep this rank's slice of a parameter (on the meta device: its shape only), and mark where
-    it sits in the logical one, for model.init_weights."""
-    param = getattr(module, name)
-    if param is not None:
-        piece = torch.nn.Parameter(param.detach().chunk(parts, dim)[rank].clone())
-        piece._logical_offset = (dim, rank * piece.shape[dim])
-        setattr(module, name, piece)
-
-
-def apply_tp(model: torch.nn.Module, layout: Layout, overlap_mode: str = "off", chunks: int = 1) -> None:
-    """Megatron's split: column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
-    vocab-parallel embedding and output projection; LayerNorms run on sequence slices."""
-    group, rank, tp = layout.group("tp"), layout.tp_rank, layout.tp
-    for block in model.blocks.values():
-        for linear in (block.attn.qkv, block.mlp.fc_in):       # output features, whole heads
-            _keep_slice(linear, "weight", 0, rank, tp)
-            _keep_slice(linear, "bias", 0, rank, tp)
-        for linear in (block.attn.out, block.mlp.fc_out):      # input features
-            _keep_slice(linear, "weight", 1, rank, tp)
-            linear.__class__ = RowParallelLinear
-        block.tp_group, block.tp_overlap, block.tp_chunks = group, overlap_mode, chunks
-        block.regather = True
-        block.forward = _tp_block_forward.__get__(block)
-    if model.embed is not None:
-        _keep_slice(model.embed, "weight", 0, rank, tp)
-        model.embed.__class__ = VocabParallelEmbedding
-        model.embed.vocab_start, model.embed.tp_group = rank * model.embed.weight.shape[0], group
-    if model.head is not None:
-        _keep_slice(model.head, "weight", 0, rank, tp)
-        model.head.__class__ = ColumnParallelHead
-        model.head.tp_group = group
-    # Parameters every TP rank holds whole but computes partial gradients for (they see only
-    # their slice of the sequence): LayerNorms and the biases added after a reduce-scatter.
-    for name, p in model.named_parameters():
-        if ".ln_" in name or name.startswith("norm.") or name.endswith(("attn.out.bias", "mlp.fc_out.bias")):
-            p._tp_replicated = True
+def tp_settings(layout: Layout, cfg: ParallelConfig) -> TPSettings:
+    return TPSettings(group=layout.group("tp"), rank=layout.tp_rank, size=layout.tp, overlap=cfg.overlap.tp,
+                      pieces=cfg.overlap.tp_chunks)
 
 
 def apply_recompute(model: torch.nn.Module, mode: str) -> None:
     """full: store only each block's input and recompute the block in backward. selective: recompute
-    only attention's core (Korthikanti et al. 2022), whose activations are the largest per FLOP."""
-    from torch.utils.checkpoint import checkpoint
+    only attention's core (Korthikanti et al. 2022), whose activations are the largest per FLOP.
+    The model runs torch.utils.checkpoint where its switches say (Block.recompute,
+    Attention.recompute_core), which dynamo traces into a compiled graph; a TP block takes its
+    plain block's switch, so TP and recompute apply in either order."""
     for block in model.blocks.values():
         if mode == "full":
-            block.regather = False  # checkpoint keeps nothing of the block; its hooks must stay innermost
-            inner = block.forward
-            block.forward = lambda x, inner=inner: checkpoint(inner, x, use_reentrant=False)
+            block.recompute = True
         elif mode == "selective":
-            inner = block.attn.core
-            block.attn.core = lambda q, k, v, inner=inner: checkpoint(inner, q, k, v, use_reentrant=False)
+            block.attn.recompute_core = True
+
+
+def parallelize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none") -> None:
+    """TP, then activation recomputation, in place (torchtitan's order)."""
+    if layout.tp > 1:
+        apply_tp(chunk, tp_settings(layout, cfg))
+    if recompute != "none":
+        apply_recompute(chunk, recompute)
 
 
 # --- This rank's share of the model, and the collectives its training step needs ---
@@ -434,16 +240,11 @@ class ParallelModel:
         self._cuda_graphs = False  # compile(mode="reduce-overhead"): the compiled step replays CUDA graphs
         on_meta = next(model.parameters()).is_meta
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        # Split first: the TP and recompute forwards bind to the modules each chunk really holds.
+        # Split first: TP and recompute apply to the modules each chunk really holds.
         self.chunks = split_for_pipeline(model, layout, cfg.vpp)
         for chunk in self.chunks:
-            if layout.tp > 1:
-                apply_tp(chunk, layout, cfg.overlap.tp, cfg.overlap.tp_chunks)
-            if recompute != "none":
-                apply_recompute(chunk, recompute)
-            chunk.to(dtype)  # on meta first: the shard is materialized in its own dtype, never in fp32
-            if on_meta:
-                _materialize(chunk, self.device, seed)
+            parallelize(chunk, layout, cfg, recompute)
+            _materialize(chunk, layout, cfg, dtype, self.device if on_meta else None, seed)
         self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp) if layout.pp > 1 else None
         named = self.named_model_parameters()
         self.names = [n for n, _ in named]
@@ -510,8 +311,7 @@ class ParallelModel:
 
     def loss_fn(self, logits, targets):
         if self.layout.tp > 1:
-            v_local = logits.shape[-1]
-            return VocabParallelCrossEntropy.apply(logits, targets, self.layout.group("tp"), self.layout.tp_rank * v_local)
+            return vocab_parallel_cross_entropy(logits, targets, tp_settings(self.layout, self.cfg))
         import kernels
         return kernels.cross_entropy(logits, targets, fused=self.fused)
 
@@ -565,16 +365,22 @@ class ParallelModel:
         self.zero.parameters_loaded()
 
 
-def _materialize(chunk: torch.nn.Module, device: torch.device, seed: int) -> None:
-    """A meta-built chunk's parameters on `device`, initialized (not on meta: a rehearsal keeps
-    shapes only). to_empty makes new Parameter objects, so the marks parallel.py put on them
-    (`_tp_replicated`, `_logical_offset`) are carried over."""
-    marks = {name: {k: v for k, v in vars(p).items() if k.startswith("_")} for name, p in chunk.named_parameters()}
-    chunk.to_empty(device=device)
+def _materialize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, dtype: torch.dtype,
+                 device: Optional[torch.device], seed: int) -> None:
+    """This rank's chunk in `dtype`; if it was built on the meta device, its parameters on `device`,
+    initialized (not on meta: a rehearsal keeps shapes only) with the values one process would
+    hold (device None: the chunk holds its values already). Then each TP slice is described in the
+    shard registry (sharding.py), after to_empty, which makes new parameters."""
+    chunk.to(dtype)  # on meta first: the shard is materialized in its own dtype, never in fp32
+    infos = tp_shard_infos(chunk, tp_settings(layout, cfg)) if layout.tp > 1 else {}
+    if device is not None:
+        chunk.to_empty(device=device)
+        if device.type != "meta":
+            chunk.init_weights(seed, slices={n: (i.split_dim, i.offset) for n, i in infos.items()
+                                             if i.split_dim is not None})
     for name, p in chunk.named_parameters():
-        p.__dict__.update(marks[name])
-    if device.type != "meta":
-        chunk.init_weights(seed)
+        if name in infos:
+            describe(p, infos[name])
 
 
 def _norm_group(layout: Layout):

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from overlap import CLOCK, timed_wait
+from sharding import describe, shard_info
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's --ddp-bucket-size
 
@@ -137,10 +138,10 @@ class ZeroDataParallel:
             lo, hi = self.pieces[i]
             start = bucket.offsets[k] + lo - bucket.lo
             piece = torch.nn.Parameter(bucket.master[start:start + hi - lo])
-            piece._logical_ndim = p.ndim  # a flat piece of a matrix is still a matrix's (weight decay)
+            describe(piece, logical_ndim=p.ndim)  # a flat piece of a matrix is still a matrix's (weight decay)
         # LAMB and gradient clipping sum squared norms over ranks: count each element once.
-        tp_owner = not getattr(p, "_tp_replicated", False) or self.layout.tp_rank == 0
-        piece._norm_owner = tp_owner and (self.stage > 0 or self.layout.dp_rank == 0)
+        tp_owner = not shard_info(p).tp_replicated or self.layout.tp_rank == 0
+        describe(piece, norm_owner=tp_owner and (self.stage > 0 or self.layout.dp_rank == 0))
         return piece
 
     # Gradients
@@ -169,7 +170,7 @@ class ZeroDataParallel:
         (ZeRO-0) or reduce-scatter into this rank's range (ZeRO 1/2)."""
         bucket = self.buckets[b]
         grads = self._grad_buffer(bucket)
-        replicated = [i for i in bucket.indices if getattr(self.params[i], "_tp_replicated", False)]
+        replicated = [i for i in bucket.indices if shard_info(self.params[i]).tp_replicated]
         if self.layout.tp > 1 and replicated:
             start = bucket.offsets[bucket.indices.index(replicated[0])]
             with CLOCK.waiting("comm", grads.device):
@@ -293,8 +294,8 @@ class ZeroDataParallel:
 def _replicated_last(indices: list, params: list) -> list:
     """The bucket's order: TP-replicated parameters last, so their TP all-reduce is one call on
     the buffer's tail."""
-    return ([i for i in indices if not getattr(params[i], "_tp_replicated", False)]
-            + [i for i in indices if getattr(params[i], "_tp_replicated", False)])
+    return ([i for i in indices if not shard_info(params[i]).tp_replicated]
+            + [i for i in indices if shard_info(params[i]).tp_replicated])
 
 
 def plan_buckets(modules: list, params: list, bucket_size: int, per_module: bool) -> list:

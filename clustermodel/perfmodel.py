@@ -381,7 +381,7 @@ def ends_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     if t > 1:  # vocab-parallel embedding and loss; the head needs the whole sequence
         _comm(emb_f, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), 0.0, "off")
         _comm(emb_b, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
-        # TP overlap covers the blocks' linears (MegaScale §3.3; parallel._chunked_block), not the
+        # TP overlap covers the blocks' linears (MegaScale §3.3; tensor_parallel._chunked_block), not the
         # head's gather of the whole sequence, which stays one blocking all-gather.
         _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
         _comm(head_b, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), head_b["gemm"] / 2, "async")

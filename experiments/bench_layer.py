@@ -5,7 +5,7 @@ TFLOP/s against the device's peak and against perfmodel's compute time for that 
     python experiments/bench_layer.py --device cpu --d-model 256 --heads 8 --tp 2 --seq 128 --dtype fp32   # a smoke run (priced as on an H100)
 
 The layer is model.Block with each parameter that tensor parallelism splits cut to rank 0's slice
-(parallel.tp_shard_dim): the rank's four GEMMs, attention over its heads (kernels.attention=auto:
+(tensor_parallel.tp_shard_dim): the rank's four GEMMs, attention over its heads (kernels.attention=auto:
 flash-attn where it runs, else SDPA) and the elementwise ops, without the collectives, which
 perfmodel.layer_time prices apart. Its LayerNorms see the whole sequence, where sequence
 parallelism gives each rank 1/tp of it (elementwise: a small overcount). FLOPs are MegaScale's
@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
-import parallel  # noqa: E402
 from clustermodel import perfmodel as pm  # noqa: E402
 from model import Block  # noqa: E402
+from tensor_parallel import tp_shard_dim  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -47,7 +47,7 @@ def sliced_block(cfg, tp: int, dtype: torch.dtype, device) -> Block:
         block = Block(cfg.model, cfg.kernels)
     for name, module in list(block.named_modules()):
         for pname in ("weight", "bias"):
-            dim = parallel.tp_shard_dim(f"{name}.{pname}")
+            dim = tp_shard_dim(f"blocks.0.{name}.{pname}")  # (the plan names a block's modules inside the GPT)
             if dim is not None and getattr(module, pname, None) is not None:
                 setattr(module, pname, torch.nn.Parameter(getattr(module, pname).detach().chunk(tp, dim)[0].clone()))
     block = block.to(dtype).to_empty(device=device).train()

@@ -13,7 +13,7 @@ import config
 import export_hf
 from conftest import ROOT
 from model import GPT, AttentionConfig, ModelConfig
-from parallel import tp_shard_dim
+from tensor_parallel import tp_shard_dim
 
 STEP = 5
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import optim  # noqa: E402
+import sharding  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 
 import forked  # noqa: E402
@@ -263,8 +264,8 @@ def sharded_worker(rank: int, world: int, tmp: str) -> None:
     for name, t in full.items():
         data, owner = piece(name, t, rank, world)
         params[name] = nn.Parameter(data)
-        if not owner:  # owners keep no attribute: the default must count
-            params[name]._norm_owner = False
+        if not owner:  # owners are not described: the default must count
+            sharding.describe(params[name], norm_owner=False)
     opt = optim.Lamb([dict(params=[params[n] for n in names], **o) for names, o in GROUPS],
                      lr=LR, betas=BETAS, eps=EPS, norm_group=dist.group.WORLD)
     real, calls = dist.all_reduce, []

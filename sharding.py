@@ -1,0 +1,49 @@
+"""What a rank's tensor is of its logical parameter (the whole one a single process holds), kept
+in one registry that every file reads.
+
+tensor_parallel.py's plan slices parameters and zero.py cuts them into the optimizer's flat
+pieces; ZeRO's TP sum, the optimizer's weight decay and its norms summed over ranks each need to
+know what a tensor is a part of (parallel.py describes the TP slices, zero.py the pieces). A tensor with
+no entry is a whole parameter, counted once.
+
+Keyed by the tensor object, weakly (torch's WeakIdKeyDictionary): an entry goes when its tensor
+does, and holds no reference that could keep a model alive.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    # Tensor parallelism: the dim along which this rank holds a slice of the parameter (None: it
+    # holds all of it), and where the slice starts along that dim.
+    split_dim: Optional[int] = None
+    offset: int = 0
+    # Held whole by every TP rank, with a partial gradient on each (every rank sees its slice of
+    # the sequence): LayerNorms and the biases added after a reduce-scatter. Their gradients are
+    # summed over the TP group.
+    tp_replicated: bool = False
+    # The parameter's own ndim, for a flat ZeRO piece of a matrix (weight decay goes by it).
+    logical_ndim: Optional[int] = None
+    # Whether this tensor's elements count in a norm summed over ranks: False on a copy whose
+    # elements another rank of the sum also holds (a TP-replicated LayerNorm off tp-rank 0).
+    norm_owner: bool = True
+
+
+WHOLE = ShardInfo()
+_INFO = WeakIdKeyDictionary()
+
+
+def shard_info(tensor: torch.Tensor) -> ShardInfo:
+    return _INFO.get(tensor, WHOLE)
+
+
+def describe(tensor: torch.Tensor, info: Optional[ShardInfo] = None, **fields) -> None:
+    """Record what `tensor` is (`info`, else its current entry), with `fields` changed."""
+    _INFO[tensor] = dataclasses.replace(info if info is not None else shard_info(tensor), **fields)

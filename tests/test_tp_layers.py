@@ -1,0 +1,202 @@
+"""Each tensor-parallel primitive of tensor_parallel.py against its unsharded torch reference, on 2
+gloo ranks, forward and backward: the column- and row-parallel linear layers with sequence
+parallelism (the sequence sharded around them, as the blocks run them) and without (the input
+whole on every rank), the vocab-parallel embedding, and the vocab-parallel head with its loss.
+Every rank's output and gradients must be its slice of the reference's (fp32, within 1e-5
+relative). The layout matrix (tests/test_parallel.py) checks the same layers inside whole runs;
+these check one at a time, in a few seconds, on one spawn of two ranks."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import spawn
+
+TOL = 1e-5
+B, T, D, OUT, VOCAB = 2, 8, 16, 24, 32
+PRIMITIVES = ["column_sp", "column_sp_keep_full", "column", "row_sp", "row", "vocab_embedding", "vocab_head_and_loss"]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def reference(module, inputs: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """The unsharded module's output, its gradients left on its parameters (and inputs)."""
+    out = module(inputs)
+    (out * grad_out).sum().backward()
+    return out.detach()
+
+
+def seq_slice(t: torch.Tensor, tp) -> torch.Tensor:
+    return t.chunk(tp.size, dim=1)[tp.rank]
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_()
+
+
+def column_parallel(tp, sequence_parallel: bool, keep_full: bool = False) -> float:
+    """Output features split (weight and bias rows). With SP the input is this rank's sequence
+    slice, gathered inside (overlap.GatheredLinears, as the blocks call it); without, the whole
+    input goes through the plain nn.Linear on its slices, and its input gradient is partial."""
+    import torch.distributed as dist
+    import overlap
+    from tensor_parallel import COLWISE
+    ref, x, gy = torch.nn.Linear(D, OUT), torch.randn(B, T, D, requires_grad=True), torch.randn(B, T, OUT)
+    want = reference(ref, x, gy)
+    dims = dict(COLWISE.split)
+    w = leaf(ref.weight.chunk(tp.size, dims["weight"])[tp.rank])
+    b = leaf(ref.bias.chunk(tp.size, dims["bias"])[tp.rank])
+    cols = slice(tp.rank * w.shape[0], (tp.rank + 1) * w.shape[0])
+    xs = leaf(seq_slice(x, tp) if sequence_parallel else x)
+    if sequence_parallel:
+        y, = overlap.GatheredLinears.apply(xs, tp.group, keep_full, w, b)
+    else:
+        y = F.linear(xs, w, b)
+    (y * gy[..., cols]).sum().backward()
+    x_grad = xs.grad
+    if not sequence_parallel:
+        dist.all_reduce(x_grad, group=tp.group)
+    return max(relative_error(y, want[..., cols]),
+               relative_error(x_grad, seq_slice(x.grad, tp) if sequence_parallel else x.grad),
+               relative_error(w.grad, ref.weight.grad[cols]), relative_error(b.grad, ref.bias.grad[cols]))
+
+
+def row_parallel(tp, sequence_parallel: bool) -> float:
+    """Input features split (weight columns), partial sums out. With SP they are reduce-scattered
+    over the sequence and the whole bias added after, its gradient partial (a TP-replicated
+    parameter); without, all-reduced (Megatron's row-parallel linear: identity backward)."""
+    import torch.distributed as dist
+    from tensor_parallel import ROWWISE, ReduceScatterSeq, RowParallelLinear
+    ref, h, gy = torch.nn.Linear(OUT, D), torch.randn(B, T, OUT, requires_grad=True), torch.randn(B, T, D)
+    want = reference(ref, h, gy)
+    plain = torch.nn.Linear(OUT // tp.size, D)
+    plain.weight = torch.nn.Parameter(ref.weight.detach().chunk(tp.size, dict(ROWWISE.split)["weight"])[tp.rank].clone())
+    plain.bias = torch.nn.Parameter(ref.bias.detach().clone())
+    layer = RowParallelLinear.from_plain(plain, tp)
+    rows = slice(tp.rank * layer.weight.shape[1], (tp.rank + 1) * layer.weight.shape[1])
+    hs = leaf(h[..., rows])
+    partial = layer(hs)
+    if sequence_parallel:
+        y = ReduceScatterSeq.apply(partial, tp.group) + layer.bias
+        gy, want = seq_slice(gy, tp), seq_slice(want, tp)
+    else:
+        summed = partial.detach().clone()
+        dist.all_reduce(summed, group=tp.group)
+        y = partial + (summed - partial.detach()) + layer.bias
+    (y * gy).sum().backward()
+    bias_grad = layer.bias.grad
+    if sequence_parallel:
+        dist.all_reduce(bias_grad, group=tp.group)
+    return max(relative_error(y, want), relative_error(hs.grad, h.grad[..., rows]),
+               relative_error(layer.weight.grad, ref.weight.grad[:, rows]), relative_error(bias_grad, ref.bias.grad))
+
+
+def vocab_embedding(tp) -> float:
+    """The vocabulary's rows split; out comes this rank's slice of the sequence, summed."""
+    from tensor_parallel import VOCAB_PARALLEL_EMBEDDING, VocabParallelEmbedding
+    ref, tokens, gy = torch.nn.Embedding(VOCAB, D), torch.randint(0, VOCAB, (B, T)), torch.randn(B, T, D)
+    want = reference(ref, tokens, gy)
+    plain = torch.nn.Embedding(VOCAB // tp.size, D)
+    plain.weight = torch.nn.Parameter(ref.weight.detach().chunk(tp.size, dict(VOCAB_PARALLEL_EMBEDDING.split)["weight"])[tp.rank].clone())
+    layer = VocabParallelEmbedding.from_plain(plain, tp)
+    y = layer(tokens)
+    (y * seq_slice(gy, tp)).sum().backward()
+    rows = slice(tp.rank * layer.weight.shape[0], (tp.rank + 1) * layer.weight.shape[0])
+    return max(relative_error(y, seq_slice(want, tp)), relative_error(layer.weight.grad, ref.weight.grad[rows]))
+
+
+def vocab_head_and_loss(tp) -> float:
+    """The output projection's vocabulary rows split, on this rank's sequence slice, into the
+    vocab-parallel cross-entropy: the loss and its gradients against F.cross_entropy's."""
+    from tensor_parallel import VOCAB_PARALLEL_HEAD, VocabParallelHead, vocab_parallel_cross_entropy
+    ref, x = torch.nn.Linear(D, VOCAB, bias=False), torch.randn(B, T, D, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (B, T))
+    want = F.cross_entropy(ref(x).flatten(0, 1), targets.flatten())
+    want.backward()
+    plain = torch.nn.Linear(D, VOCAB // tp.size, bias=False)
+    plain.weight = torch.nn.Parameter(ref.weight.detach().chunk(tp.size, dict(VOCAB_PARALLEL_HEAD.split)["weight"])[tp.rank].clone())
+    head = VocabParallelHead.from_plain(plain, tp)
+    xs = leaf(seq_slice(x, tp))
+    loss = vocab_parallel_cross_entropy(head(xs), targets, tp)
+    loss.backward()
+    rows = slice(tp.rank * head.weight.shape[0], (tp.rank + 1) * head.weight.shape[0])
+    return max(relative_error(loss, want), relative_error(xs.grad, seq_slice(x.grad, tp)),
+               relative_error(head.weight.grad, ref.weight.grad[rows]))
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from tensor_parallel import TPSettings
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same references on both ranks
+    tp = TPSettings(group=dist.group.WORLD, rank=rank, size=world)
+    errors = {"column_sp": column_parallel(tp, True), "column_sp_keep_full": column_parallel(tp, True, True),
+              "column": column_parallel(tp, False), "row_sp": row_parallel(tp, True), "row": row_parallel(tp, False),
+              "vocab_embedding": vocab_embedding(tp), "vocab_head_and_loss": vocab_head_and_loss(tp)}
+    with open(os.path.join(out_dir, f"errors_{rank}.json"), "w") as f:
+        json.dump(errors, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_layers")
+    spawn(_worker, 2, str(out))
+    return [json.loads((out / f"errors_{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("primitive", PRIMITIVES)
+def test_tp_primitive_equals_its_unsharded_reference(primitive, errors):
+    for rank, found in enumerate(errors):
+        assert found[primitive] < TOL, f"{primitive} on rank {rank}: relative error {found[primitive]:.2e}"
+
+
+def test_apply_tp_walks_the_plan_and_keeps_every_name():
+    """apply_tp on a meta-built GPT: the same parameter names in the same order, each split one
+    1/tp of its plan's dim, the TP modules in the plain ones' places."""
+    import tensor_parallel as tpl
+    from model import GPT, ModelConfig
+    with torch.device("meta"):
+        plain, model = (GPT(ModelConfig(n_layers=2, n_heads=4, d_model=64, vocab_size=128)) for _ in range(2))
+    tpl.apply_tp(model, tpl.TPSettings(rank=1, size=2))
+    before, after = dict(plain.named_parameters()), dict(model.named_parameters())
+    assert list(before) == list(after)
+    for name, p in after.items():
+        dim = tpl.tp_shard_dim(name)
+        want = list(before[name].shape)
+        if dim is not None:
+            want[dim] //= 2
+        assert list(p.shape) == want, name
+    assert isinstance(model.blocks["0"], tpl.SequenceParallelBlock)
+    assert isinstance(model.blocks["1"].attn.out, tpl.RowParallelLinear)
+    assert isinstance(model.embed, tpl.VocabParallelEmbedding) and isinstance(model.head, tpl.VocabParallelHead)
+    infos = tpl.tp_shard_infos(model, tpl.TPSettings(rank=1, size=2))
+    assert infos["embed.weight"].offset == 64 and infos["blocks.0.attn.out.weight"].offset == 32
+    assert {n for n, i in infos.items() if i.tp_replicated} == {
+        n for n in after if ".ln_" in n or n.startswith("norm.") or n.endswith(("attn.out.bias", "mlp.fc_out.bias"))}
+
+
+def test_recompute_and_tp_apply_in_either_order():
+    """A TP block takes its plain block's recompute switch (and keeps no re-gather hooks then), so
+    recompute before TP is recompute after TP; a module already hooked is refused, not replaced
+    with its hooks dropped."""
+    import parallel
+    import tensor_parallel as tpl
+    from model import GPT, ModelConfig
+    for first in ("recompute", "tp"):
+        with torch.device("meta"):
+            model = GPT(ModelConfig(n_layers=1, n_heads=4, d_model=64, vocab_size=128))
+        steps = [lambda: parallel.apply_recompute(model, "full"), lambda: tpl.apply_tp(model, tpl.TPSettings(size=2))]
+        for step in steps if first == "recompute" else steps[::-1]:
+            step()
+        assert isinstance(model.blocks["0"], tpl.SequenceParallelBlock) and model.blocks["0"].recompute, first
+    with torch.device("meta"):
+        model = GPT(ModelConfig(n_layers=1, n_heads=4, d_model=64, vocab_size=128))
+    model.blocks["0"].register_forward_pre_hook(lambda *_: None)
+    with pytest.raises(ValueError, match="blocks.0 has forward hooks"):
+        tpl.apply_tp(model, tpl.TPSettings(rank=0, size=2))
