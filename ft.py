@@ -43,8 +43,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 import spans
 
 log = logging.getLogger("ft")

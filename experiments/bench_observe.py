@@ -1,12 +1,22 @@
-"""The op log's cost per op (observe.Recorder's wrapper: the post's bookkeeping, the call site,
-the hash, the wait's times), measured on a 1-rank gloo all_reduce of a small tensor, wrapped and
-unwrapped in alternating blocks, with call_site() alone timed beside it.
+"""What observability costs, two ways.
+
+Per op: the op log's wrapper (observe.Recorder: the post's bookkeeping, the call site, the hash,
+the wait's times) on a 1-rank gloo all_reduce of a small tensor, wrapped and unwrapped in
+alternating blocks, with call_site() alone timed beside it.
 
     .venv/bin/python experiments/bench_observe.py [--rounds 30] [--ops 2000]
 
-Prints the load average (on a shared machine the figures are an upper bound), the per-op
-difference's median and its 10th-90th percentile over rounds, and appends them as one line to
-experiments/results/bench_observe.jsonl.
+Per step: train.py run with every observability default on (op log, spans, snapshots, hang
+localization, desync check, signal handlers, straggler windows) and with all of them off, the two
+runs alternating round by round (the first of a pair swaps each round, so drift hits both alike);
+each run's median step time after its warm-up, the on/off ratio per round, and the ratios' median
+and range. --layout single is bench_step's default shape on one rank; --layout demo is make demo's
+8-rank job (tp2 pp2 dp2, every MegaScale switch on) under torchrun on this machine's loopback.
+
+    .venv/bin/python experiments/bench_observe.py --runs --layout single|demo [--rounds 5] [--steps 40]
+
+Both print the load average (on a shared machine the figures are an upper bound) and append one
+JSON line to experiments/results/bench_observe.jsonl.
 """
 from __future__ import annotations
 
@@ -17,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,12 +61,63 @@ def quantiles(values: list) -> dict:
     return {"median_us": statistics.median(values) * 1e6, "p10_us": q[0] * 1e6, "p90_us": q[-1] * 1e6}
 
 
+# --- Per step: train.py with the defaults against everything off ---
+
+OFF = ["observe.ops=false", "observe.spans=0", "observe.localize=false", "observe.signals=false",
+       "observe.desync_every=0", "observe.stall_s=0", "ft.straggler_interval=0"]
+COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0",
+          "data.tokenizer=bytes", "hardware.peak_tflops=1"]
+LAYOUTS = {  # name -> (ranks, overrides)
+    "single": (1, ["model=tiny", "model.n_layers=6", "model.d_model=384", "model.n_heads=6", "model.bias=false",
+                   "train.batch_size=8", "train.seq_len=256", "precision=fp32", "train.compile=false"]),
+    "demo": (8, ["experiment=megascale_ablation", "ablation.step=8"]),
+}
+
+
+def run_steps(layout: str, on: bool, steps: int, warmup: int) -> float:
+    """One train.py run's median step time (s) after `warmup` steps."""
+    ranks, overrides = LAYOUTS[layout]
+    with tempfile.TemporaryDirectory() as run_dir:
+        launcher = [sys.executable, "train.py"] if ranks == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py"]
+        cmd = [*launcher, *overrides, *COMMON, *([] if on else OFF), f"train.max_steps={warmup + steps}",
+               f"logging.interval=1", f"hydra.run.dir={run_dir}"]
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time"] for r in rows if "step_time" in r and r.get("step", 0) > warmup]
+    return statistics.median(times)
+
+
+def per_step(args) -> dict:
+    ratios, on_s, off_s = [], [], []
+    for k in range(args.rounds):
+        order = (True, False) if k % 2 == 0 else (False, True)
+        got = {on: run_steps(args.layout, on, args.steps, args.warmup) for on in order}
+        on_s.append(got[True])
+        off_s.append(got[False])
+        ratios.append(got[True] / got[False])
+        print(f"round {k}: on {got[True] * 1e3:.1f} ms, off {got[False] * 1e3:.1f} ms, ratio {ratios[-1]:.4f}", flush=True)
+    return {"layout": args.layout, "steps": args.steps, "warmup": args.warmup, "on_ms": statistics.median(on_s) * 1e3,
+            "off_ms": statistics.median(off_s) * 1e3, "overhead_pct_median": (statistics.median(ratios) - 1) * 100,
+            "overhead_pct_min": (min(ratios) - 1) * 100, "overhead_pct_max": (max(ratios) - 1) * 100, "ratios": ratios}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=None, help="30 per op; 5 with --runs")
     parser.add_argument("--ops", type=int, default=2000)
+    parser.add_argument("--runs", action="store_true", help="per step: paired train.py runs, observability on and off")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="single")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_observe.jsonl")
     args = parser.parse_args()
+    args.rounds = args.rounds or (5 if args.runs else 30)
+    if args.runs:
+        result = {"load_before": os.getloadavg(), **per_step(args)}
+        record(result, args)
+        return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -78,15 +140,29 @@ def main() -> None:
             deltas.append(wrapped - bare)
         result["async" if async_op else "blocking"] = {"bare_us": bare * 1e6, **quantiles(deltas)}
     result["call_site"] = quantiles([call_site_cost(args.ops) for _ in range(args.rounds)])
-    result.update(load_after=os.getloadavg(), rounds=args.rounds, ops=args.ops, torch=torch.__version__,
-                  host=socket.gethostname(), cpus=os.cpu_count(),
+    result.update(ops=args.ops)
+    dist.destroy_process_group()
+    record(result, args)
+
+
+def record(result: dict, args) -> None:
+    """Prints the result with the machine's facts and appends it as one line to args.out."""
+    result.update(load_after=os.getloadavg(), rounds=args.rounds, torch=torch.__version__,
+                  host=socket.gethostname(), cpus=os.cpu_count(), cpu=machine_cpu(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True).stdout.strip())
-    dist.destroy_process_group()
     print(json.dumps(result, indent=1))
     with args.out.open("a") as f:
         f.write(json.dumps(result) + "\n")
+
+
+def machine_cpu() -> str:
+    """The CPU's model name (a CPU timing holds for that CPU only)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "?"
 
 
 if __name__ == "__main__":
