@@ -555,7 +555,7 @@ def diagnose(run_dir: Path) -> dict:
     """Write RUN_DIR/observe/diagnosis.json, trace.json, timeline.png, heatmap.png and report.txt
     from the newest attempt's snapshots and faults.jsonl; works while the run still runs (the
     snapshots are renamed into place). The timeline gains the replay's predicted track where
-    predicted.py has written observe/predicted.json."""
+    clustermodel/predicted.py has written observe/predicted.json."""
     run_dir = Path(run_dir)
     attempts = sorted(int(p.name.removeprefix("attempt")) for p in (run_dir / "observe").glob("attempt*"))
     if not attempts:
@@ -603,7 +603,7 @@ def diagnose(run_dir: Path) -> dict:
 
 
 def _predicted(run_dir: Path, snaps: dict) -> dict:
-    """{rank: the replay's predicted spans} from RUN_DIR/observe/predicted.json (python predicted.py
+    """{rank: the replay's predicted spans} from RUN_DIR/observe/predicted.json (python clustermodel/predicted.py
     RUN_DIR writes it), or {}."""
     path = Path(run_dir) / "observe" / "predicted.json"
     return timeline.lay_predicted(snaps, json.loads(path.read_text())["stages"]) if path.exists() else {}

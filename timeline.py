@@ -1,6 +1,6 @@
 """The timeline of a run from its ranks' observe.py snapshots: each rank's clock aligned from matched
 collectives, a Chrome/Perfetto trace (a process per host, a thread per rank and beside it the
-replay's predicted track where the run has one (predicted.py), matched collectives and
+replay's predicted track where the run has one (clustermodel/predicted.py), matched collectives and
 send/receive pairs linked), and a figure of it (a row per rank, spans coloured by kind).
 `python observe.py RUN_DIR` writes both; this file is apart from observe.py only to keep each
 under ~700 lines."""
@@ -49,7 +49,7 @@ def clock_offsets(snaps: dict) -> tuple:
 
 def lay_predicted(snaps: dict, stages: dict) -> dict:
     """{rank: spans in the snapshots' form ([kind, name, step, start, seconds])}: its pipeline stage's
-    predicted step (predicted.py's predicted.json: {stage: [[kind, name, start, seconds]]}) laid at
+    predicted step (clustermodel/predicted.py's predicted.json: {stage: [[kind, name, start, seconds]]}) laid at
     the start of each step the rank measured (its "data" phase), or where the predicted step before
     it ends if that is later (a track's slices do not overlap: the lag shows how far the
     prediction falls behind)."""

@@ -7,7 +7,8 @@
   every collective, send, allocation and host read recorded (recorder.py), NCCL's rules checked
   (nccl_rules.py), memory and FLOPs counted (ledgers.py), per-rank start-up and host costs counted
   (rank_costs.py, host_syncs.py).
-- replay.py: a rehearsal's program priced on a machine's rates.
+- replay.py: a rehearsal's program priced on a machine's rates; predicted.py: that replay laid
+  beside a run's measured timeline (`python -m clustermodel.predicted RUN_DIR`).
 - schema.py: this folder's part of the configuration (hardware.perfmodel, rehearse), a leaf that
   config.py assembles into the root.
 

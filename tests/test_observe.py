@@ -206,9 +206,9 @@ def test_the_diagnosis_names_the_last_hang_and_the_trace_is_valid(faulty_run):
 
 
 def test_the_replays_predicted_track_lies_beside_each_rank_and_the_trace_stays_valid(faulty_run, capsys):
-    """python predicted.py RUN_DIR: the run rehearsed (one rank per stage), its replay's steady step
+    """python -m clustermodel.predicted RUN_DIR: the run rehearsed (one rank per stage), its replay's steady step
     laid at each measured step of each rank, in the trace and the figure."""
-    import predicted
+    from clustermodel import predicted
     import timeline
     from clustermodel import perfmodel as pm, replay
     _, run_dir, _ = faulty_run

@@ -1,7 +1,7 @@
 """What the performance model predicts each rank's step looks like, laid beside what it measured:
 the replay (clustermodel/replay.py) of the run's rehearsal, segment by segment.
 
-    python predicted.py RUN_DIR   # RUN_DIR/observe/predicted.json, then python observe.py RUN_DIR with it
+    python -m clustermodel.predicted RUN_DIR   # RUN_DIR/observe/predicted.json, then python observe.py RUN_DIR with it
 
 The rehearsal is the one `python -m clustermodel validate RUN_DIR` keeps in RUN_DIR/rehearsal/
 (each pipeline stage's first rank, its collectives, sends, receives and waits stamped with the
@@ -122,7 +122,7 @@ def main(argv: Optional[list] = None) -> None:
     import argparse
 
     import observe
-    parser = argparse.ArgumentParser(prog="predicted.py", description="The replay's predicted track beside each "
+    parser = argparse.ArgumentParser(prog="python -m clustermodel.predicted", description="The replay's predicted track beside each "
                                      "rank's measured one: writes RUN_DIR/observe/predicted.json, then the "
                                      "diagnosis, trace and timeline figure with it (python observe.py RUN_DIR).")
     parser.add_argument("run_dir", type=Path)
