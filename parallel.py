@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import overlap
 from errors import ConfigError
-from overlap import CLOCK
+from overlap import TPGroup, WaitClock
 from pipeline import Pipeline, autocast, split_for_pipeline
 from zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
 
@@ -123,10 +123,19 @@ class Layout:
     setup_seconds: float = 0.0             # time to build every process group
     group_options: Optional[object] = None  # the backend's options every group gets (its timeout)
     pp_channels: dict = field(default_factory=dict)  # pipeline messages: (kind, direction) -> group
+    clock: WaitClock = field(default_factory=WaitClock)  # where this rank's step goes: every wait is timed on it
+    _tp_group: Optional[TPGroup] = field(default=None, repr=False)
 
     def group(self, dim: str):
         """The process group of one mesh dimension (None when single-process)."""
         return None if self.mesh is None else self.mesh.get_group(dim)
+
+    @property
+    def tp_group(self) -> TPGroup:
+        """The TP group as the sequence-parallel collectives use it (overlap.TPGroup), one a rank."""
+        if self._tp_group is None:
+            self._tp_group = TPGroup(self.group("tp"), self.tp, self.clock)
+        return self._tp_group
 
     def coordinates(self) -> dict:
         return {"rank": self.rank, "dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
@@ -218,21 +227,21 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     sends a max, a sum of exponentials and its target logit per token (two all-reduces)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start):
+    def forward(ctx, logits, targets, group: TPGroup, vocab_start):
         ctx.logits_dtype = logits.dtype
         exp = logits.float()  # one fp32 copy, shifted and exponentiated in place (Megatron's does the same)
         v_local = exp.shape[-1]
         row_max = exp.max(dim=-1).values
-        with CLOCK.waiting("comm", exp.device):
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        with group.clock.waiting("comm", exp.device):
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.pg)
         exp.sub_(row_max.unsqueeze(-1))
         local_t = targets - vocab_start
         mine = (local_t >= 0) & (local_t < v_local)
         picked = exp.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
         exp.exp_()
         sums = torch.stack([exp.sum(-1), picked])
-        with CLOCK.waiting("comm", logits.device):
-            dist.all_reduce(sums, group=group)
+        with group.clock.waiting("comm", logits.device):
+            dist.all_reduce(sums, group=group.pg)
         losses = sums[0].log() - sums[1]
         ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local_t.clamp(0, v_local - 1), mine)
         return losses.mean()
@@ -280,10 +289,10 @@ def _tp_block_forward(block, x):
     """A transformer block on a sequence-sharded residual stream, its TP collectives run as
     parallel.overlap.tp says: one after another (off), MegaScale's sequence pieces (chunked), or
     Domino's row pieces that go through the block independently (domino). Gathered activations
-    are kept as shards for backward (overlap.regather_saved), except under full recompute, which
+    are kept as shards for backward (TPGroup.regather_saved), except under full recompute, which
     keeps none."""
     if block.regather:
-        with overlap.regather_saved():
+        with block.tp_group.regather_saved():
             return _tp_block_steps(block, x)
     return _tp_block_steps(block, x)
 
@@ -378,7 +387,7 @@ def _keep_slice(module, name: str, dim: int, rank: int, parts: int) -> None:
 def apply_tp(model: torch.nn.Module, layout: Layout, overlap_mode: str = "off", chunks: int = 1) -> None:
     """Megatron's split: column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
     vocab-parallel embedding and output projection; LayerNorms run on sequence slices."""
-    group, rank, tp = layout.group("tp"), layout.tp_rank, layout.tp
+    group, rank, tp = layout.tp_group, layout.tp_rank, layout.tp
     for block in model.blocks.values():
         for linear in (block.attn.qkv, block.mlp.fc_in):       # output features, whole heads
             _keep_slice(linear, "weight", 0, rank, tp)
@@ -446,7 +455,6 @@ class ParallelModel:
             chunk.to(dtype)  # on meta first: the shard is materialized in its own dtype, never in fp32
             if on_meta:
                 _materialize(chunk, self.device, seed)
-        self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp) if layout.pp > 1 else None
         named = self.named_model_parameters()
         self.names = [n for n, _ in named]
         params = [p for _, p in named]
@@ -455,10 +463,9 @@ class ParallelModel:
         buckets = plan_buckets([m for m, _ in modules], params, cfg.bucket_size, per_module=cfg.overlap.dp)
         self.zero = ZeroDataParallel(params, layout, cfg.zero_stage, reduce_dtype, buckets,
                                      cfg.microbatches, overlap=cfg.overlap.dp)
-        if cfg.overlap.dp:
-            for indices, register in modules:
-                wanted = sorted({self.zero.where[i][0] for i in indices})
-                register(lambda *_, wanted=wanted: self.zero.before_forward(wanted))
+        self.zero.attach(modules)
+        self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp,
+                                 after_backward=self.zero.backward_done) if layout.pp > 1 else None
         self.norm_group = _norm_group(layout)
 
     def _forward_modules(self, params: list) -> list:
@@ -486,6 +493,7 @@ class ParallelModel:
         loss eager: the pipeline schedule calls the chunks, and TP's vocab-parallel loss holds
         collectives. Either way the modules stay those the DP hooks and the checkpoint's parameter
         names were given. Returns what was compiled, for the log line."""
+        self.zero.hooks_traced = True  # dynamo traces the modules' hooks: none marks its backward
         if self.pipeline is None and self.layout.tp == 1:
             self._microbatch_loss = torch.compile(self._eager_microbatch_loss, **options)
             return "forward, loss and backward, one graph"
@@ -512,7 +520,7 @@ class ParallelModel:
     def loss_fn(self, logits, targets):
         if self.layout.tp > 1:
             v_local = logits.shape[-1]
-            return VocabParallelCrossEntropy.apply(logits, targets, self.layout.group("tp"), self.layout.tp_rank * v_local)
+            return VocabParallelCrossEntropy.apply(logits, targets, self.layout.tp_group, self.layout.tp_rank * v_local)
         import kernels
         return kernels.cross_entropy(logits, targets, fused=self.fused)
 
@@ -533,6 +541,7 @@ class ParallelModel:
                 loss = loss / len(xs) if len(xs) > 1 else loss
             if backward:
                 loss.backward()
+                self.zero.backward_done()
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
@@ -545,7 +554,7 @@ class ParallelModel:
         shards = [s for s in self.zero.shards if s.grad is not None]
         squares = optim.grad_squares(shards, self.device)
         if self.layout.world > 1:
-            with CLOCK.waiting("comm", self.device):
+            with self.layout.clock.waiting("comm", self.device):
                 dist.all_reduce(squares)
         norm = squares.sqrt()
         optim.scale_grads_(shards, norm, max_norm)
@@ -557,7 +566,7 @@ class ParallelModel:
         self.zero.after_step()
 
     def parameters_loaded(self) -> None:
-        """After a checkpoint load: the parameters and the optimizer's pieces agree again."""
+        """After a checkpoint load: the parameters and the optimizer's shards agree again."""
         self.zero.parameters_loaded()
 
 
@@ -612,7 +621,7 @@ def agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tens
     # The flag is filled on the device (a kernel argument), not copied there from host memory.
     t = torch.stack([loss.float(), torch.full((), float(stop), dtype=torch.float32, device=loss.device)])
     if layout.world > 1:
-        with CLOCK.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
+        with layout.clock.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
             dist.all_reduce(t)
     return t if grad_norm is None else torch.cat([t, grad_norm.float().reshape(1)])
 

@@ -438,9 +438,9 @@ def compiled_keeps_gathered(cfg: config.Config) -> bool:
 
 def compiled_gather_bytes(cfg: config.Config, tp: int) -> float:
     """Bytes per token a layer keeps beyond activation_bytes when torch.compile traces its TP
-    block: dynamo runs overlap.regather_saved as a no-op, so under TP overlap (chunked, domino)
+    block: dynamo runs overlap.TPGroup.regather_saved as a no-op, so under TP overlap (chunked, domino)
     each gathered norm output is saved whole, tp times its shard, beside the shard its re-gather
-    still holds (overlap._GATHERED), as the rehearsal of a compiled job counts (overlap.tp=off
+    still holds (overlap.TPGroup.gathered), as the rehearsal of a compiled job counts (overlap.tp=off
     keeps the shard in GatheredLinears, compiled or not; full recomputation keeps none)."""
     if tp == 1 or not compiled_keeps_gathered(cfg):
         return 0.0
