@@ -26,7 +26,7 @@ from model import ModelConfig
 from observe import ObserveConfig
 from optim import OptimConfig
 from parallel import ParallelConfig
-from rehearsal import RehearseConfig
+from clustermodel.rehearsal import RehearseConfig
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -50,7 +50,7 @@ class TrainConfig:
 
 @dataclass
 class HardwareConfig:
-    """The machine a run is on (device, backend, peak FLOP/s for MFU) and, for perfmodel.py,
+    """The machine a run is on (device, backend, peak FLOP/s for MFU) and, for clustermodel/perfmodel.py,
     the cluster it describes. Unknown values stay None and are measured or looked up."""
     name: str = "auto"
     device: str = "auto"                  # auto | cpu | cuda
@@ -68,7 +68,7 @@ class HardwareConfig:
     memory_headroom_gib: float = 0.0
     intra_host_GBps: Optional[float] = None   # per device, one direction (NVLink)
     inter_host_Gbps: Optional[float] = None   # per host, all NICs together
-    # The rest is read by perfmodel.py only. None: measured on this machine (cpu_local) or fitted
+    # The rest is read by clustermodel/perfmodel.py only. None: measured on this machine (cpu_local) or fitted
     # (experiments/fit_perfmodel.py); the efficiencies are fractions of the spec numbers above.
     peak_tflops_fp32: Optional[float] = None
     memory_GBps: Optional[float] = None       # device memory bandwidth (HBM; the host's DRAM on CPU)
@@ -95,7 +95,7 @@ class HardwareConfig:
     # (measured: gloo's reduce_scatter costs a whole all-reduce, 0.5); NCCL's are alike: empty.
     collective_efficiency: Dict[str, float] = field(default_factory=dict)
     overlap_slowdown: Optional[float] = 0.1   # compute slows by this fraction of the comm it hides
-    # What each collective or send costs the host beside compute (replay.py). None: 0 on a GPU;
+    # What each collective or send costs the host beside compute (clustermodel/replay.py). None: 0 on a GPU;
     # on a CPU, this machine's `calibrate_comm.py --sharing` (its ranks' threads must be scheduled).
     collective_host_us: Optional[float] = None
     cores: Optional[int] = None               # CPU: the cores a job's ranks share (None: this machine's)
@@ -394,7 +394,7 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
 
 def _rehearsal_world(cfg: Config) -> int:
     """The world a rehearsal plays (rehearse.world, else the layout's tp*pp*dp), its ranks checked."""
-    import rehearsal
+    from clustermodel import rehearsal
     world = rehearsal.world_of(cfg)
     if world is None:
         raise ConfigError("rehearse.world", "parallel.dp=-1 leaves the job's world size unknown",

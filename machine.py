@@ -6,7 +6,7 @@
 - The microbenchmarks perfmodel's hardware=cpu_local is made of (local_measurements): matmul rates,
   DRAM bandwidth, the fixed cost of an op, attention, gloo bandwidth. The same, measured before and
   after a benchmark's run into its dir (calibrate_beside; `python machine.py beside DIR before`),
-  so that perfmodel.py validate prices the run on the machine as it was then.
+  so that `python -m clustermodel validate` prices the run on the machine as it was then.
 
 Both caches live in $MEGAREPRO_CACHE (default ~/.cache/megarepro), keyed by what changes the
 numbers: torch version, CPU model, thread count.
@@ -235,7 +235,7 @@ CALIBRATION = "calibration.json"  # in a run (or sweep) dir: measure_local_hardw
 
 def calibrate_beside(run_dir: Path, when: str) -> None:
     """Adds this machine's measurements now (`when`: before or after) to run_dir's calibration, for
-    perfmodel.py validate to price the run on the machine as it was while the run ran."""
+    `python -m clustermodel validate` to price the run on the machine as it was while the run ran."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CALIBRATION
     known = json.loads(path.read_text()) if path.exists() else {}
@@ -319,7 +319,7 @@ def _elementwise_efficiency(copy_Bps: float) -> float:
     compute, not bytes."""
     import kernels
     import model as gpt
-    from ledgers import FlopLedger
+    from clustermodel.ledgers import FlopLedger
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     net = gpt.GPT(gpt.ModelConfig())
@@ -515,7 +515,7 @@ def compiles(cfg) -> bool:
 
 if __name__ == "__main__":
     # python machine.py beside DIR before|after: measure this machine into DIR/calibration.json,
-    # around a sweep that cannot do it per run (make demo's multirun), for perfmodel.py validate
+    # around a sweep that cannot do it per run (make demo's multirun), for python -m clustermodel validate
     import sys
     if len(sys.argv) != 4 or sys.argv[1] != "beside" or sys.argv[3] not in ("before", "after"):
         sys.exit("usage: python machine.py beside DIR before|after")

@@ -7,7 +7,7 @@ while it runs, and on a hang the rank it started from.
   a send or receive, op, bytes, dtype, peer, call site, step, and the wall times of its post,
   the start of its wait and the end of its wait. Per group, a running hash of (op, bytes,
   dtype, call site), kept in each entry. The functions are wrapped once at start-up, here, so
-  no call site changes, and the rehearsal's Recorder (rehearsal.py), which wraps the same
+  no call site changes, and the rehearsal's Recorder (clustermodel/recorder.py), which wraps the same
   functions, wraps these in turn.
 - Spans: the phases the heartbeat is told (data, compute, eval, checkpoint) and every wait
   overlap.WaitClock times (comm, bubble), with wall-clock start and duration; the op log's waits
@@ -57,7 +57,7 @@ from timeline import BYTES, DIM, DONE, DTYPE, FIELDS, GROUP, HASH, OP, PAIR_SEQ,
 log = logging.getLogger("observe")
 
 HERE = str(Path(__file__).resolve().parent)
-WRAPPERS = {str(Path(HERE) / name) for name in ("observe.py", "rehearsal.py")}  # their frames are not call sites
+WRAPPERS = {str(Path(HERE) / name) for name in ("observe.py", "clustermodel/recorder.py")}  # their frames are not call sites
 
 COLLECTIVES = {  # torch.distributed function -> op name
     "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",

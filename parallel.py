@@ -2,7 +2,7 @@
 
 This file owns the device mesh, the functions that shard the model, and the optimizer step over
 the sharded model with the ranks' agreement on its loss (train_step, agree), which train.py and
-rehearsal.py both run. Joining the job's process group is launch.py's.
+clustermodel/rehearsal.py both run. Joining the job's process group is launch.py's.
 """
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def data_parallel_size(cfg: ParallelConfig, world: int) -> int:
     return cfg.dp if cfg.dp > 0 else max(1, world // (cfg.tp * cfg.pp))
 
 
-def validate(cfg, world: int) -> None:
-    """Layout checks against the model, batch and world size; each failure is one ConfigError."""
+def validate(cfg, world: int, overlap_switches: bool = True) -> None:
+    """Layout checks against the model, batch and world size (and, with overlap_switches, the
+    overlap switches against the layout); each failure is one ConfigError."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     for key in ("tp", "pp", "vpp", "microbatches"):
         if getattr(p, key) < 1:
@@ -82,6 +83,14 @@ def validate(cfg, world: int) -> None:
     if t.batch_size % (dp * p.microbatches):
         raise ConfigError("train.batch_size", f"{t.batch_size} is not divisible by dp*microbatches={dp}*{p.microbatches}",
                           "use a global batch that is a multiple of dp*parallel.microbatches")
+    if overlap_switches:
+        validate_overlap(cfg, dp)
+
+
+def validate_overlap(cfg, dp: int) -> None:
+    """The overlap switches against the layout: a run checks them; the performance model prices
+    any chunk count."""
+    p, t = cfg.parallel, cfg.train
     if p.overlap.tp not in ("off", "chunked", "domino"):
         raise ConfigError("parallel.overlap.tp", f"unknown value {p.overlap.tp!r}", "use off, chunked or domino")
     k = p.overlap.tp_chunks
@@ -92,19 +101,6 @@ def validate(cfg, world: int) -> None:
     if p.tp > 1 and p.overlap.tp == "domino" and (k < 1 or rows % k):
         raise ConfigError("parallel.overlap.tp_chunks", f"domino cuts each microbatch's {rows} rows "
                           f"(batch_size/(dp*microbatches)) into {k} pieces", "use a chunk count that divides the rows")
-    unimplemented = [(k, v) for k, v in (("parallel.tp", p.tp > 1), ("parallel.pp", p.pp > 1),
-                                          ("parallel.vpp", p.vpp > 1), ("parallel.zero_stage", p.zero_stage > 0),
-                                          ("parallel.overlap.tp", p.overlap.tp != "off"),
-                                          ("parallel.overlap.pp", p.overlap.pp), ("parallel.overlap.dp", p.overlap.dp))
-                     if v and k not in IMPLEMENTED]
-    if unimplemented:
-        key = unimplemented[0][0]
-        raise ConfigError(key, "not implemented yet in this version", f"leave {key} at its default")
-
-
-# Switches whose code has landed; validate() refuses the others rather than ignore them.
-IMPLEMENTED = {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.zero_stage", "parallel.overlap.tp",
-               "parallel.overlap.pp", "parallel.overlap.dp"}
 
 
 # --- Layout: where this rank sits in the (dp, pp, tp) mesh ---
@@ -598,7 +594,7 @@ def build(model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute
 
 
 # --- The optimizer step, and the ranks' agreement on its loss: train.py runs them, and
-# rehearsal.py rehearses the very same code ---
+# clustermodel/rehearsal.py rehearses the very same code ---
 
 def train_step(engine, optimizer, inputs, targets, cfg, autocast_dtype) -> tuple:
     """One optimizer step: forward and backward over parallel.microbatches microbatches (a

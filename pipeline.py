@@ -1,7 +1,7 @@
 """Pipeline parallelism: this rank's model chunks, the 1F1B and interleaved-1F1B schedules, and
 the executor that runs them with point-to-point messages between stages.
 
-NCCL's rules decide how messages travel (nccl_rules.py checks them): tags are ignored, sends and
+NCCL's rules decide how messages travel (clustermodel/nccl_rules.py checks them): tags are ignored, sends and
 receives match first-in first-out per pair of ranks and communicator, and an unbatched send or
 receive blocks its stream, shared by both directions of a pair, until the peer posts its side. A
 single channel carrying activations one way and gradients the other therefore deadlocks 1F1B at
@@ -231,7 +231,7 @@ def nccl_programs(pp: int, vpp: int, microbatches: int, overlap: bool, backward:
     """Every pp rank's plan as NCCL sees it ({pp rank: events} for nccl_rules.check): each receive
     and send an unbatched op on its channel's group, each wait a compute-stream wait. `channel`
     picks a message's group (tests put the single shared channel of earlier versions back)."""
-    from nccl_rules import Op
+    from clustermodel.nccl_rules import Op
     programs = {}
     for rank in range(pp):
         events, works = [], {}

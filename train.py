@@ -56,12 +56,12 @@ def main(dict_cfg) -> float:
     except ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
         print(err, file=sys.stderr)
         sys.exit(2)
-    if cfg.rehearse.rank >= 0:  # one rank of a rehearsal (rehearsal.py), in its own process
-        import rehearsal
+    if cfg.rehearse.rank >= 0:  # one rank of a rehearsal (clustermodel/rehearsal.py), in its own process
+        from clustermodel import rehearsal
         rehearsal.rehearse_rank(cfg, cfg.rehearse.rank, cfg.rehearse.world, Path(cfg.rehearse.out))
         return 0.0
     if cfg.rehearse.ranks:
-        import rehearsal
+        from clustermodel import rehearsal
         hydra_cfg = HydraConfig.get()
         code = rehearsal.main(cfg, list(hydra_cfg.overrides.task), Path(hydra_cfg.runtime.output_dir))
         if code:
@@ -160,11 +160,11 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     collector = ft.CollectGarbage(cfg.train.gc_interval)
     step, history, status = start_step, [], "finished"
     # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
-    # rehearsal records it (rehearsal.py), so that the two can be compared op by op.
+    # rehearsal records it (clustermodel/recorder.py), so that the two can be compared op by op.
     recorder = None
     if cfg.rehearse.record:
-        import rehearsal
-        recorder = rehearsal.Recorder(layout, device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
+        from clustermodel.recorder import Recorder
+        recorder = Recorder(layout, device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
     bar = _progress(cfg, rank, start_step)
     eval_set = sampling.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
                                  layout.dp_rank, layout.dp, pin_memory=device.type == "cuda") \
@@ -485,9 +485,9 @@ def record_pending(cfg: config.Config, run_dir: Path) -> float:
 def dry_run(cfg: config.Config) -> float:
     """Size, FLOPs and memory per GPU of a config, with no hardware: the first and last pipeline
     rank's memory as rehearsed (rehearse.ranks=[...] measures it; remembered per config), else as
-    perfmodel.py models it (weights, gradients, optimizer and activations)."""
-    import perfmodel
-    import rehearsal
+    clustermodel/perfmodel.py models it (weights, gradients, optimizer and activations)."""
+    from clustermodel import perfmodel
+    from clustermodel import rehearsal
     with torch.device("meta"):
         model = GPT(cfg.model)
     n = count_params(model)
@@ -536,7 +536,7 @@ if __name__ == "__main__":
     slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
     if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued
         import tempfile
-        import rehearsal
+        from clustermodel import rehearsal
         print(f"precheck: rehearsing rank 0 of {len(slurm)} job(s) before submitting (rehearse.precheck=false skips)",
               flush=True)
         why = rehearsal.precheck(slurm, Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))

@@ -3,7 +3,7 @@
     python experiments/ablation_signs.py /tmp/d22 /tmp/d22r2 /tmp/d22r3
 
 Each argument is one sweep of the 9 ablation steps (make demo's, or the 2 x 2 one in experiments/results/table3.md),
-already priced by `perfmodel.py validate`: this reads the newest row of each run from
+already priced by `python -m clustermodel validate`: this reads the newest row of each run from
 experiments/results/perfmodel_validation.jsonl. A step's change is in tokens/s (+LAMB triples
 the batch, so step time would not compare), per sweep. Its interval is the 95% Student-t
 interval of the mean over the sweeps. A step counts only where that interval excludes zero,
@@ -83,12 +83,12 @@ def table(changes: list) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("sweeps", nargs="+", help="sweep dirs of the 9 ablation steps, each priced by perfmodel.py validate")
+    p.add_argument("sweeps", nargs="+", help="sweep dirs of the 9 ablation steps, each priced by python -m clustermodel validate")
     args = p.parse_args(argv)
     rows = newest_rows()
     missing = [s for s in args.sweeps if f"{s.rstrip('/')}/0" not in rows]
     if missing:
-        print(f"ablation_signs: {missing[0]} has no priced row in {ROWS}; run `python perfmodel.py validate {missing[0]}` "
+        print(f"ablation_signs: {missing[0]} has no priced row in {ROWS}; run `python -m clustermodel validate {missing[0]}` "
               "first", file=sys.stderr)
         return 2
     print(table(step_changes([s.rstrip("/") for s in args.sweeps], rows)))

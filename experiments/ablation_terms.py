@@ -2,7 +2,7 @@
 
     python experiments/ablation_terms.py [--figure PNG] [--sensitivity] [overrides ...]
 
-Waterfall: each step's predicted MFU change (perfmodel.py, experiment=megascale_ablation
+Waterfall: each step's predicted MFU change (clustermodel/perfmodel.py, experiment=megascale_ablation
 scale=cluster) split over the terms of the step it moves: GEMMs, attention, elementwise, exposed
 TP/PP/DP communication, bubble, optimizer, data, the overlap's own cost, and the FLOPs the MFU
 formula counts (a window changes them). MFU is F / (c * T), T the step's seconds per token, the
@@ -25,7 +25,7 @@ from typing import Dict, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import perfmodel_cli as cli  # noqa: E402
+from clustermodel import cli  # noqa: E402
 from experiments.tables import markdown_table  # noqa: E402
 
 TERMS = {"gemm": "GEMMs", "attention": "attention", "elementwise": "elementwise", "tp_comm": "exposed TP",

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
 import parallel  # noqa: E402
-import perfmodel as pm  # noqa: E402
+from clustermodel import perfmodel as pm  # noqa: E402
 from model import Block  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -45,7 +45,7 @@ CASES = {  # name: (link rate, layout overrides, {overlap label: overrides})
 
 
 def hardware(rate: str, loopback: bool) -> list:
-    """The fabric, in the run's own config, for `perfmodel.py validate`: this machine as 2 emulated
+    """The fabric, in the run's own config, for `python -m clustermodel validate`: this machine as 2 emulated
     hosts of 1 rank on links of this rate, or plain loopback (cpu_local)."""
     if loopback:
         return ["hardware=cpu_local"]
@@ -60,7 +60,7 @@ def run(case: str, label: str, steps: int, loopback: bool, workdir: Path, keep: 
     cmd = [sys.executable, "experiments/emucluster.py", "--hosts", "1" if loopback else "2", *fabric, "--timeout", "900",
            "--", "train.py", *COMMON, *hardware(rate, loopback), *layout, *variants[label], f"train.max_steps={steps}",
            f"hydra.run.dir={run_dir}"]
-    if keep:  # kept for perfmodel.py validate, which prices it on this machine as measured around it (~20 s)
+    if keep:  # kept for python -m clustermodel validate, which prices it on this machine as measured around it (~20 s)
         machine.calibrate_beside(run_dir, "before")
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if keep:
@@ -97,7 +97,7 @@ def main():
     parser.add_argument("--only", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--loopback", action="store_true", help="plain loopback, one host, for contrast")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                        help="keep each case's run dir under DIR (for `perfmodel.py validate DIR`)")
+                        help="keep each case's run dir under DIR (for `python -m clustermodel validate DIR`)")
     args = parser.parse_args()
     results = []
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ def run(name: str, ranks: int, overrides: list, steps: int, extra: list, workdir
     cmd = launcher + overrides + [f"train.max_steps={steps}", "logging.wandb.mode=disabled", "logging.progress=false",
                                   "train.eval_interval=0", "resume=none", f"hydra.run.dir={run_dir}"] + extra
     env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
-    if keep:  # kept for perfmodel.py validate, which prices it on this machine as measured around it (~20 s)
+    if keep:  # kept for python -m clustermodel validate, which prices it on this machine as measured around it (~20 s)
         machine.calibrate_beside(run_dir, "before")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if keep:
@@ -56,7 +56,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                        help="keep each layout's run dir under DIR (for `perfmodel.py validate DIR`)")
+                        help="keep each layout's run dir under DIR (for `python -m clustermodel validate DIR`)")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every layout")
     args = parser.parse_args()
     results = []

@@ -1,4 +1,4 @@
-"""Calibrate gloo on this machine for perfmodel.py: the latency and bandwidth of
+"""Calibrate gloo on this machine for clustermodel/perfmodel.py: the latency and bandwidth of
 each collective and of a send between ranks, over loopback or over the emulated cluster's throttled
 link, and how much compute slows when ranks share the cores.
 
@@ -139,7 +139,7 @@ def collective_beside_gemms(rank: int, world: int, reps: int) -> float:
     """Seconds a 4 KiB all-reduce between a pair of ranks adds to ~2 ms of a rank's GEMMs, while
     every rank does the same (as TP pairs do in a step): the host's cost of a collective beside
     compute, which the link fits (from 256 KiB up) leave out. A collective waits until its peer's
-    threads are scheduled, and gloo's threads take cores from the GEMMs. replay.py adds it to every
+    threads are scheduled, and gloo's threads take cores from the GEMMs. clustermodel/replay.py adds it to every
     collective and send (hardware.collective_host_us)."""
     import torch.distributed as dist
     if world < 2:

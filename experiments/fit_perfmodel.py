@@ -1,4 +1,4 @@
-"""Fit perfmodel.py's two efficiency constants on Table 2's Megatron-LM column, and nothing else.
+"""Fit clustermodel/perfmodel.py's two efficiency constants on Table 2's Megatron-LM column, and nothing else.
 
 The constants: gemm_efficiency (the fraction of the A100's 312 TFLOP/s a large bf16 GEMM reaches)
 and inter_host_efficiency (the fraction of a GPU's 200 Gb/s NIC that large collectives across hosts
@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import perfmodel as pm  # noqa: E402
-import perfmodel_cli as cli  # noqa: E402
+from clustermodel import perfmodel as pm  # noqa: E402
+from clustermodel import cli  # noqa: E402
 
 
 def megatron_rows():
     """[(config, GPUs, paper MFU)] for the Megatron-LM column of Table 2: the strong_scaling study's
-    rows with Megatron-LM's settings (perfmodel_cli.table2_configs), the paper's MFU beside."""
+    rows with Megatron-LM's settings (clustermodel.cli.table2_configs), the paper's MFU beside."""
     rows = [(cfg, gpus, float(row["megatron_mfu"])) for row, cfg, gpus in cli.table2_configs("Megatron-LM")]
     return rows[0][0].hardware, rows
 

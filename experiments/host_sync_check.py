@@ -6,7 +6,7 @@ raises. The first step runs outside the mode: it makes LAMB's state and its kept
     python experiments/host_sync_check.py            # on a CUDA host (experiments/gpu_check.sh)
     python experiments/host_sync_check.py --device cpu   # the same steps without the check
 
-The rehearsal finds the same defects without a GPU (host_syncs.py); this confirms them on one.
+The rehearsal finds the same defects without a GPU (clustermodel/host_syncs.py); this confirms them on one.
 """
 from __future__ import annotations
 

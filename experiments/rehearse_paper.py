@@ -1,6 +1,6 @@
-"""The paper's jobs, rehearsed (rehearsal.py): Table 3's 9 steps (175B on 256 GPUs, TP8 PP8 vpp6
+"""The paper's jobs, rehearsed (clustermodel/rehearsal.py): Table 3's 9 steps (175B on 256 GPUs, TP8 PP8 vpp6
 DP4), Table 2's 8 rows (175B on 256-12,288 GPUs) and the 530B model on 2,240, 4,480 and 11,200
-GPUs (MegaScale's settings, batch = GPUs, as `perfmodel.py 530b`). Each job rehearses its first
+GPUs (MegaScale's settings, batch = GPUs, as `python -m clustermodel 530b`). Each job rehearses its first
 and last rank (the first and last pipeline stage: the most in flight, and the logits), 2 steps,
 NCCL's rules on; the table gives each job's peak memory per GPU, split, and its communication per
 step, per mesh dimension, and is appended to experiments/results/rehearsal_paper.md.
@@ -40,7 +40,7 @@ def jobs(which: list) -> list:
         elif table == "table2":
             out += [("Table 2", f"{g} GPUs", g, ["experiment=strong_scaling", "scale=cluster", f"scaling.row={row}"])
                     for row, g in enumerate(TABLE2)]
-        elif table == "530b":  # perfmodel_cli.megascale_config("530B") at batch = GPUs, one sequence per microbatch
+        elif table == "530b":  # clustermodel.cli.megascale_config("530B") at batch = GPUs, one sequence per microbatch
             for g in GPUS_530B:
                 dp = g // (8 * 35)
                 out.append(("530B", f"{g} GPUs", g, ["experiment=megascale_ablation", "scale=cluster", "ablation.step=7",

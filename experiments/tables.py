@@ -37,7 +37,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from experiments import intervals, switches  # noqa: E402
 
-# The cumulative steps of Table 3, in order; the single definition (perfmodel_cli.py imports it).
+# The cumulative steps of Table 3, in order; the single definition (clustermodel/cli.py imports it).
 ABLATION_LABELS: Tuple[str, ...] = (
     "baseline (Megatron-LM)", "+PTB", "+SWA", "+TP overlap", "+PP overlap", "+DP overlap",
     "+efficient operators", "+misc (data pipeline)", "+LAMB (batch x3)")
@@ -52,7 +52,7 @@ class SourceError(Exception):
     """A problem with what we were asked to read or write: one line for the user, exit code 2."""
 
 
-# --- Formatting (shared with perfmodel_cli.py's predicted tables) ---
+# --- Formatting (shared with clustermodel/cli.py's predicted tables) ---
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]

@@ -7,7 +7,7 @@ Each command is checked by what it starts, in this process where that is cheap:
   dry run where the command asks for one, and for a GPU launch (srun, sbatch, submit.py, the
   submitit launcher) the layout's world equal to the allocation and the fullest rank's memory
   within the GPU's (perfmodel.memory: the rehearsal where one is remembered, else the model);
-- perfmodel.py run for real (its studies take seconds); `validate`, which measures this machine
+- `python -m clustermodel` run for real (its studies take seconds); `validate`, which measures this machine
   first, has its arguments parsed;
 - experiments/*.py and export_hf.py: their argparse parsers take the command's arguments (nothing
   runs beyond parsing);
@@ -162,7 +162,7 @@ def check_train(args: list, world: int | None = None, gpus: bool = False, var: s
     GPU launch the world and the memory of the fullest rank checked against the allocation."""
     import config
     import machine
-    import perfmodel
+    from clustermodel import perfmodel
     import train
     printing = "--cfg" in args or "--help" in args  # train.py prints and exits: the config must still compose
     overrides = [a for a in args if a not in ("--cfg", "job", "hydra", "all", "--help")]
@@ -191,15 +191,15 @@ def check_train(args: list, world: int | None = None, gpus: bool = False, var: s
 
 
 def check_perfmodel(args: list) -> None:
-    import perfmodel_cli
+    from clustermodel import cli
     if args and args[0] == "validate":  # it measures this machine for a minute first: arguments only
-        _, _, dirs, flags = perfmodel_cli.parse(args)
+        _, _, dirs, flags = cli.parse(args)
         known = {"--remeasure", "--analytical-only"}
         assert all(f in known or f.startswith("--figure=") for f in flags), f"validate: unknown flag in {flags}"
         return
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
-        rc = perfmodel_cli.main(args)
-    assert rc == 0, f"perfmodel.py {' '.join(args)}: exit {rc}: {err.getvalue().strip()}"
+        rc = cli.main(args)
+    assert rc == 0, f"python -m clustermodel {' '.join(args)}: exit {rc}: {err.getvalue().strip()}"
 
 
 def check_python(argv: list, world: int | None = None, gpus: bool = False, var: str = "WORLD_SIZE",
@@ -207,8 +207,8 @@ def check_python(argv: list, world: int | None = None, gpus: bool = False, var: 
     script, args = argv[0], argv[1:]
     if script == "train.py":
         check_train(args, world, gpus, var, remote)
-    elif script == "perfmodel.py":
-        check_perfmodel(args)
+    elif script == "-m" and args[0] == "clustermodel":
+        check_perfmodel(args[1:])
     elif script == "-m" and args[0] == "pytest":
         paths = [a.split("::")[0] for a in args[1:] if a.startswith("tests/")]
         assert paths and all((ROOT / p).exists() for p in paths), f"pytest: no such test file in {args}"

@@ -1,14 +1,13 @@
-"""The rehearsal's host-to-device copy rule (host_syncs.py): a copy to the device from pageable
+"""The rehearsal's host-to-device copy rule (clustermodel/host_syncs.py): a copy to the device from pageable
 memory, or without non_blocking, inside a step is named with its call site; LAMB's trust-ratio
 indices and agree's stop flag, once built from host lists every step, are caught when put back."""
 from types import SimpleNamespace
 
 import torch
 
-import host_syncs
 import optim
 import parallel
-import rehearsal
+from clustermodel import host_syncs, recorder
 from test_rehearsal import TINY_3D, rehearse_here, violations
 
 
@@ -22,9 +21,9 @@ def recorder(step=2):
 
 def test_the_rule_names_pageable_and_blocking_copies_to_the_device_from_the_second_step(monkeypatch):
     rec = recorder()
-    monkeypatch.setattr(torch.Tensor, "to", host_syncs.copy(rec, "to", torch.Tensor.to, rehearsal._site))
-    monkeypatch.setattr(torch.Tensor, "copy_", host_syncs.copy(rec, "copy_", torch.Tensor.copy_, rehearsal._site))
-    monkeypatch.setattr(torch, "tensor", host_syncs.factory(rec, "tensor", torch.tensor, rehearsal._site))
+    monkeypatch.setattr(torch.Tensor, "to", host_syncs.copy(rec, "to", torch.Tensor.to, recorder._site))
+    monkeypatch.setattr(torch.Tensor, "copy_", host_syncs.copy(rec, "copy_", torch.Tensor.copy_, recorder._site))
+    monkeypatch.setattr(torch, "tensor", host_syncs.factory(rec, "tensor", torch.tensor, recorder._site))
     batch = torch.zeros(2, 8, dtype=torch.long)
     on_device = batch.to("meta")                        # the loader's old copy: pageable, blocking
     batch.to("meta", non_blocking=True)                 # non_blocking from pageable memory still waits

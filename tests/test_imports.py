@@ -1,7 +1,7 @@
 """The project's import graph has no circles.
 
 The graph is read from the source with `ast`, not by importing anything: every import statement of
-every top-level module (*.py in the repo root) and of experiments/*.py counts, the lazy ones inside
+every module in every folder of the repository (tests and the virtual environment aside) counts, the lazy ones inside
 functions included, except those under `if TYPE_CHECKING:` (never run). An edge a -> b means module
 a imports project module b somewhere.
 """
@@ -13,10 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def project_modules(root: Path) -> Dict[str, Path]:
-    """Module name -> file: the flat repo's *.py, and experiments/*.py as experiments.<name>."""
-    modules = {p.stem: p for p in sorted(root.glob("*.py"))}
-    modules.update({f"experiments.{p.stem}": p for p in sorted((root / "experiments").glob("*.py"))
-                    if p.stem != "__init__"})
+    """Module name -> file, for every *.py of every folder (tests/ and hidden folders aside): the
+    root's as <name>, a folder's as <folder>.<name>, a package's __init__.py as the package."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[0] == "tests" or any(p.startswith(".") for p in parts):
+            continue
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
     return modules
 
 
@@ -108,7 +113,9 @@ def test_the_project_has_no_import_cycle():
     # one), experiments' modules, and the schema root's imports of the modules it assembles.
     assert "checkpoint" in graph["ft"]
     assert "experiments.tables" in graph["experiments.figures"]
-    assert {"checkpoint", "data", "optim", "parallel", "rehearsal"} <= graph["config"]
+    assert {"checkpoint", "data", "optim", "parallel", "clustermodel.rehearsal"} <= graph["config"]
+    assert {"parallel", "clustermodel.rates"} <= graph["clustermodel.perfmodel"]
+    assert "experiments.slurm.submit" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -116,7 +123,7 @@ def test_the_project_has_no_import_cycle():
 def test_errors_is_a_leaf_and_config_is_imported_by_none_it_imports():
     graph = import_graph(ROOT)
     assert graph["errors"] == set(), graph["errors"]
-    assert graph["perfmodel"].isdisjoint({"perfmodel_cli"})
+    assert graph["clustermodel.perfmodel"].isdisjoint({"clustermodel.cli"})
     for module in graph["config"]:
         assert "config" not in graph[module], f"{module} imports config.py back"
     # config.ConfigError stays a name for callers outside the project; the project's modules take it from errors.py

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import config
 import parallel
-import rehearsal
+from clustermodel import rehearsal
 from conftest import spawn
 from model import GPT, ModelConfig
 

@@ -1,4 +1,4 @@
-"""NCCL's matching and blocking rules (nccl_rules.py), and the pipeline's plan under them.
+"""NCCL's matching and blocking rules (clustermodel/nccl_rules.py), and the pipeline's plan under them.
 
 Each deadlock a review found in an earlier version of the pipeline is put back as a minimal reproduction (one
 shared channel for every message, tags ignored, as NCCL does) and must be caught; the plan of
@@ -7,7 +7,7 @@ included, training and evaluation, overlap off and on."""
 import pytest
 
 import pipeline
-from nccl_rules import Op, check
+from clustermodel.nccl_rules import Op, check
 
 SHARED = lambda message: ()  # the earlier version: one process group for every pipeline message
 

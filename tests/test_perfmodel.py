@@ -1,4 +1,4 @@
-"""perfmodel.py against hand-computed cases, textbook formulas, monotonicity, and MegaScale's Table 2.
+"""clustermodel/perfmodel.py against hand-computed cases, textbook formulas, monotonicity, and MegaScale's Table 2.
 Nothing here measures the CPU: cpu_local is exercised through a cache file written by the test."""
 import copy
 import json
@@ -9,9 +9,9 @@ import torch
 import config
 import machine
 import model as gpt
-import perfmodel as pm
-import perfmodel_cli as cli
-import replay
+from clustermodel import perfmodel as pm
+from clustermodel import cli
+from clustermodel import replay
 from experiments.tables import ABLATION_LABELS
 
 
@@ -76,7 +76,7 @@ def test_parameter_count_matches_the_model():
         m = gpt.ModelConfig(block=block)
         with torch.device("meta"):
             net = gpt.GPT(m)
-        lay = pm.Layout(1, 1, 1, 1, 1, 1, 1, 256, 0)
+        lay = pm.JobLayout(1, 1, 1, 1, 1, 1, 1, 256, 0)
         assert pm.rank_params(m, lay) == (gpt.count_params(net), gpt.count_params(net))
 
 
@@ -140,11 +140,11 @@ def test_full_recompute_keeps_only_layer_inputs(tiny):
 def test_in_flight_microbatches_follow_the_schedules():
     # 1F1B: rank r holds p - r microbatches (Narayanan et al. 2021); interleaved: Megatron's warm-up
     # (p - r - 1) * 2 + (v - 1) * p chunks plus the one in flight, each L/(p*v) layers.
-    one_f_one_b = pm.Layout(16, 1, 4, 1, 4, 8, 1, 256, 0)
+    one_f_one_b = pm.JobLayout(16, 1, 4, 1, 4, 8, 1, 256, 0)
     assert [pm.in_flight_layers(one_f_one_b, 16, r) for r in range(4)] == [16, 12, 8, 4]
-    interleaved = pm.Layout(16, 1, 4, 2, 4, 8, 1, 256, 0)
+    interleaved = pm.JobLayout(16, 1, 4, 2, 4, 8, 1, 256, 0)
     assert pm.in_flight_layers(interleaved, 16, 0) == (3 * 2 + 1 * 4 + 1) * 2
-    assert pm.in_flight_layers(pm.Layout(1, 1, 1, 1, 1, 8, 1, 256, 0), 16, 0) == 16
+    assert pm.in_flight_layers(pm.JobLayout(1, 1, 1, 1, 1, 8, 1, 256, 0), 16, 0) == 16
 
 
 def test_memory_over_capacity_is_flagged(megatron_175b):
@@ -175,14 +175,14 @@ def test_hierarchical_collective_splits_host_and_network():
     hw = config.HardwareConfig(devices_per_host=8, intra_host_GBps=300, inter_host_Gbps=1600,
                                intra_host_efficiency=1.0, inter_host_efficiency=1.0,
                                intra_host_latency_us=0, inter_host_latency_us=0, collective_algo="tree")
-    lay = pm.Layout(64, 1, 1, 1, 64, 1, 1, 256, 1)        # 64-way DP, 8 ranks on each of 8 hosts
+    lay = pm.JobLayout(64, 1, 1, 1, 64, 1, 1, 256, 1)        # 64-way DP, 8 ranks on each of 8 hosts
     S = 8e9
     # Inside each host over NVLink, then 1/8 of the data across 8 hosts, each GPU on its own 25 GB/s NIC.
     expected = 7 / 8 * S / 300e9 + 7 / 8 * (S / 8) / 25e9
     assert pm.Network(hw, lay).collective("reduce_scatter", S, "dp") == pytest.approx(expected)
     hw.collective_algo = "ring"   # a flat ring runs at its network hop
     assert pm.Network(hw, lay).collective("reduce_scatter", S, "dp") == pytest.approx(63 / 64 * S / 25e9)
-    assert lay.members_per_host("dp", 8) == 8 and pm.Layout(64, 8, 1, 1, 8, 1, 1, 256, 1).members_per_host("dp", 8) == 1
+    assert lay.members_per_host("dp", 8) == 8 and pm.JobLayout(64, 8, 1, 1, 8, 1, 1, 256, 1).members_per_host("dp", 8) == 1
 
 
 def test_overlap_exposure_formulas():
@@ -519,7 +519,7 @@ def test_banded_keys_are_the_scores_the_banded_kernel_computes(seq, window, bloc
     scores its whole square, not the causal half (the half priced +SWA 20% cheaper at
     the 2 x 2 ablation's shape, seq 256, window 64, block 128)."""
     import kernels
-    from ledgers import FlopLedger, cuda_attention
+    from clustermodel.ledgers import FlopLedger, cuda_attention
     cfg = config.compose([f"model.attention.window={window}", f"kernels.attention_block={block}"])
     n, d = 3, 16
     q, k, v = (torch.empty(1, n, seq, d, device="meta") for _ in range(3))

@@ -1,4 +1,4 @@
-"""The rehearsal (rehearsal.py): chosen ranks of a job of any size run through the real code on the
+"""The rehearsal (clustermodel/rehearsal.py): chosen ranks of a job of any size run through the real code on the
 meta device and the fake backend, and their records are the truth about communication, FLOPs and
 memory. Checked here: it records what a real run posts, op by op and rank by rank; it holds a
 175B rank in ~2 GiB; NCCL's rules are enforced on what it records, and each defect a review of an
@@ -11,7 +11,7 @@ import torch
 
 import config
 import forked
-import rehearsal
+from clustermodel import rehearsal
 from conftest import EIGHT_RANKS, train_env
 
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled"]
@@ -152,7 +152,7 @@ def test_the_performance_model_accounts_for_what_the_code_does(variant, pool, tm
     """perfmodel.accounting against the rehearsal of the first and the last pipeline rank: bytes on
     the wire per step for TP, PP and DP, GEMM and attention FLOPs, and memory at the peak, each
     within 5%."""
-    import perfmodel
+    from clustermodel import perfmodel
     cfg = config.compose(AGREE + VARIANTS[variant])
     first, last = rehearse_ranks(cfg, [0, 7], 8, tmp_path, pool)
     for rec, is_last in ((first, False), (last, True)):
@@ -169,7 +169,7 @@ def test_a_compiled_job_rehearses_its_gathered_inputs_whole(tmp_path):
     overlap.TPGroup.regather_saved off: under TP overlap each gathered norm output is saved whole, and
     backward gathers nothing again. The rehearsal of a job that compiles counts those copies, as
     perfmodel.compiled_gather_bytes does, and posts fewer TP bytes than the same job eager."""
-    import perfmodel
+    from clustermodel import perfmodel
     shape = ["train.seq_len=512", "model.max_seq_len=512", "train.batch_size=2", "parallel.microbatches=2",
              "model.n_layers=4", "model.vocab_size=256", "parallel.tp=2", "parallel.dp=1", "precision=fp32",
              "parallel.overlap.tp=chunked", "rehearse.steps=1"]
@@ -221,7 +221,7 @@ def test_compiled_tp_overlap_gathers_nothing_again_in_backward():
 
 
 def test_tp_bytes_per_layer_agree(pool, tmp_path):
-    import perfmodel
+    from clustermodel import perfmodel
     configs = {layers: config.compose(AGREE + [f"model.n_layers={layers}"]) for layers in (4, 8)}
     records = pool.map(rehearsal.rehearse_rank, configs.values(), [0, 0], [8, 8], [tmp_path / "4", tmp_path / "8"])
     grown = {layers: rehearsal.comm_per_step(rec)["tp"] for layers, rec in zip(configs, records)}

@@ -1,4 +1,4 @@
-"""replay.py: the code's own program (a rehearsal's record) replayed on a machine's rates. Checked
+"""clustermodel/replay.py: the code's own program (a rehearsal's record) replayed on a machine's rates. Checked
 here: the replay's rules on hand-made programs (a blocking collective shows whole, an async one its
 excess, one group's collectives run in order, a receive waits for its send), and, on the real
 code's rehearsals, that its workload is the analytical model's where both price the same physics
@@ -15,9 +15,9 @@ import torch
 
 import config
 import machine
-import perfmodel as pm
-import rehearsal
-import replay
+from clustermodel import perfmodel as pm
+from clustermodel import rehearsal
+from clustermodel import replay
 
 GB = 1e9
 

@@ -37,7 +37,7 @@ def option(args: list, name: str, default: int) -> int:
 
 def main(argv=None) -> int:
     import config
-    import rehearsal
+    from clustermodel import rehearsal
     sbatch_args, overrides = split(list(sys.argv[1:] if argv is None else argv))
     skip = "--no-precheck" in sbatch_args
     sbatch_args = [a for a in sbatch_args if a != "--no-precheck"]

@@ -15,7 +15,7 @@ import machine
 from config import HardwareConfig
 from errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 DATA_DIR = ROOT / "experiments" / "data"
 FIT_FILE = DATA_DIR / "perfmodel_fit.json"
 FITTED = ("gemm_efficiency", "inter_host_efficiency")

@@ -56,11 +56,12 @@ from typing import Dict, Optional, Tuple
 import config
 import machine
 import model as gpt
+import parallel
 from kernels import mean_keys
 from config import HardwareConfig
 from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
-from rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
+from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
                    collective_time, gemm_key, gemm_time, resolve_hardware, stream_time)
 
 
@@ -88,7 +89,8 @@ def hide(comm: float, compute: float, mode: str, chunks: int = 1) -> Tuple[float
 # --- The layout: who holds what, where the groups live ---
 
 @dataclass
-class Layout:
+class JobLayout:
+    """The whole job's layout as the model prices it (a rank's own place in it: parallel.Layout)."""
     gpus: int
     tp: int
     pp: int
@@ -108,30 +110,25 @@ class Layout:
         return 1 if stride >= devices_per_host else min(sizes[dim], max(1, devices_per_host // stride))
 
 
-def layout_of(cfg: config.Config, gpus: Optional[int] = None) -> Layout:
-    p, m, t = cfg.parallel, cfg.model, cfg.train
+def layout_of(cfg: config.Config, gpus: Optional[int] = None) -> JobLayout:
+    """The job's layout on `gpus` GPUs (default tp*pp*dp), checked as a run checks it (parallel.validate;
+    the overlap switches' chunk counts aside: the model prices any)."""
+    p, t = cfg.parallel, cfg.train
     gpus = gpus or p.tp * p.pp * max(p.dp, 1)
     if gpus % (p.tp * p.pp):
         raise ConfigError("parallel", f"tp*pp = {p.tp * p.pp} does not divide {gpus} GPUs", "choose tp and pp that divide the GPU count")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError("parallel.vpp", f"vpp={p.vpp} interleaves pipeline stages, and pp=1", "set parallel.vpp=1 or pp>1")
+    parallel.validate(cfg, gpus, overlap_switches=False)
     dp = gpus // (p.tp * p.pp)
-    if p.dp > 0 and p.dp != dp:
-        raise ConfigError("parallel.dp", f"{p.dp} but {gpus} GPUs / (tp*pp) = {dp}", "set parallel.dp=-1 or gpus=tp*pp*dp")
-    if t.batch_size % (dp * p.microbatches):
-        raise ConfigError("train.batch_size", f"{t.batch_size} is not divisible by dp*microbatches = {dp}*{p.microbatches}",
-                          "use a batch that is a multiple of dp*parallel.microbatches")
-    if m.n_layers % (p.pp * p.vpp) or (p.vpp > 1 and p.pp == 1):
-        raise ConfigError("parallel.vpp", f"pp*vpp = {p.pp}*{p.vpp} must divide n_layers={m.n_layers} (and vpp>1 needs pp>1)",
-                          "choose pp and vpp whose product divides the layer count")
-    if m.n_heads % p.tp or m.vocab_size % p.tp or (p.tp > 1 and t.seq_len % p.tp):
-        raise ConfigError("parallel.tp", f"tp={p.tp} must divide n_heads, vocab_size and seq_len", "choose a tp that divides them")
-    return Layout(gpus, p.tp, p.pp, p.vpp, dp, p.microbatches, t.batch_size // (dp * p.microbatches),
+    return JobLayout(gpus, p.tp, p.pp, p.vpp, dp, p.microbatches, t.batch_size // (dp * p.microbatches),
                   t.seq_len, p.zero_stage, tuple(p.order.split(",") if isinstance(p.order, str) else p.order))
 
 
 class Network:
     """Collectives and sends of one layout: NVLink (or loopback) inside a host, the NICs across."""
 
-    def __init__(self, hw: HardwareConfig, lay: Layout):
+    def __init__(self, hw: HardwareConfig, lay: JobLayout):
         self.hw, self.lay = hw, lay
         self.intra = (hw.intra_host_GBps * 1e9 * hw.intra_host_efficiency, hw.intra_host_latency_us * 1e-6)
         nic = hw.inter_host_Gbps / 8 * 1e9 / hw.devices_per_host          # bytes/s per device
@@ -230,7 +227,7 @@ def banded_keys(cfg: config.Config, T: int) -> Optional[float]:
 MATERIALIZED = ("unfused", "reference")  # attention backends that keep the [T, T] probabilities
 
 
-def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, float, float]:
+def attention_time(cfg: config.Config, lay: JobLayout, r: Rates) -> Tuple[float, float, float]:
     """softmax(QK^T)V for one microbatch on one rank: (forward, backward) seconds.
     unfused (Megatron's core attention) and reference materialize every score of the causal square,
     the window only masks them. The others run a fused kernel (flash-attn, or SDPA's flash/memory-efficient
@@ -262,7 +259,7 @@ def attention_time(cfg: config.Config, lay: Layout, r: Rates) -> Tuple[float, fl
     return fwd, 2.5 * fwd, fwd  # backward recomputes the scores: 5 GEMMs against the forward's 2
 
 
-def layer_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
+def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     """One transformer layer, one microbatch, on one rank: (forward, backward) seconds by category,
     plus the attention core's forward (what selective recomputation re-runs)."""
     m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, _elem(cfg)
@@ -365,7 +362,7 @@ def _elem(cfg: config.Config) -> int:
     return 2 if precision(cfg) == "bf16" else 4
 
 
-def ends_time(cfg: config.Config, lay: Layout, r: Rates, net: Network):
+def ends_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     """The first rank's embedding and the last rank's norm, head and loss: ((fwd, bwd), (fwd, bwd))."""
     m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, _elem(cfg)
     h, V, fused = m.d_model, m.vocab_size // lay.tp, bool(cfg.kernels.fused)
@@ -402,7 +399,7 @@ def layer_params(m: gpt.ModelConfig, tp: int = 1) -> Tuple[int, int]:
     return split, b * 2 * h + norms * h * (1 + b)
 
 
-def rank_params(m: gpt.ModelConfig, lay: Layout) -> Tuple[int, int]:
+def rank_params(m: gpt.ModelConfig, lay: JobLayout) -> Tuple[int, int]:
     """Parameters held by the first and the last pipeline rank (the same rank when pp=1)."""
     split, replicated = layer_params(m, lay.tp)
     body = m.n_layers // lay.pp * (split + replicated)
@@ -455,7 +452,7 @@ def square_bytes(cfg: config.Config) -> int:
     return e + (e + 1 if cfg.model.dropout else 0)
 
 
-def backward_working_set(cfg: config.Config, lay: Layout) -> float:
+def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
     """Bytes a layer's backward has in flight on top of what is kept, where the peak falls: its
     largest weight gradient (before zero.py adds it to the fp32 buffer; one per piece under TP
     overlap), the gradient through the
@@ -471,7 +468,7 @@ def backward_working_set(cfg: config.Config, lay: Layout) -> float:
     return work
 
 
-def in_flight_layers(lay: Layout, n_layers: int, rank: int) -> float:
+def in_flight_layers(lay: JobLayout, n_layers: int, rank: int) -> float:
     """Layers' worth of one microbatch's activations a pipeline rank holds at its peak: 1F1B's
     warm-up depth p - rank microbatches, interleaved 1F1B's (p-rank-1)*2 + (v-1)*p + 1 chunks (or
     every chunk-forward of the step, m*v, where there are fewer)."""
@@ -504,10 +501,10 @@ class Memory:
         return self.capacity is None or self.total <= self.capacity
 
 
-def memory(cfg: config.Config, lay: Layout, capacity_gib: Optional[float] = None) -> Memory:
+def memory(cfg: config.Config, lay: JobLayout, capacity_gib: Optional[float] = None) -> Memory:
     """The fuller of the first and the last pipeline rank: rehearsed where this config was
     (rehearsal.remembered), else memory_of_rank's model."""
-    import rehearsal
+    from clustermodel import rehearsal
     measured = [rec["memory"] for rec in rehearsal.remembered(cfg, lay.gpus).values()]
     if measured:
         GiB, m = 2.0 ** 30, max(measured, key=lambda m: m["peak_bytes"])
@@ -517,7 +514,7 @@ def memory(cfg: config.Config, lay: Layout, capacity_gib: Optional[float] = None
     return max(ranks, key=lambda mem: mem.total)
 
 
-def memory_of_rank(cfg: config.Config, lay: Layout, last: bool = False, capacity_gib: Optional[float] = None) -> Memory:
+def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capacity_gib: Optional[float] = None) -> Memory:
     """Peak memory of the first (or last) pipeline rank, GiB. bf16: bf16 weights, fp32 gradients,
     fp32 master + two moments (Adam and LAMB alike), the mixed-precision recipe of Megatron-LM and
     ZeRO (zero.py). ZeRO-1 splits the optimizer over DP; ZeRO-2 the gradients too, but only once
@@ -569,7 +566,7 @@ class Prediction:
     exposed_comm_s: float
     hidden_comm_s: float
     memory: Memory
-    layout: Layout
+    layout: JobLayout
 
 
 def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[HardwareConfig] = None) -> Prediction:
@@ -620,7 +617,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
 
 # --- What a rank moves, computes and holds per step: checked against the code's rehearsal ---
 
-def grad_accumulation_bytes(cfg: config.Config, lay: Layout, params: int, e: int, grad_bytes: int) -> float:
+def grad_accumulation_bytes(cfg: config.Config, lay: JobLayout, params: int, e: int, grad_bytes: int) -> float:
     """Bytes the gradient accumulation reads and writes a step (zero.py): every microbatch adds each
     fresh gradient (the parameters' dtype) into the reduction buffer (read and written). One rank at
     ZeRO-0 in fp32 leaves the gradients to autograd, whose first microbatch's gradient is kept as it
@@ -679,7 +676,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
             **{f"{k}_bytes": getattr(mem, k) * 2**30 for k in ("weights", "grads", "optimizer", "activations")}}
 
 
-def dp_time(cfg: config.Config, lay: Layout, net: Network, fwd_s: float, bwd_s: float) -> Dict[str, float]:
+def dp_time(cfg: config.Config, lay: JobLayout, net: Network, fwd_s: float, bwd_s: float) -> Dict[str, float]:
     """Gradient reduce-scatter and parameter all-gather over DP (an all-reduce without ZeRO), given
     one microbatch's forward and backward seconds on this rank. DP overlap works a model chunk at a
     time, as in MegaScale: in interleaved 1F1B chunk j's all-gather must land before its first
@@ -702,7 +699,7 @@ def dp_time(cfg: config.Config, lay: Layout, net: Network, fwd_s: float, bwd_s: 
     return {"dp_comm": exposed, "dp_hidden": rs + ag - exposed}
 
 
-def optimizer_time(cfg: config.Config, lay: Layout, r: Rates) -> float:
+def optimizer_time(cfg: config.Config, lay: JobLayout, r: Rates) -> float:
     """A memory-bound pass over this rank's optimizer shard: Adam reads grad, master, two moments
     and writes them back with the bf16 weights (30 B/param); LAMB also reads the update and weights
     for its per-tensor norms (38 B/param, two reductions per tensor); clipping reads the grads."""
@@ -711,11 +708,3 @@ def optimizer_time(cfg: config.Config, lay: Layout, r: Rates) -> float:
     per_param = (38 if lamb else 30) + (4 if cfg.train.grad_clip > 0 else 0)
     tensors = cfg.model.n_layers // lay.pp * (12 if cfg.model.block == "sequential" else 10) + 3
     return stream_time(r, per_param * params, 12 + (2 * tensors if lamb else 0))
-
-
-if __name__ == "__main__":
-    # `python perfmodel.py ...` is the command users type; its studies, tables and command line live
-    # in perfmodel_cli.py, which imports this model. Running that file as __main__ by name (no import
-    # statement) keeps the model from depending on its command line: no import circle.
-    import runpy
-    runpy.run_module("perfmodel_cli", run_name="__main__")

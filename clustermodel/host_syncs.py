@@ -1,5 +1,5 @@
 """Host-to-device copies that stall a step, found without a GPU (the rehearsal's recorder installs
-this rule beside its host-read rule, rehearsal.Recorder).
+this rule beside its host-read rule, recorder.Recorder).
 
 A copy from host memory to a CUDA device waits for the host unless the source is pinned and the
 copy is asked non_blocking: torch copies a pageable source through a staging buffer and, without

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import machine
-import perfmodel as pm
+from clustermodel import perfmodel as pm
 
 GATHERS = ("all_gather", "reduce_scatter")  # recorded bytes are one rank's shard of the buffer
 EPS = 1e-12  # seconds: a segment's remainder below this has ended
@@ -301,7 +301,7 @@ def rehearse(cfg, hw, gpus: int, out: Path) -> List[dict]:
     """The records of stage_ranks, rehearsed in this process (once: kept in `out`), with what
     `auto` leaves to the machine decided as a run on hw (resolved) decides it: an fp32 run's
     rehearsal moves fp32 bytes."""
-    import rehearsal
+    from clustermodel import rehearsal
     cfg, records = pm.resolve_config(cfg, hw), []
     for rank in stage_ranks(cfg, gpus):
         path = out / f"rank{rank}.json"

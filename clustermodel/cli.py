@@ -1,20 +1,20 @@
-"""The performance model's studies, their Markdown tables and its command line. The model itself is
-perfmodel.py; this is a second file only to keep each under ~700 lines. Run it as perfmodel.py:
+"""The performance model's studies, their Markdown tables and its command line (the model itself is
+perfmodel.py). Run it from the repository's root:
 
-  python perfmodel.py experiment=megascale_ablation scale=cluster|cpu [overrides]
+  python -m clustermodel experiment=megascale_ablation scale=cluster|cpu [overrides]
         Table 3 predicted, each step composed from conf/experiment/megascale_ablation.yaml as
         train.py composes it (ablation.step=K); at cluster scale the paper's column beside it
-  python perfmodel.py experiment=strong_scaling scale=cluster|cpu [overrides]
+  python -m clustermodel experiment=strong_scaling scale=cluster|cpu [overrides]
         Table 2 predicted, rows from conf/study_scale/strong_scaling_<scale>.yaml; at cluster scale
         the Megatron-LM and MegaScale columns with the paper's beside them
-  python perfmodel.py ablation | scaling [scale=...]             the same two, by name
-  python perfmodel.py 530b [--rehearse]                          the 530B model, batch = GPUs (--rehearse: its
-        first and last stage at 2,240 GPUs through rehearsal.py first, so memory per GPU is the rehearsal's)
-  python perfmodel.py plan scale=cluster gpus=1024 batch=768     layouts ranked by predicted MFU (scale=cluster:
+  python -m clustermodel ablation | scaling [scale=...]             the same two, by name
+  python -m clustermodel 530b [--rehearse]                          the 530B model, batch = GPUs (--rehearse: its
+        first and last stage at 2,240 GPUs through the rehearsal first, so memory per GPU is the rehearsal's)
+  python -m clustermodel plan scale=cluster gpus=1024 batch=768     layouts ranked by predicted MFU (scale=cluster:
         175B at seq 2048 in bf16 on a100_cluster; without it the embedded defaults, seq 256)
-  python perfmodel.py validate [--remeasure] [--analytical-only] [--figure=PNG] [RUN_OR_SWEEP_DIR ...]
+  python -m clustermodel validate [--remeasure] [--analytical-only] [--figure=PNG] [RUN_OR_SWEEP_DIR ...]
         cpu_local prediction vs measured runs: analytical, and each run's rehearsal replayed (replay.py)
-  python perfmodel.py [predict] [overrides] [gpus=N] [batch=B]   one config, with its breakdown
+  python -m clustermodel [predict] [overrides] [gpus=N] [batch=B]   one config, with its breakdown
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import config
 import machine
-import perfmodel as pm
-import replay
+from clustermodel import perfmodel as pm
+from clustermodel import replay
 from errors import ConfigError
 # Table 3's row names and the number formats: one definition, shared with the tables of measured runs.
 from experiments.tables import ABLATION_LABELS, markdown_table, pct, seconds
@@ -183,7 +183,7 @@ def rehearse_530b(gpu_counts: Sequence[int] = (2240,), overrides: Sequence[str] 
     """Rehearses the first and the last pipeline stage (one rank each, the fullest under 1F1B and
     the one with the head) of each 530B setting at each GPU count, unless remembered: then
     predict_530b's memory is the rehearsal's. ~3 minutes a rank here (2 cores), 4 ranks in all."""
-    import rehearsal
+    from clustermodel import rehearsal
     import tempfile
     for base in settings_530b(gpu_counts[0], overrides).values():
         hw = pm.resolve_hardware(base.hardware)
@@ -505,7 +505,7 @@ def validation_figure(rows: List[Dict], path: str) -> None:
         if abs(r["replay_error"]) > 0.2:
             ax.annotate(r["label"], (r["measured_s"], r["replayed"]["step_s"]), fontsize=5, alpha=0.7)
     ax.set(xscale="log", yscale="log", xlim=line, ylim=line, xlabel="measured step (s)", ylabel="predicted step (s)",
-           title=f"perfmodel.py validate: {len(rows)} runs (named: replayed error > 20%)")
+           title=f"python -m clustermodel validate: {len(rows)} runs (named: replayed error > 20%)")
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=150)
@@ -636,7 +636,3 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
               f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pct(pred.mfu)}\n")
         print(breakdown_table(pred))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
