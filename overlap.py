@@ -187,7 +187,7 @@ def batch_major(gathered: torch.Tensor) -> torch.Tensor:
     """A sequence-major gather's result [s, B, ...] as the contiguous [B, s, ...] the GEMMs read:
     a GEMM reading the transposed view would copy it anyway, and save its copy for backward,
     which no saved-tensor hook can then tell from any other tensor (with B > 1 every gathered
-    input stayed whole for backward). With B = 1 the view is already contiguous: no copy."""
+    input would stay whole for backward). With B = 1 the view is already contiguous: no copy."""
     return gathered.transpose(0, 1).contiguous()
 
 
@@ -259,53 +259,72 @@ def launch_reduce_scatter(x: torch.Tensor, group: TPGroup) -> _InFlight:
 
 
 class _Start(torch.autograd.Function):
+    """Forward: launches the collective. Backward: waits for the gradient's."""
+
     @staticmethod
     def forward(ctx, x, pending):
         ctx.pending = pending
-        if pending.gather:  # the next GEMM casts anyway: half the bytes
-            x = x.to(compute_dtype(x))
-        pending.forward = (launch_gather if pending.gather else launch_reduce_scatter)(x, pending.group)
-        return pending.forward.out
+        return pending.launch(x)
 
     @staticmethod
     def backward(ctx, _):
-        grad = ctx.pending.backward.wait()
-        ctx.pending.backward = None
-        for gather in ctx.pending.after:  # this region's backward begins: its inputs' re-gathers go out
-            gather.prefetch_regather()
-        return grad, None
+        return ctx.pending.finish_gradient(), None
 
 
 class _Wait(torch.autograd.Function):
+    """Forward: waits for the collective. Backward: launches the gradient's."""
+
     @staticmethod
     def forward(ctx, buffer, pending):
         ctx.pending = pending
-        out = pending.forward.wait()
-        if pending.forward.regather is not None:  # weak: the saved tensors alone keep it alive
-            pending.regather = weakref.ref(pending.forward.regather)
-        pending.forward = None
-        return out
+        return pending.finish()
 
     @staticmethod
     def backward(ctx, grad):
-        p = ctx.pending
-        p.backward = launch_reduce_scatter(grad, p.group) if p.gather else launch_gather(grad, p.group, remember=False)
-        return grad.transpose(0, 1), None
+        return ctx.pending.launch_gradient(grad), None
 
 
 class Pending:
-    """A sequence-parallel collective in flight; wait() gives its result, differentiably. A
-    reduce-scatter's `after` are the gathers whose results fed what it reduces: their re-gathers
-    are prefetched when its backward has the gradient."""
+    """A sequence-parallel collective in flight; wait() gives its result, differentiably. Its two
+    autograd nodes (_Start, _Wait) share it and call its steps, which run in this order: launch
+    and finish in forward, launch_gradient and finish_gradient in backward (all-gather <->
+    reduce-scatter). One collective is on the wire at a time (`inflight`). A reduce-scatter's
+    `after` are the gathers whose results fed what it reduces: their re-gathers are prefetched
+    when its backward has the gradient."""
 
-    def __init__(self, x: torch.Tensor, group, gather: bool, after: tuple = ()):
-        self.group, self.gather, self.forward, self.backward = group, gather, None, None
-        self.after, self.regather = after, None
+    def __init__(self, x: torch.Tensor, group: TPGroup, gather: bool, after: tuple = ()):
+        self.group, self.gather, self.after = group, gather, after
+        self.inflight, self.regather = None, None
         self.buffer = _Start.apply(x, self)
 
     def wait(self) -> torch.Tensor:
         out, self.buffer = _Wait.apply(self.buffer, self), None
         return out
+
+    def launch(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather:  # the next GEMM casts anyway: half the bytes
+            x = x.to(compute_dtype(x))
+        self.inflight = (launch_gather if self.gather else launch_reduce_scatter)(x, self.group)
+        return self.inflight.out
+
+    def finish(self) -> torch.Tensor:
+        inflight, self.inflight = self.inflight, None
+        out = inflight.wait()
+        if inflight.regather is not None:  # weak: the saved tensors alone keep it alive
+            self.regather = weakref.ref(inflight.regather)
+        return out
+
+    def launch_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        self.inflight = (launch_reduce_scatter(grad, self.group) if self.gather
+                         else launch_gather(grad, self.group, remember=False))
+        return grad.transpose(0, 1)  # (to _Start, which ignores it: the gradient comes from the collective)
+
+    def finish_gradient(self) -> torch.Tensor:
+        inflight, self.inflight = self.inflight, None
+        grad = inflight.wait()
+        for gather in self.after:  # this region's backward begins: its inputs' re-gathers go out
+            gather.prefetch_regather()
+        return grad
 
     def prefetch_regather(self) -> None:
         regather = self.regather and self.regather()
@@ -313,11 +332,11 @@ class Pending:
             regather.prefetch()
 
 
-def gather_async(x: torch.Tensor, group) -> Pending:
+def gather_async(x: torch.Tensor, group: TPGroup) -> Pending:
     return Pending(x, group, gather=True)
 
 
-def reduce_scatter_async(x: torch.Tensor, group, after: tuple = ()) -> Pending:
+def reduce_scatter_async(x: torch.Tensor, group: TPGroup, after: tuple = ()) -> Pending:
     return Pending(x, group, gather=False, after=after)
 
 

@@ -216,13 +216,17 @@ class ZeroDataParallel:
             if self.params[i].grad is not None:
                 by_bucket.setdefault(self.where[i][0], []).append(i)
         for b, indices in by_bucket.items():
-            bucket, views = self.buckets[b], self._grad_views(self.buckets[b])
-            torch._foreach_add_([views[self.where[i][1]] for i in indices], [self.params[i].grad for i in indices])
-            for i in indices:
-                self.params[i].grad = None
-            bucket.arrived += len(indices)
-            if self.overlap and bucket.arrived == len(bucket.indices) * self.microbatches:
+            self._add(b, indices)
+            self.buckets[b].arrived += len(indices)
+            if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.microbatches:
                 self._launch_reduction(b)
+
+    def _add(self, b: int, indices: list) -> None:
+        """Parameters' fresh gradients into bucket b's buffer, in one foreach add, and freed."""
+        views = self._grad_views(self.buckets[b])
+        torch._foreach_add_([views[self.where[i][1]] for i in indices], [self.params[i].grad for i in indices])
+        for i in indices:
+            self.params[i].grad = None
 
     def backward_done(self) -> None:
         """Step 3, after each backward call (a microbatch, or a pipeline chunk's): add what no module
@@ -237,13 +241,21 @@ class ZeroDataParallel:
         every bucket's and hand the optimizer its shards' gradients."""
         if self.autograd_keeps_grads:
             return
-        for b in range(len(self.buckets)):
+        for b, bucket in enumerate(self.buckets):
+            if bucket.arrived < len(bucket.indices) * self.microbatches:  # a parameter no loss reached,
+                self._add_stragglers(b)                                   # or a gradient marked late
             if b not in self.reducing:
                 self._launch_reduction(b)
         for b in range(len(self.buckets)):
             self._finish_reduction(b)
         for bucket in self.buckets:
             bucket.arrived = 0
+
+    @torch.no_grad()
+    def _add_stragglers(self, b: int) -> None:
+        late = [i for i in self.buckets[b].indices if self.params[i].grad is not None]
+        if late:
+            self._add(b, late)
 
     def _launch_reduction(self, b: int) -> None:
         """TP-sum the bucket's replicated gradients (LayerNorms, row-parallel biases: each TP rank
