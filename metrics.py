@@ -134,7 +134,8 @@ class RunLog:
         self.jsonl.write(json.dumps({**metrics, "attempt": len(self.record["attempts"]) - 1}) + "\n")
         if self.wandb is not None:
             try:
-                self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+                self.wandb.log({k: v for k, v in metrics.items() if k != "step" and not _records(v)},
+                               step=metrics["step"])
             except Exception as err:  # a sink must never stop training
                 log.warning("W&B logging failed, continuing without it: %s", err)
                 self.wandb = None
@@ -173,3 +174,8 @@ def _start_wandb(cfg, run_dir: Path, record: dict):
     except Exception as err:
         log.warning("W&B unavailable (%s); metrics.jsonl still has everything", str(err).splitlines()[0][:200])
         return None
+
+
+def _records(value) -> bool:
+    """A list of dicts (metrics.jsonl's straggler verdicts): W&B gets their scalars instead."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)

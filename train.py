@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -37,11 +38,12 @@ import observe
 import optim
 import parallel
 import sampling
+import spans
+import stragglers
 from errors import ConfigError, fail
 from model import GPT, count_params, flops_per_token, matmul_params
 
 log = logging.getLogger("train")
-config.register()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -114,7 +116,10 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                             dtype=autocast_dtype, device=device, seed=cfg.train.seed)
     compiling, why = compile_choice(cfg.train.compile, device)
     if compiling:
-        why += f": torch.compile of {engine.compile()}"
+        options, note = compile_mode_choice(cfg.train.compile_mode, device)
+        why += f": torch.compile of {engine.compile(**options)}{note}"
+    elif cfg.train.compile_mode != "default":
+        why += f"; train.compile_mode={cfg.train.compile_mode} unused: the step runs eager"
     if rank == 0:
         log.info("%s; %s", why, allocator)
     ran = what_computed(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
@@ -152,12 +157,20 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     # --- The loop ---
     stop = _StopFlag()
     first_step_work = ", ".join(["torch.compile of every chunk"] * compiling + ["the communicators' set-up"] * (world > 1))
-    observer = observe.start(cfg.observe, layout)  # the op log and spans, written by the heartbeat
+    observer = observe.start(cfg.observe, layout, run_dir, device)  # the op log and spans, written by the heartbeat
     if observer is not None and cfg.observe.spans:
-        layout.clock.on_wait = observer.wait_span
+        layout.clock.on_wait, layout.clock.describe = observer.wait_span, observer.wait_label
     beat = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work, observer)
     faults = ft.Faults(rank, run_dir)
+    if engine.pipeline is not None:  # slow:/spike: faults, in the step's own compute
+        engine.pipeline._compute = faults.slowing(engine.pipeline._compute, lambda: beat.step, layout.clock)
+    else:
+        engine.forward_backward = faults.slowing(engine.forward_backward, lambda: beat.step, layout.clock)
     collector = ft.CollectGarbage(cfg.train.gc_interval)
+    detector = stragglers.Detector(layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
+                                   cfg.ft.straggler_windows, device, run_dir) if cfg.ft.straggler_interval else None
+    if detector is not None:  # its compute: the forward and backward's own time, slowed ones included
+        engine.forward_backward = detector.timed(engine.forward_backward)
     step, history, status = start_step, [], "finished"
     # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
     # rehearsal records it (clustermodel/recorder.py), so that the two can be compared op by op.
@@ -173,7 +186,9 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             layout.clock.start_step(device)
             beat.progress(step, "data")
+            loading = time.perf_counter()
             inputs, targets = next(loader)
+            data_s = time.perf_counter() - loading
             beat.progress(step, "compute")
             recording = recorder is not None and step <= start_step + cfg.rehearse.steps
             with recorder if recording else contextlib.nullcontext():
@@ -194,7 +209,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
             if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
                 beat.progress(step, "eval")
                 row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
-            row.update(health(step, row, cfg, layout, collector))
+            row.update(health(step, timing, data_s, collector, detector, rank))
             run_log.step(row)
             history.append(row)
             _report(row, cfg, bar, rank)
@@ -222,6 +237,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         loader.close()
         saver.close()
         beat.close()
+        layout.clock.on_wait = layout.clock.describe = None
         observe.stop()
         collector.close()
         if bar is not None:
@@ -260,20 +276,14 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
     return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
 
 
-def health(step: int, row: dict, cfg: config.Config, layout, collector) -> dict:
-    """The synchronised GC (its time) and, every ft.straggler_interval steps, the ranks whose
-    compute is more than ft.straggler_threshold slower than the median, with their hosts."""
+def health(step: int, timing: dict, data_s: float, collector, detector, rank: int) -> dict:
+    """The synchronised GC (its time) and the straggler verdicts confirmed at this step (stragglers.py:
+    the rank, the kind, its slowdown over its peers and its cost to the step), logged by rank 0."""
     out = {"gc_s": collector.after_step(step)}
-    every = cfg.ft.straggler_interval
-    if every and step % every == 0:
-        slow = ft.stragglers(row["compute_s"], layout, cfg.ft.straggler_threshold)
-        out["stragglers"] = len(slow)
-        for r, host, seconds, slowdown in slow:
-            log.warning("straggler at step %d: rank %d on %s computes in %.3f s, %.0f%% slower than the median",
-                        step, r, host, seconds, 100 * slowdown)
-        if slow:
-            out["straggler_ranks"] = [f"{r}@{host}" for r, host, _, _ in slow]
-            out["straggler_max_slowdown"] = max(s for *_, s in slow)
+    if detector is not None:
+        verdicts = detector.step(step, timing, data_s)
+        if rank == 0:
+            out.update(stragglers.log_verdicts(verdicts, step))
     return out
 
 
@@ -333,6 +343,18 @@ def what_computed(cfg: config.Config, device: torch.device, dtype: torch.dtype, 
     return ran
 
 
+def compile_mode_choice(mode: str, device: torch.device) -> tuple:
+    """(torch.compile's options, what the log line adds) for train.compile_mode. reduce-overhead
+    records the compiled step as CUDA graphs, one launch for a graph's kernels, which pays where a
+    step is launch-bound; CUDA graphs exist on CUDA only, so elsewhere the step compiles as default."""
+    if mode == "default":
+        return {}, ""
+    if device.type != "cuda":
+        return {}, (f"; train.compile_mode={mode}: no CUDA graphs on {device.type.upper()}, the step compiles "
+                    "as mode=default")
+    return {"mode": mode}, f"; train.compile_mode={mode}: the step recorded as CUDA graphs"
+
+
 def compile_choice(setting, device: torch.device) -> tuple:
     """(whether to torch.compile, the log line saying why). train.compile=true or false is obeyed;
     null, the default, picks the faster of the two where each was measured, with
@@ -354,7 +376,8 @@ def save(saver, step, engine, optimizer, scheduler, loader, cfg) -> None:
     """Every rank saves its pieces (checkpoint.py); with checkpoint.async_save this returns once
     they are copied to host memory."""
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-    saver.save(step, checkpoint.training_state(step, engine, optimizer, scheduler, loader, config_dict))
+    with spans.segment("checkpoint save"):  # what the save holds training up (an async save: its copy to host)
+        saver.save(step, checkpoint.training_state(step, engine, optimizer, scheduler, loader, config_dict))
 
 
 def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group, model_cfg=None) -> int:
@@ -532,6 +555,7 @@ def _pickle_config_modules_by_name() -> None:
 
 
 if __name__ == "__main__":
+    config.register()  # the schema and the YAML's resolvers, for every composition below (Hydra's too)
     jobs = config.preflight(sys.argv[1:])
     slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
     if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued
