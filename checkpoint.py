@@ -244,13 +244,13 @@ def model_chunks(engine) -> dict:
 
 
 def _placed(engine, i: int, tensor: torch.Tensor) -> Chunks:
-    """A tensor shaped like optimizer piece i (the whole parameter at ZeRO-0, a flat range of it
+    """A tensor shaped like optimizer shard i (the whole parameter at ZeRO-0, a flat range of it
     at ZeRO 1/2), placed in the logical parameter."""
     name = engine.names[i]
     shape, base = _logical(name, engine.zero.params[i].shape, engine.layout)
     if engine.zero.stage == 0:
         return _whole(shape, base, tensor)
-    lo, hi = engine.zero.pieces[i]
+    lo, hi = engine.zero.shard_ranges[i]
     return _place(shape, base, flat_range_rectangles(engine.zero.params[i].shape, lo, hi), tensor.view(-1), lo)
 
 

@@ -225,22 +225,23 @@ class Faults:
         self.plan = [(k, r, v) for k, r, v in planned_faults() if r is None or r == rank]
         self.stepped = False  # whether the run's first step is over
 
-    def slowing(self, fn, step_of):
+    def slowing(self, fn, step_of, clock=None):
         """fn (a rank's forward and backward, or one pipeline action of them) made slow:RANK@FACTOR
         times as long every step, SPIKE times in the step of spike:RANK@STEP (step_of() says which
-        step runs): it sleeps (factor - 1) times fn's own time, its waits left out (overlap.CLOCK),
+        step runs): it sleeps (factor - 1) times fn's own time, its waits left out (the rank's
+        overlap.WaitClock, `clock`; none left out without one),
         inside the step's compute, so that its peers' waits for it grow. fn itself without either."""
         slow = max([v for k, _, v in self.plan if k == "slow"], default=1.0)
         spikes = {int(v) for k, _, v in self.plan if k == "spike"}
         if slow == 1.0 and not spikes:
             return fn
-        from overlap import CLOCK
+        waits = (lambda: sum(clock.seconds.values())) if clock is not None else (lambda: 0.0)
 
         def slowed(*args, **kwargs):
-            waited = sum(CLOCK.seconds.values())
+            waited = waits()
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            own = time.perf_counter() - t0 - (sum(CLOCK.seconds.values()) - waited)
+            own = time.perf_counter() - t0 - (waits() - waited)
             factor = slow * (SPIKE if step_of() in spikes else 1.0)
             time.sleep(max(own, 0.0) * (factor - 1))
             return out

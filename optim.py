@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from errors import ConfigError
-from overlap import CLOCK
+from overlap import WaitClock
 from sharding import shard_info
 
 
@@ -95,9 +95,11 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], cfg: OptimCon
             {"params": no_decay, "weight_decay": 0.0, "trust_ratio": cfg.lamb_trust_bias_and_norm}]
 
 
-def build_optimizer(named_params, cfg: OptimConfig, lr: float, norm_group=None) -> torch.optim.Optimizer:
+def build_optimizer(named_params, cfg: OptimConfig, lr: float, norm_group=None,
+                    clock: Optional[WaitClock] = None) -> torch.optim.Optimizer:
     """AdamW (torch's fused kernel) or Lamb over param_groups(). norm_group matters to LAMB only: the
-    process group whose ranks together hold each logical parameter once (see the module doc)."""
+    process group whose ranks together hold each logical parameter once (see the module doc);
+    clock the rank's WaitClock (parallel.Layout.clock), which times LAMB's one all-reduce."""
     # torch refuses an empty named group; ranks that share a LAMB norm group hold the same
     # parameter names, so they drop the same groups and their norm vectors still line up.
     groups = [g for g in param_groups(named_params, cfg) if g["params"]]
@@ -109,7 +111,7 @@ def build_optimizer(named_params, cfg: OptimConfig, lr: float, norm_group=None) 
                                  weight_decay=cfg.weight_decay, fused=not on_meta, foreach=on_meta or None)
     if cfg.name == "lamb":
         return Lamb(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    trust_clamp=cfg.trust_clamp, norm_group=norm_group)
+                    trust_clamp=cfg.trust_clamp, norm_group=norm_group, clock=clock)
     raise ValueError(f"unknown optimizer {cfg.name!r}; use one of {NAMES}")
 
 
@@ -142,7 +144,7 @@ class Lamb(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, trust_clamp=None, norm_group=None):
+                 weight_decay: float = 0.0, trust_clamp=None, norm_group=None, clock: Optional[WaitClock] = None):
         # eps > 0, not >= 0: zero padding has v = 0, and eps = 0 would make its u = 0/0 = NaN,
         # which the norm all_reduce would then spread to every rank's trust ratio.
         if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
@@ -153,7 +155,7 @@ class Lamb(torch.optim.Optimizer):
                         trust_ratio=True, trust_clamp=trust_clamp)
         super().__init__(params, defaults)
         # A ProcessGroup is no hyperparameter: kept off the groups so state_dict() stays plain data.
-        self.norm_group = norm_group
+        self.norm_group, self.clock = norm_group, clock or WaitClock()  # (untimed without the rank's clock)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -253,7 +255,7 @@ class Lamb(torch.optim.Optimizer):
             u_norms = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
             squares[:, index] = torch.stack([p_norms, u_norms]).square() * owner
         if self.norm_group is not None:
-            with CLOCK.waiting("comm", squares.device):
+            with self.clock.waiting("comm", squares.device):
                 dist.all_reduce(squares, group=self.norm_group)
         p_norm, u_norm = squares.sqrt().unbind()
 
@@ -277,7 +279,8 @@ class Lamb(torch.optim.Optimizer):
 # --- Gradient clipping with the same ownership rule ---
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_group=None) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_group=None,
+                    clock: Optional[WaitClock] = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for sharded parameters: the global L2 norm of all grads, each
     logical element counted once (pieces whose ShardInfo has `norm_owner=False` add nothing), summed with one
     all_reduce over norm_group. Scales grads by max_norm / (norm + 1e-6) when the norm exceeds
@@ -286,7 +289,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_group=
     params = [p for p in params if p.grad is not None]
     squares = grad_squares(params, params[0].device if params else torch.device("cpu"))
     if norm_group is not None:
-        with CLOCK.waiting("comm", squares.device):
+        with (clock or WaitClock()).waiting("comm", squares.device):
             dist.all_reduce(squares, group=norm_group)
     total = squares.sqrt()
     scale_grads_(params, total, max_norm)

@@ -4,9 +4,13 @@ clock that measures how much communication is left exposed.
 Written by hand over async collectives, not left to DDP/FSDP/async-TP, because the ablation must
 control when each collective launches and when compute waits for it:
 
-- CLOCK: where each step's time went (WaitClock): the compute stream blocked on communication,
-  by kind, "comm" (TP and DP collectives, PP sends) and "bubble" (PP receives: idle until the
-  neighbouring stage delivers), and the compute stream's own work.
+- WaitClock: where each step's time went: the compute stream blocked on communication, by kind,
+  "comm" (TP and DP collectives, PP sends) and "bubble" (PP receives: idle until the neighbouring
+  stage delivers), and the compute stream's own work. Each rank's clock is its layout's
+  (parallel.Layout.clock), which every part that waits is given.
+- TPGroup: a TP process group as these collectives use it: the group, the clock their waits are
+  timed on, and the activations gathered over it that backward gathers again (parallel.Layout's
+  tp_group; the TP layers hold it).
 - TP (parallel.overlap.tp, with tp_chunks pieces), on the sequence-parallel block of parallel.py:
   - off (Megatron-LM, the baseline): forward's collectives block; backward launches the
     re-gather of a GEMM's input before its input gradient, and that gradient's reduce-scatter
@@ -21,7 +25,7 @@ control when each collective launches and when compute waits for it:
   In backward the same overlap falls out of autograd: a wait's backward launches the gradient's
   collective and the matching start's backward waits for it, and the engine runs ready nodes
   latest-created first, so the other pieces' backward runs in between.
-- DP (parallel.overlap.dp) lives in zero.ZeroDataParallel (per-bucket launches from hooks).
+- DP (parallel.overlap.dp) lives in zero.ZeroDataParallel (its schedule, in its own file).
 - PP (parallel.overlap.pp) lives in pipeline.Pipeline.
 """
 from __future__ import annotations
@@ -115,9 +119,6 @@ class WaitClock:
         return value, figures
 
 
-CLOCK = WaitClock()
-
-
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the next GEMM will read x in: autocast's where it is on (an all-gather then sends
     half the bytes), else x's own. (Autocast has no meta device: a rehearsal's parameters already
@@ -128,8 +129,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def timed_wait(work, device) -> None:
-    with CLOCK.waiting("comm", device):
+def timed_wait(work, clock: WaitClock, device) -> None:
+    with clock.waiting("comm", device):
         work.wait()
 
 
@@ -146,24 +147,48 @@ def timed_wait(work, device) -> None:
 # re-gather launched beside the input gradient's GEMM). The chunked and domino modes do it with
 # saved-tensor hooks around the TP block: every GEMM that reads a gathered piece keeps the shard.
 
-_GATHERED: dict = {}  # id(storage of a gather's output) -> (weakref to that storage, its _Regather)
+class TPGroup:
+    """A TP process group as the sequence-parallel collectives use it: `pg` (the process group),
+    `size`, the `clock` their waits are timed on, and the gathered activations whose backward
+    re-gathers them from their shards (`gathered`: id of a gather output's storage -> (a weak
+    reference to that storage, its _Regather); an entry goes when its storage does).
+    `keep_gathered_whole` turns regather_saved off (a rehearsal of a compiled job, whose traced
+    blocks save their gathered inputs whole)."""
 
+    def __init__(self, pg, size: int, clock: WaitClock):
+        self.pg, self.size, self.clock = pg, size, clock
+        self.gathered: dict = {}
+        self.keep_gathered_whole = False
 
-def remember_gathered(full: torch.Tensor, shard: torch.Tensor, group) -> "_Regather":
-    """full (batch-major [B, world*t, ...], contiguous) was all-gathered from shard
-    (sequence-major [t, B, ...]) over group."""
-    storage = full.untyped_storage()
-    key = id(storage)
-    regather = _Regather(shard, group)
-    _GATHERED[key] = (weakref.ref(storage, lambda _, key=key: _GATHERED.pop(key, None)), regather)
-    return regather
+    def remember_gathered(self, full: torch.Tensor, shard: torch.Tensor) -> "_Regather":
+        """full (batch-major [B, size*t, ...], contiguous) was all-gathered from shard
+        (sequence-major [t, B, ...]) over this group."""
+        storage = full.untyped_storage()
+        key, gathered = id(storage), self.gathered
+        regather = _Regather(shard, self)
+        gathered[key] = (weakref.ref(storage, lambda _, key=key: gathered.pop(key, None)), regather)
+        return regather
+
+    def regather_saved(self):
+        """The context in which a TP block's forward runs: what it saves of a gathered tensor is the
+        shard, gathered again when backward needs it."""
+        if torch.compiler.is_compiling() or self.keep_gathered_whole:
+            return contextlib.nullcontext()  # dynamo does not trace saved-tensor hooks: the full copy stays
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor):
+        entry = self.gathered.get(id(t.untyped_storage()))
+        if entry is None or entry[0]() is None:
+            return t
+        entry[1].pending += 1
+        return entry[1], (t.shape, t.stride(), t.storage_offset())
 
 
 def batch_major(gathered: torch.Tensor) -> torch.Tensor:
     """A sequence-major gather's result [s, B, ...] as the contiguous [B, s, ...] the GEMMs read:
     a GEMM reading the transposed view would copy it anyway, and save its copy for backward,
     which no saved-tensor hook can then tell from any other tensor (with B > 1 every gathered
-    input stayed whole for backward). With B = 1 the view is already contiguous: no copy."""
+    input would stay whole for backward). With B = 1 the view is already contiguous: no copy."""
     return gathered.transpose(0, 1).contiguous()
 
 
@@ -175,15 +200,14 @@ class _Regather:
     attention run their backward, as the analytical model assumes: a gather launched only when
     the GEMM needs it would leave all of it exposed."""
 
-    def __init__(self, shard: torch.Tensor, group):
+    def __init__(self, shard: torch.Tensor, group: TPGroup):
         self.shard, self.group, self.pending, self.full, self.inflight = shard.detach(), group, 0, None, None
 
     def prefetch(self) -> None:
         if self.pending and self.full is None and self.inflight is None:  # still to be unpacked
-            world = dist.get_world_size(self.group)
-            out = self.shard.new_empty((self.shard.shape[0] * world, *self.shard.shape[1:]))
-            self.inflight = _InFlight(dist.all_gather_single(out, self.shard, group=self.group, async_op=True),
-                                      out, self.shard, gather=True, group=self.group, remember=False)
+            out = self.shard.new_empty((self.shard.shape[0] * self.group.size, *self.shard.shape[1:]))
+            self.inflight = _InFlight(dist.all_gather_single(out, self.shard, group=self.group.pg, async_op=True),
+                                      out, self.shard, self.group, gather=True, remember=False)
 
     def tensor(self) -> torch.Tensor:
         if self.full is None:
@@ -196,26 +220,10 @@ class _Regather:
         return full
 
 
-def _pack(t: torch.Tensor):
-    entry = _GATHERED.get(id(t.untyped_storage()))
-    if entry is None or entry[0]() is None:
-        return t
-    entry[1].pending += 1
-    return entry[1], (t.shape, t.stride(), t.storage_offset())
-
-
 def _unpack(saved):
     if isinstance(saved, tuple) and len(saved) == 2 and isinstance(saved[0], _Regather):
         return saved[0].tensor().as_strided(*saved[1])
     return saved
-
-
-def regather_saved():
-    """The context in which a TP block's forward runs: what it saves of a gathered tensor is the
-    shard, gathered again when backward needs it."""
-    if torch.compiler.is_compiling():  # dynamo does not trace saved-tensor hooks: keep the full copy
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 class _InFlight:
@@ -223,82 +231,101 @@ class _InFlight:
     kept alive until the wait. A gather's result comes batch-major and contiguous, and is
     remembered for regather_saved unless `remember` is off."""
 
-    def __init__(self, work, out, src, gather: bool = False, group=None, remember: bool = True):
+    def __init__(self, work, out, src, group: TPGroup, gather: bool = False, remember: bool = True):
         self.work, self.out, self.src, self.gather, self.group = work, out, src, gather, group
         self.remember, self.regather = remember, None
 
     def wait(self) -> torch.Tensor:
-        timed_wait(self.work, self.out.device)
+        timed_wait(self.work, self.group.clock, self.out.device)
         if not self.gather:
             return self.out.transpose(0, 1)
         full = batch_major(self.out)
         if self.remember:
-            self.regather = remember_gathered(full, self.src, self.group)
+            self.regather = self.group.remember_gathered(full, self.src)
         return full
 
 
-def launch_gather(x: torch.Tensor, group, remember: bool = True) -> _InFlight:
-    """[B, t, ...] sequence slices -> [B, world*t, ...], rank order along the sequence."""
+def launch_gather(x: torch.Tensor, group: TPGroup, remember: bool = True) -> _InFlight:
+    """[B, t, ...] sequence slices -> [B, size*t, ...], rank order along the sequence."""
     xs = x.transpose(0, 1).contiguous()
-    out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.all_gather_single(out, xs, group=group, async_op=True), out, xs, True, group, remember)
+    out = xs.new_empty((xs.shape[0] * group.size, *xs.shape[1:]))
+    return _InFlight(dist.all_gather_single(out, xs, group=group.pg, async_op=True), out, xs, group, True, remember)
 
 
-def launch_reduce_scatter(x: torch.Tensor, group) -> _InFlight:
-    """[B, world*t, ...] partial sums -> this rank's [B, t, ...] slice of their sum."""
+def launch_reduce_scatter(x: torch.Tensor, group: TPGroup) -> _InFlight:
+    """[B, size*t, ...] partial sums -> this rank's [B, t, ...] slice of their sum."""
     xs = x.transpose(0, 1).contiguous()
-    out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
-    return _InFlight(dist.reduce_scatter_single(out, xs, group=group, async_op=True), out, xs)
+    out = xs.new_empty((xs.shape[0] // group.size, *xs.shape[1:]))
+    return _InFlight(dist.reduce_scatter_single(out, xs, group=group.pg, async_op=True), out, xs, group)
 
 
 class _Start(torch.autograd.Function):
+    """Forward: launches the collective. Backward: waits for the gradient's."""
+
     @staticmethod
     def forward(ctx, x, pending):
         ctx.pending = pending
-        if pending.gather:  # the next GEMM casts anyway: half the bytes
-            x = x.to(compute_dtype(x))
-        pending.forward = (launch_gather if pending.gather else launch_reduce_scatter)(x, pending.group)
-        return pending.forward.out
+        return pending.launch(x)
 
     @staticmethod
     def backward(ctx, _):
-        grad = ctx.pending.backward.wait()
-        ctx.pending.backward = None
-        for gather in ctx.pending.after:  # this region's backward begins: its inputs' re-gathers go out
-            gather.prefetch_regather()
-        return grad, None
+        return ctx.pending.finish_gradient(), None
 
 
 class _Wait(torch.autograd.Function):
+    """Forward: waits for the collective. Backward: launches the gradient's."""
+
     @staticmethod
     def forward(ctx, buffer, pending):
         ctx.pending = pending
-        out = pending.forward.wait()
-        if pending.forward.regather is not None:  # weak: the saved tensors alone keep it alive
-            pending.regather = weakref.ref(pending.forward.regather)
-        pending.forward = None
-        return out
+        return pending.finish()
 
     @staticmethod
     def backward(ctx, grad):
-        p = ctx.pending
-        p.backward = launch_reduce_scatter(grad, p.group) if p.gather else launch_gather(grad, p.group, remember=False)
-        return grad.transpose(0, 1), None
+        return ctx.pending.launch_gradient(grad), None
 
 
 class Pending:
-    """A sequence-parallel collective in flight; wait() gives its result, differentiably. A
-    reduce-scatter's `after` are the gathers whose results fed what it reduces: their re-gathers
-    are prefetched when its backward has the gradient."""
+    """A sequence-parallel collective in flight; wait() gives its result, differentiably. Its two
+    autograd nodes (_Start, _Wait) share it and call its steps, which run in this order: launch
+    and finish in forward, launch_gradient and finish_gradient in backward (all-gather <->
+    reduce-scatter). One collective is on the wire at a time (`inflight`). A reduce-scatter's
+    `after` are the gathers whose results fed what it reduces: their re-gathers are prefetched
+    when its backward has the gradient."""
 
-    def __init__(self, x: torch.Tensor, group, gather: bool, after: tuple = ()):
-        self.group, self.gather, self.forward, self.backward = group, gather, None, None
-        self.after, self.regather = after, None
+    def __init__(self, x: torch.Tensor, group: TPGroup, gather: bool, after: tuple = ()):
+        self.group, self.gather, self.after = group, gather, after
+        self.inflight, self.regather = None, None
         self.buffer = _Start.apply(x, self)
 
     def wait(self) -> torch.Tensor:
         out, self.buffer = _Wait.apply(self.buffer, self), None
         return out
+
+    def launch(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather:  # the next GEMM casts anyway: half the bytes
+            x = x.to(compute_dtype(x))
+        self.inflight = (launch_gather if self.gather else launch_reduce_scatter)(x, self.group)
+        return self.inflight.out
+
+    def finish(self) -> torch.Tensor:
+        inflight, self.inflight = self.inflight, None
+        out = inflight.wait()
+        if inflight.regather is not None:  # weak: the saved tensors alone keep it alive
+            self.regather = weakref.ref(inflight.regather)
+        return out
+
+    def launch_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        self.inflight = (launch_reduce_scatter(grad, self.group) if self.gather
+                         else launch_gather(grad, self.group, remember=False))
+        return grad.transpose(0, 1)  # (to _Start, which ignores it: the gradient comes from the collective)
+
+    def finish_gradient(self) -> torch.Tensor:
+        inflight, self.inflight = self.inflight, None
+        grad = inflight.wait()
+        for gather in self.after:  # this region's backward begins: its inputs' re-gathers go out
+            gather.prefetch_regather()
+        return grad
 
     def prefetch_regather(self) -> None:
         regather = self.regather and self.regather()
@@ -306,11 +333,11 @@ class Pending:
             regather.prefetch()
 
 
-def gather_async(x: torch.Tensor, group) -> Pending:
+def gather_async(x: torch.Tensor, group: TPGroup) -> Pending:
     return Pending(x, group, gather=True)
 
 
-def reduce_scatter_async(x: torch.Tensor, group, after: tuple = ()) -> Pending:
+def reduce_scatter_async(x: torch.Tensor, group: TPGroup, after: tuple = ()) -> Pending:
     return Pending(x, group, gather=False, after=after)
 
 
@@ -333,21 +360,19 @@ def interleave(steps: list) -> list:
 # Activations are [batch, seq, hidden]. Under sequence parallelism each TP rank holds a slice of
 # the sequence; the collectives work on dim 0, so the sequence is moved there for the call.
 
-def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
+def gather_seq(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()
-    out = xs.new_empty((xs.shape[0] * world, *xs.shape[1:]))
-    with CLOCK.waiting("comm", x.device):
-        dist.all_gather_single(out, xs, group=group)
+    out = xs.new_empty((xs.shape[0] * group.size, *xs.shape[1:]))
+    with group.clock.waiting("comm", x.device):
+        dist.all_gather_single(out, xs, group=group.pg)
     return batch_major(out)
 
 
-def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
+def reduce_scatter_seq(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()
-    out = xs.new_empty((xs.shape[0] // world, *xs.shape[1:]))
-    with CLOCK.waiting("comm", x.device):
-        dist.reduce_scatter_single(out, xs, group=group)
+    out = xs.new_empty((xs.shape[0] // group.size, *xs.shape[1:]))
+    with group.clock.waiting("comm", x.device):
+        dist.reduce_scatter_single(out, xs, group=group.pg)
     return out.transpose(0, 1)
 
 
@@ -408,7 +433,7 @@ def chunked_region(h: torch.Tensor, group, pieces: int, pre, mix=None, post=None
         gathers.append(gather_async(piece, group))
         return pre((yield gathers[-1]))
     outs = interleave([gathered(p) for p in h.chunk(pieces, dim=1)])
-    tp = dist.get_world_size(group)
+    tp = group.size
     mixed = _as_pieces(mix(_in_order([o[0] for o in outs], tp)), tp, pieces)
 
     def scattered(j):

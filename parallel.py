@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import spans
 from errors import ConfigError
-from overlap import CLOCK
+from overlap import TPGroup, WaitClock
 from pipeline import Pipeline, autocast, split_for_pipeline
 from sharding import describe
 from tensor_parallel import TPSettings, apply_tp, tp_shard_infos, vocab_parallel_cross_entropy
@@ -121,10 +121,19 @@ class Layout:
     setup_seconds: float = 0.0             # time to build every process group
     group_options: Optional[object] = None  # the backend's options every group gets (its timeout)
     pp_channels: dict = field(default_factory=dict)  # pipeline messages: (kind, direction) -> group
+    clock: WaitClock = field(default_factory=WaitClock)  # where this rank's step goes: every wait is timed on it
+    _tp_group: Optional[TPGroup] = field(default=None, repr=False)
 
     def group(self, dim: str):
         """The process group of one mesh dimension (None when single-process)."""
         return None if self.mesh is None else self.mesh.get_group(dim)
+
+    @property
+    def tp_group(self) -> TPGroup:
+        """The TP group as the sequence-parallel collectives use it (overlap.TPGroup), one a rank."""
+        if self._tp_group is None:
+            self._tp_group = TPGroup(self.group("tp"), self.tp, self.clock)
+        return self._tp_group
 
     def coordinates(self) -> dict:
         return {"rank": self.rank, "dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
@@ -196,7 +205,7 @@ def _pipeline_channels(mesh, names: tuple, timeout_s: Optional[float] = None) ->
 
 
 def tp_settings(layout: Layout, cfg: ParallelConfig) -> TPSettings:
-    return TPSettings(group=layout.group("tp"), rank=layout.tp_rank, size=layout.tp, overlap=cfg.overlap.tp,
+    return TPSettings(group=layout.tp_group, rank=layout.tp_rank, size=layout.tp, overlap=cfg.overlap.tp,
                       pieces=cfg.overlap.tp_chunks)
 
 
@@ -245,7 +254,6 @@ class ParallelModel:
         for chunk in self.chunks:
             parallelize(chunk, layout, cfg, recompute)
             _materialize(chunk, layout, cfg, dtype, self.device if on_meta else None, seed)
-        self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp) if layout.pp > 1 else None
         named = self.named_model_parameters()
         self.names = [n for n, _ in named]
         params = [p for _, p in named]
@@ -254,10 +262,9 @@ class ParallelModel:
         buckets = plan_buckets([m for m, _ in modules], params, cfg.bucket_size, per_module=cfg.overlap.dp)
         self.zero = ZeroDataParallel(params, layout, cfg.zero_stage, reduce_dtype, buckets,
                                      cfg.microbatches, overlap=cfg.overlap.dp)
-        if cfg.overlap.dp:
-            for indices, register in modules:
-                wanted = sorted({self.zero.where[i][0] for i in indices})
-                register(lambda *_, wanted=wanted: self.zero.before_forward(wanted))
+        self.zero.attach(modules)
+        self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp,
+                                 after_backward=self.zero.backward_done) if layout.pp > 1 else None
         self.norm_group = _norm_group(layout)
 
     def _forward_modules(self, params: list) -> list:
@@ -285,6 +292,7 @@ class ParallelModel:
         loss eager: the pipeline schedule calls the chunks, and TP's vocab-parallel loss holds
         collectives. Either way the modules stay those the DP hooks and the checkpoint's parameter
         names were given. Returns what was compiled, for the log line."""
+        self.zero.hooks_traced = True  # dynamo traces the modules' hooks: none marks its backward
         if self.pipeline is None and self.layout.tp == 1:
             self._microbatch_loss = torch.compile(self._eager_microbatch_loss, **options)
             self._cuda_graphs = options.get("mode") == "reduce-overhead"
@@ -336,6 +344,7 @@ class ParallelModel:
             if backward:
                 with spans.segment(spans.action_name(("B", mb, 0)), x.device):
                     loss.backward()
+                self.zero.backward_done()
             kept = loss.detach().clone() if self._cuda_graphs else loss.detach()  # a replay reuses its outputs' memory
             total = kept if total is None else total + kept
         return total
@@ -349,7 +358,7 @@ class ParallelModel:
         shards = [s for s in self.zero.shards if s.grad is not None]
         squares = optim.grad_squares(shards, self.device)
         if self.layout.world > 1:
-            with CLOCK.waiting("comm", self.device):
+            with self.layout.clock.waiting("comm", self.device):
                 dist.all_reduce(squares)
         norm = squares.sqrt()
         optim.scale_grads_(shards, norm, max_norm)
@@ -361,7 +370,7 @@ class ParallelModel:
         self.zero.after_step()
 
     def parameters_loaded(self) -> None:
-        """After a checkpoint load: the parameters and the optimizer's pieces agree again."""
+        """After a checkpoint load: the parameters and the optimizer's shards agree again."""
         self.zero.parameters_loaded()
 
 
@@ -422,7 +431,7 @@ def agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tens
     # The flag is filled on the device (a kernel argument), not copied there from host memory.
     t = torch.stack([loss.float(), torch.full((), float(stop), dtype=torch.float32, device=loss.device)])
     if layout.world > 1:
-        with CLOCK.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
+        with layout.clock.waiting("bubble", loss.device):  # mostly waiting for the slowest rank (a pipeline's last stage)
             dist.all_reduce(t)
     return t if grad_norm is None else torch.cat([t, grad_norm.float().reshape(1)])
 

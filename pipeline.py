@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 import spans
-from overlap import CLOCK
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -149,8 +148,11 @@ def plan(pp: int, pp_rank: int, vpp: int, microbatches: int, overlap: bool, back
 class Pipeline:
     """Runs this rank's chunks over a list of microbatches, following plan()."""
 
-    def __init__(self, chunks: list, layout, overlap: bool = False):
+    def __init__(self, chunks: list, layout, overlap: bool = False, after_backward=None):
+        """after_backward: called after each chunk's backward (ZeRO adds the gradients no module's
+        own backward added, zero.ZeroDataParallel.backward_done)."""
         self.chunks, self.layout, self.overlap = chunks, layout, overlap
+        self.after_backward = after_backward or (lambda: None)
         self.stages = layout.pp * len(chunks)
         self.channels = layout.pp_channels  # {(kind, direction): process group}
         self.group = layout.group("pp")
@@ -176,7 +178,7 @@ class Pipeline:
                 received[step[1]] = (self._post(dist.irecv, buf, step[2], step[2].src), buf)
             elif step[0] == "wait":
                 work, _ = received[step[1]]
-                with CLOCK.waiting("bubble", self.device):
+                with self.layout.clock.waiting("bubble", self.device):
                     work.wait()
             elif step[0] == "compute":
                 buf = received.pop(step[1], (None, None))[1]
@@ -188,7 +190,7 @@ class Pipeline:
             else:
                 tensor = out.detach().to(dtype).contiguous()
                 self.sends.append((self._post(dist.isend, tensor, step[2], step[2].dst), tensor))
-        with CLOCK.waiting("comm", self.device):
+        with self.layout.clock.waiting("comm", self.device):
             for work, _ in self.sends:
                 work.wait()
         self.sends.clear()
@@ -222,6 +224,7 @@ class Pipeline:
             return y
         x, y = saved.pop((mb, c))
         torch.autograd.backward(y, None if stage == self.stages - 1 else received)
+        self.after_backward()
         return None if stage == 0 else x.grad
 
 

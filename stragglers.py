@@ -107,7 +107,7 @@ class Detector:
     def __init__(self, layout, interval: int, threshold: float, windows: int, device: torch.device,
                  run_dir: Optional[Path] = None):
         self.layout, self.interval, self.threshold, self.windows = layout, interval, threshold, windows
-        self.device, self.rank = device, layout.rank
+        self.device, self.rank, self.clock = device, layout.rank, layout.clock
         self.group = layout.group("dp") if layout.world > 1 and layout.dp > 1 else None
         self.members = dist.get_process_group_ranks(self.group) if self.group is not None else [layout.rank]
         self.me = self.members.index(layout.rank)
@@ -120,15 +120,15 @@ class Detector:
         self.compute_s = 0.0       # this step's forward and backward, less their waits (timed())
 
     def timed(self, forward_backward):
-        """forward_backward, its own time (less overlap.CLOCK's waits) added to this step's compute;
-        an evaluation's (backward=False) is not training's."""
-        from overlap import CLOCK
+        """forward_backward, its own time (less the waits the rank's overlap.WaitClock timed) added
+        to this step's compute; an evaluation's (backward=False) is not training's."""
+        clock = self.clock
 
         def timed(*args, **kwargs):
-            waited, t0 = sum(CLOCK.seconds.values()), time.perf_counter()
+            waited, t0 = sum(clock.seconds.values()), time.perf_counter()
             out = forward_backward(*args, **kwargs)
             if kwargs.get("backward", True):
-                self.compute_s += time.perf_counter() - t0 - (sum(CLOCK.seconds.values()) - waited)
+                self.compute_s += time.perf_counter() - t0 - (sum(clock.seconds.values()) - waited)
             return out
         return timed
 

@@ -13,7 +13,7 @@ sharding.py's registry).
 The layers are written here by hand rather than taken from torch.distributed.tensor.parallel:
 the ablations control when each all-gather and reduce-scatter runs (parallel.overlap.tp: off,
 chunked, domino), PTB shares one gather and one reduce-scatter between attention and the MLP,
-and backward keeps gathered activations as shards (overlap.regather_saved). DTensor's styles put
+and backward keeps gathered activations as shards (TPGroup.regather_saved). DTensor's styles put
 one collective at each module's boundary and schedule it themselves.
 """
 from __future__ import annotations
@@ -30,14 +30,14 @@ import torch.nn.functional as F
 import kernels
 import overlap
 from model import Block
-from overlap import CLOCK
+from overlap import TPGroup
 from sharding import ShardInfo
 
 
 @dataclass(frozen=True)
 class TPSettings:
     """What the TP modules of one rank run with."""
-    group: object = None       # the TP process group
+    group: Optional[TPGroup] = None  # the TP process group, as the sequence-parallel collectives use it
     rank: int = 0
     size: int = 1
     overlap: str = "off"       # parallel.overlap.tp: off | chunked | domino
@@ -65,21 +65,21 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     sends a max, a sum of exponentials and its target logit per token (two all-reduces)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start):
+    def forward(ctx, logits, targets, group: TPGroup, vocab_start):
         ctx.logits_dtype = logits.dtype
         exp = logits.float()  # one fp32 copy, shifted and exponentiated in place (Megatron's does the same)
         v_local = exp.shape[-1]
         row_max = exp.max(dim=-1).values
-        with CLOCK.waiting("comm", exp.device):
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        with group.clock.waiting("comm", exp.device):
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.pg)
         exp.sub_(row_max.unsqueeze(-1))
         local_t = targets - vocab_start
         mine = (local_t >= 0) & (local_t < v_local)
         picked = exp.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
         exp.exp_()
         sums = torch.stack([exp.sum(-1), picked])
-        with CLOCK.waiting("comm", logits.device):
-            dist.all_reduce(sums, group=group)
+        with group.clock.waiting("comm", logits.device):
+            dist.all_reduce(sums, group=group.pg)
         losses = sums[0].log() - sums[1]
         ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local_t.clamp(0, v_local - 1), mine)
         return losses.mean()
@@ -156,7 +156,7 @@ class SequenceParallelBlock(torch.nn.Module):
     LayerNorms, attention and MLP under their own names and runs them with the TP collectives in
     between, scheduled as parallel.overlap.tp says: one after another (off), MegaScale's sequence
     pieces (chunked), or Domino's row pieces that go through the block independently (domino).
-    Gathered activations are kept as shards for backward (overlap.regather_saved), except under
+    Gathered activations are kept as shards for backward (TPGroup.regather_saved), except under
     full recompute (`recompute`, as model.Block's), whose checkpoint keeps nothing of the block
     and whose saved-tensor hooks must be the innermost ones."""
 
@@ -173,7 +173,7 @@ class SequenceParallelBlock(torch.nn.Module):
         return cls(block, tp)
 
     def forward(self, x):
-        with contextlib.nullcontext() if self.recompute else overlap.regather_saved():
+        with contextlib.nullcontext() if self.recompute else self.group.regather_saved():
             if self.overlap == "chunked":
                 return _chunked_block(self, x)
             if self.overlap == "domino":

@@ -41,7 +41,6 @@ import sampling
 import spans
 import stragglers
 from errors import ConfigError, fail
-from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
 log = logging.getLogger("train")
@@ -125,7 +124,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         log.info("%s; %s", why, allocator)
     ran = what_computed(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
     optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
-                                      norm_group=engine.norm_group)
+                                      norm_group=engine.norm_group, clock=layout.clock)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
 
     # --- Resume ---
@@ -160,13 +159,13 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     first_step_work = ", ".join(["torch.compile of every chunk"] * compiling + ["the communicators' set-up"] * (world > 1))
     observer = observe.start(cfg.observe, layout, run_dir, device)  # the op log and spans, written by the heartbeat
     if observer is not None and cfg.observe.spans:
-        CLOCK.on_wait, CLOCK.describe = observer.wait_span, observer.wait_label
+        layout.clock.on_wait, layout.clock.describe = observer.wait_span, observer.wait_label
     beat = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work, observer)
     faults = ft.Faults(rank, run_dir)
     if engine.pipeline is not None:  # slow:/spike: faults, in the step's own compute
-        engine.pipeline._compute = faults.slowing(engine.pipeline._compute, lambda: beat.step)
+        engine.pipeline._compute = faults.slowing(engine.pipeline._compute, lambda: beat.step, layout.clock)
     else:
-        engine.forward_backward = faults.slowing(engine.forward_backward, lambda: beat.step)
+        engine.forward_backward = faults.slowing(engine.forward_backward, lambda: beat.step, layout.clock)
     collector = ft.CollectGarbage(cfg.train.gc_interval)
     detector = stragglers.Detector(layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
                                    cfg.ft.straggler_windows, device, run_dir) if cfg.ft.straggler_interval else None
@@ -185,7 +184,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         if cfg.train.eval_interval > 0 else []
     try:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
-            CLOCK.start_step(device)
+            layout.clock.start_step(device)
             beat.progress(step, "data")
             loading = time.perf_counter()
             inputs, targets = next(loader)
@@ -201,7 +200,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
                 agreed = parallel.agree(loss, stop.requested, layout, grad_norm)
                 # The step's one host read: loss, stop flag and grad norm together, once the step has run.
                 with recorder.named_read() if recording else contextlib.nullcontext():
-                    (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: parallel.read_agreed(agreed, layout))
+                    (loss, stop_now, grad_norm), timing = layout.clock.end_step(device, lambda: parallel.read_agreed(agreed, layout))
             if recording and step == start_step + cfg.rehearse.steps:
                 recorder.write(run_dir / "comm" / f"rank{rank}.json")
             row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
@@ -238,7 +237,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         loader.close()
         saver.close()
         beat.close()
-        CLOCK.on_wait = CLOCK.describe = None
+        layout.clock.on_wait = layout.clock.describe = None
         observe.stop()
         collector.close()
         if bar is not None:

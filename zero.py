@@ -2,47 +2,55 @@
 MegaScale's DP overlap (parallel.overlap.dp).
 
 Written over plain collectives rather than DDP/FSDP2 because the DP-overlap ablation must control
-when each bucket's reduce-scatter and all-gather launches, and LAMB must see pieces of whole
-parameters. Megatron-LM's distributed optimizer is the model:
+when each bucket's reduce-scatter and all-gather launches, and LAMB must see whole parameters'
+shards. Megatron-LM's distributed optimizer is the model. Its words, used throughout:
 
-- Buckets are flat buffers. Each holds whole parameters (in the order forward uses them), padded
-  at its end only, to a multiple of dp; the model's parameters are views into its parameter
-  buffer, so an all-gather writes them in place. A bucket closes at `bucket_size` elements; with
-  DP overlap every module (the embedding, each block, the final norm with the head) starts a new
+- bucket: a flat run of whole parameters (in the order forward uses them), padded at its end
+  only, to a multiple of dp. The model's parameters are views into the bucket's parameter buffer,
+  so an all-gather writes them in place. A bucket closes at `bucket_size` elements; with DP
+  overlap every module (the embedding, each block, the final norm with the head) also closes
   one, so each module's forward can wait for its own parameters.
-- Gradients accumulate, microbatch after microbatch, into the bucket's gradient buffer in the
-  reduction dtype (a hook adds each parameter's grad and frees it). ZeRO-0 all-reduces the buffer;
-  ZeRO-1 and 2 reduce-scatter it, each rank receiving the sum of its own range; ZeRO-2 allocates
-  the buffer when the bucket's first gradient arrives and frees it once reduced.
-- Rank r owns the range [r*S/dp, (r+1)*S/dp) of a bucket of S elements. Its piece of a parameter
-  is the part of the parameter inside that range: a contiguous flat slice, possibly empty, never a
-  mix of parameters, so LAMB's per-tensor norms stay exact (optim.py). The optimizer updates these
-  pieces (`shards`): at ZeRO-0, whole parameters.
-- Mixed precision (precision=bf16): the model's parameters are bf16 and the optimizer's pieces are
-  fp32 master copies; after the step each rank casts its pieces into its range of the bf16
-  buffer, and the all-gather moves bf16. With fp32 parameters the pieces are views into the
+- shard: what one rank owns. A bucket's shard is the rank's 1/dp range of it, [r*S/dp, (r+1)*S/dp)
+  of a bucket of S elements; a parameter's shard is the part of the parameter inside that range: a
+  contiguous flat slice, possibly empty, never a mix of parameters, so LAMB's per-tensor norms
+  stay exact (optim.py). The optimizer updates the parameters' shards (`shards`; at ZeRO-0 the
+  whole parameters).
+- gradient buffer: the bucket's gradients in the reduction dtype, accumulated microbatch after
+  microbatch: when a module's backward ends, its parameters' fresh gradients are added in one
+  foreach add a bucket and freed (so a module's gradients, in the parameters' dtype, wait at
+  most that long), not one Python hook and one add a parameter. ZeRO-0 all-reduces it; ZeRO-1 and 2 reduce-scatter it, each rank receiving the sum
+  of its shard; ZeRO-2 allocates it when the bucket's first gradient arrives and frees it once
+  reduced.
+- master: with precision=bf16 the model's parameters are bf16 and the optimizer's shards are
+  fp32 master copies; after the step each rank casts its shards into its range of the bf16
+  buffer, and the all-gather moves bf16. With fp32 parameters the shards are views into the
   parameter buffer itself: no copy at all.
-- One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the
-  gradients stay where autograd puts them (param.grad, which the optimizer reads), as in plain
-  PyTorch. Copying them into the buffer, then zeroing it, cost ~10 ms of a 1.4 s step at
-  bench_step's default shape (experiments/bench_step.py).
+
+The schedule (ZeroDataParallel's methods after attach(), in this order) runs each step: before each module's
+forward, wait for its buckets' all-gather and launch the next bucket's; after each module's
+backward, add its gradients into their buckets (one foreach add a module and bucket) and, with DP
+overlap, launch a bucket's reduction once its last gradient of the last microbatch is in; after
+backward, reduce what has not been launched and hand the optimizer its shards' gradients; after
+the optimizer, zero the buffers and launch the first bucket's all-gather (DP overlap) or gather
+them all.
+
+One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the gradients
+stay where autograd puts them (param.grad, which the optimizer reads), as in plain PyTorch.
 Nothing here holds a full-size copy of the gradients or parameters besides the buffers.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
-from overlap import CLOCK, timed_wait
+from overlap import timed_wait
 from sharding import describe, shard_info
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's --ddp-bucket-size
 
 
 class Bucket:
-    """A flat run of parameters: their offsets, this rank's range, the buffers."""
+    """A flat run of whole parameters: their offsets, this rank's shard of it, the buffers."""
 
     def __init__(self, indices: list, params: list, dp: int, dp_rank: int):
         self.indices = indices
@@ -51,31 +59,49 @@ class Bucket:
             self.offsets.append(total)
             total += params[i].numel()
         self.numel = -(-total // dp) * dp
-        self.shard = self.numel // dp
-        self.lo, self.hi = dp_rank * self.shard, (dp_rank + 1) * self.shard
+        self.shard_numel = self.numel // dp
+        self.shard_start, self.shard_end = dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel
         self.params: torch.Tensor = None    # flat, the parameters' dtype: the model's weights view into it
         self.grads: torch.Tensor = None     # flat, the reduction dtype (ZeRO-2: only while reducing)
-        self.master: torch.Tensor = None    # fp32, this rank's range (ZeRO 1/2) or everything (ZeRO-0)
-        self.arrived = 0                    # gradients accumulated this step (DP overlap)
+        self.grad_views: list = None        # each parameter's view of `grads`, shaped as the parameter
+        self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1/2) or everything (ZeRO-0)
+        self.arrived = 0                    # gradients added this step (DP overlap launches at the last)
 
-    def piece(self, k: int, n: int) -> tuple:
-        """(lo, hi): which of the k-th parameter's n flat elements fall in this rank's range (lo == hi
+    def param_shard(self, k: int, n: int) -> tuple:
+        """(lo, hi): which of the k-th parameter's n flat elements fall in this rank's shard (lo == hi
         when none do)."""
         start = self.offsets[k]
-        lo = min(max(self.lo - start, 0), n)
-        return lo, max(lo, min(self.hi - start, n))
+        lo = min(max(self.shard_start - start, 0), n)
+        return lo, max(lo, min(self.shard_end - start, n))
+
+
+class _BackwardDone(torch.autograd.Function):
+    """Marks a module's input (or, for the final norm and head, the last block's output): its
+    backward runs once the gradient there is complete, that is once every gradient of the module's
+    parameters has been accumulated (autograd runs a parameter's accumulation before any node that
+    became ready with it). FSDP2 detects a module's end of backward the same way."""
+
+    @staticmethod
+    def forward(ctx, x, schedule, module):
+        ctx.schedule, ctx.module = schedule, module
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.schedule.add_gradients(ctx.module)
+        return grad, None, None
 
 
 class ZeroDataParallel:
-    """DP reductions and ZeRO sharding over buckets (see the module docstring). ParallelModel
-    registers the forward hooks that wait for a bucket's parameters before the module that reads
-    them (a wait at the wrong module is Megatron-LM #950: a layer computing with last step's
-    weights)."""
+    """DP reductions and ZeRO sharding over buckets (see the module docstring), and the schedule
+    that runs them. attach() hooks it onto the model's modules; the methods below it are the
+    step's, in the order they run."""
 
     def __init__(self, params: list, layout, stage: int, reduce_dtype: torch.dtype, buckets: list,
                  microbatches: int = 1, overlap: bool = False):
         self.params, self.layout, self.stage, self.reduce_dtype = params, layout, stage, reduce_dtype
         self.group, self.overlap, self.microbatches = layout.group("dp"), overlap, microbatches
+        self.clock = layout.clock
         self.dtype = params[0].dtype
         self.mixed = self.dtype != torch.float32
         dp, r = layout.dp, layout.dp_rank
@@ -85,27 +111,17 @@ class ZeroDataParallel:
             for k, i in enumerate(bucket.indices):
                 self.where[i] = (b, k)
             self._flatten(bucket)
-        self.pieces = [None if stage == 0 else self._bucket_of(i).piece(self.where[i][1], p.numel())
-                       for i, p in enumerate(params)]
-        self.shards = [self._optimizer_piece(i) for i in range(len(params))]
+        self.shard_ranges = [None if stage == 0 else self.buckets[self.where[i][0]].param_shard(self.where[i][1], p.numel())
+                             for i, p in enumerate(params)]
+        self.shards = [self._shard_of(i) for i in range(len(params))]  # what the optimizer updates
         self.reducing, self.gathering = {}, {}  # bucket -> collective in flight
         self.current = set(range(len(self.buckets)))  # buckets whose parameters are this step's
-        # The hooks reach this object through a weak reference. A strong one closes a cycle through
-        # autograd's C++ hook table, which Python's collector cannot see: the model, its buffers and
-        # the layout's process groups would outlive the run (a multirun would keep every job's
-        # model) and be torn down only during interpreter finalization, where gloo's worker threads
-        # abort the process ("terminate called without an active exception").
+        self.modules: list = []    # each hooked module's parameter indices (attach)
+        self.unmarked = set()      # modules whose backward no _BackwardDone marks (their input needs no gradient)
+        self.hooks_traced = False  # the forward is compiled: its hooks are traced and mark nothing
         self.autograd_keeps_grads = layout.dp == 1 and layout.tp == 1 and stage == 0 and not self.mixed
-        if self.autograd_keeps_grads:  # the optimizer's pieces are the parameters, their .grad autograd's
-            return
-        owner = weakref.ref(self)
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda param, i=i: owner()._accumulate(i, param))
 
-    # Layout
-
-    def _bucket_of(self, i: int) -> Bucket:
-        return self.buckets[self.where[i][0]]
+    # --- The buckets: each parameter a view of its bucket, each shard a view for the optimizer ---
 
     @torch.no_grad()
     def _flatten(self, bucket: Bucket) -> None:
@@ -119,65 +135,144 @@ class ZeroDataParallel:
             view.copy_(p.detach().flatten())
             p.data = view.view_as(p)
         if self.mixed:
-            span = bucket.params if self.stage == 0 else bucket.params[bucket.lo:bucket.hi]
+            span = bucket.params if self.stage == 0 else bucket.params[bucket.shard_start:bucket.shard_end]
             bucket.master = span.float()
         elif self.stage > 0:
-            bucket.master = bucket.params[bucket.lo:bucket.hi]  # the optimizer updates the parameters in place
+            bucket.master = bucket.params[bucket.shard_start:bucket.shard_end]  # the optimizer updates the parameters in place
 
-    def _optimizer_piece(self, i: int) -> torch.Tensor:
-        """What the optimizer updates for parameter i: the parameter (fp32, ZeRO-0), its fp32 master
-        (bf16, ZeRO-0), or this rank's flat piece of it (ZeRO 1/2), as a view into the bucket."""
+    def _shard_of(self, i: int) -> torch.Tensor:
+        """Parameter i's shard, what the optimizer updates: the parameter (fp32, ZeRO-0), its fp32
+        master (bf16, ZeRO-0), or the flat part of it in this rank's bucket shard (ZeRO 1/2), as a
+        view into the bucket."""
         p, (b, k) = self.params[i], self.where[i]
         bucket = self.buckets[b]
         if self.stage == 0:
             if not self.mixed:
-                piece = p
+                shard = p
             else:
-                piece = torch.nn.Parameter(bucket.master[bucket.offsets[k]:bucket.offsets[k] + p.numel()].view_as(p))
+                shard = torch.nn.Parameter(bucket.master[bucket.offsets[k]:bucket.offsets[k] + p.numel()].view_as(p))
         else:
-            lo, hi = self.pieces[i]
-            start = bucket.offsets[k] + lo - bucket.lo
-            piece = torch.nn.Parameter(bucket.master[start:start + hi - lo])
-            describe(piece, logical_ndim=p.ndim)  # a flat piece of a matrix is still a matrix's (weight decay)
+            lo, hi = self.shard_ranges[i]
+            start = bucket.offsets[k] + lo - bucket.shard_start
+            shard = torch.nn.Parameter(bucket.master[start:start + hi - lo])
+            describe(shard, logical_ndim=p.ndim)  # a flat shard of a matrix is still a matrix's (weight decay)
         # LAMB and gradient clipping sum squared norms over ranks: count each element once.
         tp_owner = not shard_info(p).tp_replicated or self.layout.tp_rank == 0
-        describe(piece, norm_owner=tp_owner and (self.stage > 0 or self.layout.dp_rank == 0))
-        return piece
+        describe(shard, norm_owner=tp_owner and (self.stage > 0 or self.layout.dp_rank == 0))
+        return shard
 
-    # Gradients
-
-    def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
+    def _grad_views(self, bucket: Bucket) -> list:
         if bucket.grads is None:  # ZeRO-2, the bucket's first gradient of the step
             bucket.grads = torch.zeros(bucket.numel, dtype=self.reduce_dtype, device=bucket.params.device)
-        return bucket.grads
+            bucket.grad_views = None
+        if bucket.grad_views is None:
+            bucket.grad_views = [bucket.grads[o:o + self.params[i].numel()].view_as(self.params[i])
+                                 for o, i in zip(bucket.offsets, bucket.indices)]
+        return bucket.grad_views
+
+    # --- The schedule ---
+
+    def attach(self, modules: list) -> None:
+        """Hooks the schedule onto the model. `modules`: (parameter indices, the registration of the
+        forward hook that runs before their first use), in forward order (parallel.py's
+        _forward_modules). Each hook waits for the module's buckets (DP overlap; a wait at the
+        wrong module is Megatron-LM #950: a layer computing with last step's weights) and marks
+        the module's end of backward, where its gradients are added (_BackwardDone)."""
+        if self.autograd_keeps_grads:  # the optimizer's shards are the parameters, their .grad autograd's
+            return
+        for m, (indices, register) in enumerate(modules):
+            self.modules.append(indices)
+            register(self._hook(m, sorted({self.where[i][0] for i in indices})))
+
+    def _hook(self, m: int, buckets: list):
+        def before_module(module, args, *output):  # a forward pre-hook, or (the tail's) a forward hook
+            if self.overlap:
+                self.before_forward(buckets)
+            if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+                return None
+            x = output[0] if output else args[0]
+            if not (torch.is_tensor(x) and x.requires_grad):
+                self.unmarked.add(m)  # the embedding: its tokens need no gradient
+                return None
+            marked = _BackwardDone.apply(x, self, m)
+            return marked if output else (marked, *args[1:])
+        return before_module
+
+    def before_forward(self, buckets: list) -> None:
+        """Step 1, before a module whose parameters are in `buckets`: wait for them (those no
+        earlier module prefetched are gathered now: a module larger than bucket_size spans
+        several), and prefetch the bucket after."""
+        for b in buckets:
+            self.launch_gather(b)
+            self.wait_gather(b)
+        self.launch_gather(buckets[-1] + 1)
 
     @torch.no_grad()
-    def _accumulate(self, i: int, param: torch.Tensor) -> None:
-        """Adds a parameter's fresh gradient into its bucket's buffer and frees it; with DP overlap,
-        launches the bucket's reduction once every gradient of every microbatch is in."""
-        b, k = self.where[i]
-        bucket = self.buckets[b]
-        start = bucket.offsets[k]
-        self._grad_buffer(bucket)[start:start + param.numel()].add_(param.grad.flatten())
-        param.grad = None
-        bucket.arrived += 1
-        if self.overlap and bucket.arrived == len(bucket.indices) * self.microbatches:
-            self._launch_reduction(b)
+    def add_gradients(self, m: int) -> None:
+        """Step 2, after module m's backward: add its parameters' fresh gradients into their buckets'
+        gradient buffers, one foreach add a bucket, and free them; with DP overlap, launch a bucket's
+        reduction once every gradient of every microbatch is in."""
+        by_bucket = {}
+        for i in self.modules[m]:
+            if self.params[i].grad is not None:
+                by_bucket.setdefault(self.where[i][0], []).append(i)
+        for b, indices in by_bucket.items():
+            self._add(b, indices)
+            self.buckets[b].arrived += len(indices)
+            if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.microbatches:
+                self._launch_reduction(b)
+
+    def _add(self, b: int, indices: list) -> None:
+        """Parameters' fresh gradients into bucket b's buffer, in one foreach add, and freed."""
+        views = self._grad_views(self.buckets[b])
+        torch._foreach_add_([views[self.where[i][1]] for i in indices], [self.params[i].grad for i in indices])
+        for i in indices:
+            self.params[i].grad = None
+
+    def backward_done(self) -> None:
+        """Step 3, after each backward call (a microbatch, or a pipeline chunk's): add what no module
+        marked: the embedding's gradient, or, when the forward is compiled, every module's."""
+        if self.autograd_keeps_grads:
+            return
+        for m in range(len(self.modules)) if self.hooks_traced else sorted(self.unmarked):
+            self.add_gradients(m)
+
+    def reduce_gradients(self) -> None:
+        """Step 4, after the last microbatch: launch the reductions not yet launched, then wait for
+        every bucket's and hand the optimizer its shards' gradients."""
+        if self.autograd_keeps_grads:
+            return
+        for b, bucket in enumerate(self.buckets):
+            if bucket.arrived < len(bucket.indices) * self.microbatches:  # a parameter no loss reached,
+                self._add_stragglers(b)                                   # or a gradient marked late
+            if b not in self.reducing:
+                self._launch_reduction(b)
+        for b in range(len(self.buckets)):
+            self._finish_reduction(b)
+        for bucket in self.buckets:
+            bucket.arrived = 0
+
+    @torch.no_grad()
+    def _add_stragglers(self, b: int) -> None:
+        late = [i for i in self.buckets[b].indices if self.params[i].grad is not None]
+        if late:
+            self._add(b, late)
 
     def _launch_reduction(self, b: int) -> None:
         """TP-sum the bucket's replicated gradients (LayerNorms, row-parallel biases: each TP rank
         saw a slice of the sequence; they sit at the bucket's end), then launch its DP all-reduce
-        (ZeRO-0) or reduce-scatter into this rank's range (ZeRO 1/2)."""
+        (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1/2)."""
         bucket = self.buckets[b]
-        grads = self._grad_buffer(bucket)
+        self._grad_views(bucket)
+        grads = bucket.grads
         replicated = [i for i in bucket.indices if shard_info(self.params[i]).tp_replicated]
         if self.layout.tp > 1 and replicated:
             start = bucket.offsets[bucket.indices.index(replicated[0])]
-            with CLOCK.waiting("comm", grads.device):
+            with self.clock.waiting("comm", grads.device):
                 dist.all_reduce(grads[start:], group=self.layout.group("tp"))
         work, out = None, grads
-        if self.stage > 0:  # in place: this rank's range of the buffer receives its sum
-            out = grads[bucket.lo:bucket.hi]
+        if self.stage > 0:  # in place: this rank's shard of the buffer receives its sum
+            out = grads[bucket.shard_start:bucket.shard_end]
             if self.layout.dp > 1:
                 work = dist.reduce_scatter_single(out, grads, group=self.group, async_op=True)
         elif self.layout.dp > 1:
@@ -187,45 +282,49 @@ class ZeroDataParallel:
     def _finish_reduction(self, b: int) -> None:
         work, out = self.reducing.pop(b)
         if work is not None:
-            timed_wait(work, out.device)
+            timed_wait(work, self.clock, out.device)
         if self.layout.dp > 1:
             out.div_(self.layout.dp)
         bucket = self.buckets[b]
-        if self.stage == 2:  # the full buffer goes; this rank's range stays
-            out, bucket.grads = out.clone(), None
+        if self.stage == 2:  # the full buffer goes; this rank's shard stays
+            out, bucket.grads, bucket.grad_views = out.clone(), None, None
         grads = out if out.dtype == torch.float32 else out.float()
         for k, i in enumerate(bucket.indices):
-            piece, p = self.shards[i], self.params[i]
+            shard, p = self.shards[i], self.params[i]
             if self.stage == 0:
                 start = bucket.offsets[k]
-                piece.grad = grads[start:start + p.numel()].view_as(p)
+                shard.grad = grads[start:start + p.numel()].view_as(p)
             else:
-                lo, hi = self.pieces[i]
-                start = bucket.offsets[k] + lo - bucket.lo
-                piece.grad = grads[start:start + hi - lo]
+                lo, hi = self.shard_ranges[i]
+                start = bucket.offsets[k] + lo - bucket.shard_start
+                shard.grad = grads[start:start + hi - lo]
 
-    def reduce_gradients(self) -> None:
-        """After backward: launch what the hooks have not, then wait for every bucket."""
-        if self.autograd_keeps_grads:
-            return
-        for b in range(len(self.buckets)):
-            if b not in self.reducing:
-                self._launch_reduction(b)
-        for b in range(len(self.buckets)):
-            self._finish_reduction(b)
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Step 5, after the optimizer: zero the gradient buffers; ZeRO-0 in mixed precision casts
+        the master weights back; ZeRO 1/2 prefetch the first bucket with overlap (before_forward
+        chains the rest), or gather everything now without."""
         for bucket in self.buckets:
-            bucket.arrived = 0
-
-    # Parameters
+            if bucket.grads is not None:
+                bucket.grads.zero_()
+            if self.stage == 0 and self.mixed:
+                bucket.params.copy_(bucket.master)
+        if self.stage == 0:
+            return
+        self.current.clear()
+        if self.overlap:
+            self.launch_gather(0)
+        else:
+            self.gather_all()
 
     @torch.no_grad()
     def launch_gather(self, b: int) -> None:
-        """Launch bucket b's all-gather of the updated pieces, straight into the parameters
+        """Launch bucket b's all-gather of the updated shards, straight into the parameters
         (ZeRO 1/2), unless under way or current."""
         if self.stage == 0 or b >= len(self.buckets) or b in self.gathering or b in self.current:
             return  # (the later microbatches' forwards, or a pipeline's, find it current)
         bucket = self.buckets[b]
-        mine = bucket.params[bucket.lo:bucket.hi]  # in place, in the parameters' dtype: bf16 on the wire
+        mine = bucket.params[bucket.shard_start:bucket.shard_end]  # in place, in the parameters' dtype: bf16 on the wire
         if self.mixed:
             mine.copy_(bucket.master)
         work = None
@@ -241,34 +340,7 @@ class ZeroDataParallel:
         work, _ = self.gathering.pop(b)
         self.current.add(b)
         if work is not None:
-            timed_wait(work, self.buckets[b].params.device)
-
-    def before_forward(self, buckets: list) -> None:
-        """The forward pre-hook of a module whose parameters are in `buckets`: wait for them (those
-        no earlier hook prefetched are gathered now: a module larger than bucket_size spans
-        several), and prefetch the bucket after."""
-        for b in buckets:
-            self.launch_gather(b)
-            self.wait_gather(b)
-        self.launch_gather(buckets[-1] + 1)
-
-    @torch.no_grad()
-    def after_step(self) -> None:
-        """After the optimizer: zero the gradient buffers; ZeRO-0 in mixed precision casts the
-        master weights back; ZeRO 1/2 prefetch the first bucket with overlap (the hooks chain the
-        rest), or gather everything now without."""
-        for bucket in self.buckets:
-            if bucket.grads is not None:
-                bucket.grads.zero_()
-            if self.stage == 0 and self.mixed:
-                bucket.params.copy_(bucket.master)
-        if self.stage == 0:
-            return
-        self.current.clear()
-        if self.overlap:
-            self.launch_gather(0)
-        else:
-            self.gather_all()
+            timed_wait(work, self.clock, self.buckets[b].params.device)
 
     def gather_all(self) -> None:
         for b in range(len(self.buckets)):
@@ -280,11 +352,11 @@ class ZeroDataParallel:
     def parameters_loaded(self) -> None:
         """After a checkpoint load. In mixed precision it wrote the fp32 masters (checkpoint.py
         saves them as the model's weights): cast them into the bf16 parameters. In fp32 it wrote
-        the parameters, which the pieces are views of: nothing to do."""
+        the parameters, which the shards are views of: nothing to do."""
         if not self.mixed:
             return
         for bucket in self.buckets:
-            span = bucket.params if self.stage == 0 else bucket.params[bucket.lo:bucket.hi]
+            span = bucket.params if self.stage == 0 else bucket.params[bucket.shard_start:bucket.shard_end]
             span.copy_(bucket.master)
         if self.stage > 0:
             self.current.clear()

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # --- FLOPs by op class ---
 
 BATCHED = (torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+ACCUMULATING = (torch.ops.aten.add_.Tensor, torch.ops.aten._foreach_add_.List)  # the gradient accumulation's ops
 
 
 class FlopLedger(TorchDispatchMode):
@@ -57,9 +58,9 @@ class FlopLedger(TorchDispatchMode):
 
     def count_accumulation_into(self, zero) -> None:
         """Count apart the bytes of the gradient accumulation, microbatch by microbatch: the in-place
-        adds into zero's (zero.py's ZeroDataParallel) gradient buffers or, where autograd keeps the
-        gradients, into the parameters' .grad (each reads the fresh gradient and the sum, and
-        writes the sum)."""
+        adds into zero's (zero.py's ZeroDataParallel) gradient buffers (one foreach add a module and
+        bucket) or, where autograd keeps the gradients, into the parameters' .grad (each add reads
+        the fresh gradient and the sum, and writes the sum)."""
         def storages():
             kept = [p.grad for p in zero.params] if zero.autograd_keeps_grads else []
             return {id(t.untyped_storage()) for t in [b.grads for b in zero.buckets] + kept if t is not None}
@@ -69,8 +70,11 @@ class FlopLedger(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet is torch.ops.aten.add_ and id(args[0].untyped_storage()) in self._gradient_storages():
-            self.accumulation_bytes += sum(t.numel() * t.element_size() for t in (args[0], args[1], out))
+        if func in ACCUMULATING:
+            sums, fresh = (args[0], args[1]) if func is torch.ops.aten._foreach_add_.List else ([args[0]], [args[1]])
+            if sums and id(sums[0].untyped_storage()) in self._gradient_storages():
+                self.accumulation_bytes += sum(2 * s.numel() * s.element_size() + f.numel() * f.element_size()
+                                               for s, f in zip(sums, fresh))
         if packet in self.registry:
             n = self.registry[packet](*args, **kwargs, out_val=out)
             attention = self.in_attention or packet in BATCHED or "attention" in str(packet)
@@ -112,6 +116,10 @@ class Segment:
         elif flops:  # the fused attention kernels
             self.attention += flops
             self.attention_ops += 1
+        elif func is torch.ops.aten._foreach_add_.List:  # reads both lists, writes the first; CUDA's one
+            sums, fresh = args[0], args[1]          # launch takes one dtype, else it is a kernel a tensor
+            self.bytes += sum(2 * s.numel() * s.element_size() + f.numel() * f.element_size() for s, f in zip(sums, fresh))
+            self.ops += 1 if all(s.dtype == f.dtype for s, f in zip(sums, fresh)) else len(sums)
         elif not func.is_view and packet not in self.FREE:
             tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if torch.is_tensor(t)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)

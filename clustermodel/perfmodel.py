@@ -438,9 +438,9 @@ def compiled_keeps_gathered(cfg: config.Config) -> bool:
 
 def compiled_gather_bytes(cfg: config.Config, tp: int) -> float:
     """Bytes per token a layer keeps beyond activation_bytes when torch.compile traces its TP
-    block: dynamo runs overlap.regather_saved as a no-op, so under TP overlap (chunked, domino)
+    block: dynamo runs overlap.TPGroup.regather_saved as a no-op, so under TP overlap (chunked, domino)
     each gathered norm output is saved whole, tp times its shard, beside the shard its re-gather
-    still holds (overlap._GATHERED), as the rehearsal of a compiled job counts (overlap.tp=off
+    still holds (overlap.TPGroup.gathered), as the rehearsal of a compiled job counts (overlap.tp=off
     keeps the shard in GatheredLinears, compiled or not; full recomputation keeps none)."""
     if tp == 1 or not compiled_keeps_gathered(cfg):
         return 0.0
@@ -456,9 +456,9 @@ def square_bytes(cfg: config.Config) -> int:
 
 
 def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
-    """Bytes a layer's backward has in flight on top of what is kept, where the peak falls: its
-    largest weight gradient (before zero.py adds it to the fp32 buffer; one per piece under TP
-    overlap), the gradient through the
+    """Bytes a layer's backward has in flight on top of what is kept, where the peak falls (in the
+    MLP's backward): its weight gradients so far, which zero.py adds to the fp32 buffer when the
+    layer's backward ends, there the largest one (one per piece under TP overlap), the gradient through the
     MLP's wide activation, the pipeline's message in and out, and with materialized attention one
     [T, T] square of gradient. (Measured against the rehearsal's ledger: tests/test_rehearsal.py.)"""
     m, e, t, M = cfg.model, _elem(cfg), lay.tp, lay.micro_batch * lay.seq
@@ -539,9 +539,12 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
         acts = layers * M * e * m.d_model / lay.tp + per_layer - M * e * m.d_model / lay.tp
     elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
         # the squares rebuilt for one layer at a time; they stand in the working set for the
-        # square gradient the backward would otherwise hold beside them
+        # square gradient the backward would otherwise hold beside them. They are rebuilt once the
+        # MLP and the output projection have their weight gradients, which zero.py adds to the
+        # buckets when the layer's backward ends: held beside them.
         squares = M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq
-        acts = layers * (per_layer - squares) + squares - e * lay.micro_batch * m.n_heads / lay.tp * lay.seq ** 2
+        held = e * (2 * m.d_model * m.mlp_ratio * m.d_model + m.d_model ** 2) / lay.tp
+        acts = layers * (per_layer - squares) + squares - e * lay.micro_batch * m.n_heads / lay.tp * lay.seq ** 2 + held
     else:
         acts = layers * per_layer
     # On top of what is kept: a layer's backward in flight, or, on the last rank, the head's: the

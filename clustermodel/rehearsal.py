@@ -71,7 +71,7 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
         recorder = Recorder(layout, torch.device("meta"), fake=True, nccl_rules=cfg.rehearse.nccl_rules)
         run = _Run(cfg, layout, recorder)
         try:
-            with recorder, _saved_as_compiled(cfg):
+            with recorder, _saved_as_compiled(cfg, layout):
                 run.steps()
         except Exception as err:  # noqa: BLE001 - reported in the record, where the parent reads it
             frame = traceback.extract_tb(err.__traceback__)[-1]
@@ -85,21 +85,21 @@ def rehearse_rank(cfg, rank: int, world: int, out_dir: Path) -> dict:
 
 
 @contextlib.contextmanager
-def _saved_as_compiled(cfg):
+def _saved_as_compiled(cfg, layout):
     """A job that torch.compiles (the default on CUDA) runs its TP blocks traced by dynamo, where
-    overlap.regather_saved is a no-op: their gathered inputs are saved whole. The rehearsal runs
-    eagerly, so for such a job it turns the hooks off too, and the ledger counts those copies
-    (beside the shards overlap still remembers for a re-gather: an upper bound)."""
+    TPGroup.regather_saved is a no-op: their gathered inputs are saved whole. The rehearsal runs
+    eagerly, so for such a job it turns the hooks off too (the layout's TP group keeps gathered
+    inputs whole), and the ledger counts those copies (beside the shards the group still
+    remembers for a re-gather: an upper bound)."""
     import machine
-    import overlap
     if not machine.compiles(cfg):
         yield
         return
-    hooks, overlap.regather_saved = overlap.regather_saved, contextlib.nullcontext
+    layout.tp_group.keep_gathered_whole = True
     try:
         yield
     finally:
-        overlap.regather_saved = hooks
+        layout.tp_group.keep_gathered_whole = False
 
 
 class _Run:
@@ -126,7 +126,7 @@ class _Run:
         del model
         self.flops.count_accumulation_into(engine.zero)
         optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
-                                          norm_group=engine.norm_group)
+                                          norm_group=engine.norm_group, clock=layout.clock)
         ledger = self.ledger = MemoryLedger(device, categories(engine, optimizer, recorder))
         for t in list(engine.zero.params) + [b.params for b in engine.zero.buckets] + \
                 [b.master for b in engine.zero.buckets if b.master is not None]:

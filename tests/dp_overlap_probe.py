@@ -61,7 +61,7 @@ def main(mode: str) -> None:
             if b not in zero.current:  # computing before its gather was waited for: stale by
                 unwaited[0] += 1        # definition, whether or not the bytes happen to be there
                 continue
-            table = torch.empty(world * bucket.shard)
+            table = torch.empty(world * bucket.shard_numel)
             dist.all_gather_single(table, bucket.master.detach().clone())
             want = table[bucket.offsets[k]:bucket.offsets[k] + p.numel()].view_as(p)
             worst[0] = max(worst[0], (p.detach() - want).abs().max().item())

@@ -81,18 +81,19 @@ def test_gc_runs_only_at_its_interval():
 
 
 def test_a_slowed_rank_sleeps_its_own_time_times_the_factor_less_one_and_its_waits_not(monkeypatch, tmp_path):
-    from overlap import CLOCK
+    from overlap import WaitClock
     monkeypatch.setenv("MEGAREPRO_FAULT", "slow:1@1.5,spike:1@4,slow:0@3")
     clock, slept = [100.0], []
     monkeypatch.setattr(ft.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(ft.time, "sleep", slept.append)
-    monkeypatch.setattr(CLOCK, "seconds", {"comm": 0.0})
+    waits = WaitClock()
+    waits.seconds = {"comm": 0.0}
 
     def forward_backward():  # 2 s of its own, 1 s of it waiting in a collective
         clock[0] += 2.0
-        CLOCK.seconds["comm"] += 1.0
+        waits.seconds["comm"] += 1.0
     step = [3]
-    slowed = ft.Faults(1, tmp_path).slowing(forward_backward, lambda: step[0])
+    slowed = ft.Faults(1, tmp_path).slowing(forward_backward, lambda: step[0], waits)
     slowed()
     step[0] = 4
     slowed()

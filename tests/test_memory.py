@@ -65,7 +65,7 @@ def test_zero_buckets_are_flat_and_hold_no_full_size_copies():
             for i in b.indices:
                 assert params[i].untyped_storage().data_ptr() == b.params.untyped_storage().data_ptr()
         masters = sum(b.master.numel() for b in zero.buckets)
-        assert masters == sum(b.shard for b in zero.buckets) and masters < total / 4 + 4 * len(zero.buckets)
+        assert masters == sum(b.shard_numel for b in zero.buckets) and masters < total / 4 + 4 * len(zero.buckets)
         for i, piece in enumerate(zero.shards):
             b = zero.buckets[zero.where[i][0]]
             assert piece.untyped_storage().data_ptr() == b.master.untyped_storage().data_ptr()

@@ -326,7 +326,7 @@ def test_ptb_halves_the_tp_collectives_per_layer(block, per_layer, tmp_path):
 
 @pytest.mark.parametrize("mode", ["chunked", "domino"])
 def test_every_gathered_piece_is_gathered_again_for_backward(mode, tmp_path):
-    """Under TP overlap a gathered piece is kept as its shard too (overlap.regather_saved), at a
+    """Under TP overlap a gathered piece is kept as its shard too (overlap.TPGroup.regather_saved), at a
     batch of 2: the GEMMs once read the transposed view of the gathered buffer, copied it, and
     saved the copy whole, which no hook could tell apart (only batch-1 pieces were re-gathered).
     Each re-gather is launched when its region's backward begins, and backward GEMMs run while it

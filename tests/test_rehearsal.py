@@ -167,7 +167,7 @@ def test_the_performance_model_accounts_for_what_the_code_does(variant, pool, tm
 
 def test_a_compiled_job_rehearses_its_gathered_inputs_whole(tmp_path):
     """Under torch.compile (the default on CUDA) dynamo traces a TP block with
-    overlap.regather_saved off: under TP overlap each gathered norm output is saved whole, and
+    overlap.TPGroup.regather_saved off: under TP overlap each gathered norm output is saved whole, and
     backward gathers nothing again. The rehearsal of a job that compiles counts those copies, as
     perfmodel.compiled_gather_bytes does, and posts fewer TP bytes than the same job eager."""
     from clustermodel import perfmodel
@@ -187,7 +187,7 @@ def test_a_compiled_job_rehearses_its_gathered_inputs_whole(tmp_path):
 
 def test_compiled_tp_overlap_gathers_nothing_again_in_backward():
     """What the rehearsal of a compiled job assumes, on this torch: dynamo traces the chunked TP
-    block with overlap.regather_saved off (and breaks the graph at each async collective), so its
+    block with overlap.TPGroup.regather_saved off (and breaks the graph at each async collective), so its
     backward re-gathers no input: it was saved whole. Eager, each gathered piece is gathered again."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -118,7 +118,7 @@ def test_a_ranks_bytes_per_window_grow_with_its_dp_group_not_with_the_world():
 
 def test_a_slow_link_persisting_in_three_of_four_windows_is_a_link_verdict_naming_its_group():
     class Layout:
-        rank, world, dp, pp, pp_rank, mesh = 0, 1, 1, 2, 0, None
+        rank, world, dp, pp, pp_rank, mesh, clock = 0, 1, 1, 2, 0, None, None
     detector = stragglers.Detector(Layout, interval=5, threshold=0.2, windows=3, device=torch.device("cpu"))
     low = stragglers.LOW
 

@@ -59,7 +59,7 @@ def column_parallel(tp, sequence_parallel: bool, keep_full: bool = False) -> flo
     (y * gy[..., cols]).sum().backward()
     x_grad = xs.grad
     if not sequence_parallel:
-        dist.all_reduce(x_grad, group=tp.group)
+        dist.all_reduce(x_grad, group=tp.group.pg)
     return max(relative_error(y, want[..., cols]),
                relative_error(x_grad, seq_slice(x.grad, tp) if sequence_parallel else x.grad),
                relative_error(w.grad, ref.weight.grad[cols]), relative_error(b.grad, ref.bias.grad[cols]))
@@ -85,12 +85,12 @@ def row_parallel(tp, sequence_parallel: bool) -> float:
         gy, want = seq_slice(gy, tp), seq_slice(want, tp)
     else:
         summed = partial.detach().clone()
-        dist.all_reduce(summed, group=tp.group)
+        dist.all_reduce(summed, group=tp.group.pg)
         y = partial + (summed - partial.detach()) + layer.bias
     (y * gy).sum().backward()
     bias_grad = layer.bias.grad
     if sequence_parallel:
-        dist.all_reduce(bias_grad, group=tp.group)
+        dist.all_reduce(bias_grad, group=tp.group.pg)
     return max(relative_error(y, want), relative_error(hs.grad, h.grad[..., rows]),
                relative_error(layer.weight.grad, ref.weight.grad[:, rows]), relative_error(bias_grad, ref.bias.grad))
 
@@ -130,11 +130,12 @@ def vocab_head_and_loss(tp) -> float:
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
+    from overlap import TPGroup, WaitClock
     from tensor_parallel import TPSettings
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)  # the same references on both ranks
-    tp = TPSettings(group=dist.group.WORLD, rank=rank, size=world)
+    tp = TPSettings(group=TPGroup(dist.group.WORLD, world, WaitClock()), rank=rank, size=world)
     errors = {"column_sp": column_parallel(tp, True), "column_sp_keep_full": column_parallel(tp, True, True),
               "column": column_parallel(tp, False), "row_sp": row_parallel(tp, True), "row": row_parallel(tp, False),
               "vocab_embedding": vocab_embedding(tp), "vocab_head_and_loss": vocab_head_and_loss(tp)}
