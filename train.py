@@ -18,6 +18,7 @@ import random
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import numpy as np
@@ -77,171 +78,312 @@ def main(dict_cfg) -> float:
 
 
 def train(cfg: config.Config, run_dir: Path) -> dict:
-    """The training run. Returns the final metrics (also written to run.json)."""
-    # --- Processes, devices, mesh ---
+    """The training run, phase by phase: set-up, resume, the loop (each step, with evaluation and
+    checkpoints as they fall due), the last checkpoint, and the finish. Returns the final metrics
+    (also written to run.json)."""
+    run = set_up(cfg, run_dir)
+    start = resume(cfg.resume, run.ckpt_dir, run.engine, run.optimizer, run.scheduler, run.loader, run.saver.group,
+                   cfg.model)
+    open_run_log(run, start)
+    loop = Loop(run, start)
+    try:
+        loop.run_steps()
+        loop.save_last()
+    except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
+        run.log.finish("failed", summarize(loop.history, loop.step))
+        launch.mark_failed()
+        raise
+    finally:
+        loop.close()
+    return finish(run, loop)
+
+
+@dataclasses.dataclass
+class Run:
+    """What the set-up builds and every later phase reads."""
+    cfg: config.Config
+    run_dir: Path
+    device: torch.device
+    rank: int
+    world: int
+    layout: parallel.Layout
+    precision: str                # "bf16" or "fp32", the same on every rank
+    autocast_dtype: torch.dtype
+    corpus: data.Corpus
+    loader: object                # the training batches (sampling.train_loader)
+    engine: parallel.ParallelModel
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    ckpt_dir: Path
+    saver: checkpoint.Saver
+    compiling: bool
+    n_params: int
+    allocator: str                # the log's words for the host allocator
+    backends: dict                # what computed the run (what_computed; rank 0's, empty elsewhere)
+    log: Optional[metrics.RunLog] = None       # open_run_log's
+    meter: Optional[metrics.StepMeter] = None  # open_run_log's
+
+
+def set_up(cfg: config.Config, run_dir: Path) -> Run:
+    """Processes, devices and mesh; every generator seeded; the data; the model, cut to this rank's
+    share, and its optimizer; the checkpoint saver."""
     device = launch.pick_device(cfg.hardware.device)
     allocator = host_allocator(cfg.hardware, device)
     rank, world = launch.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
     layout = parallel.build_layout(cfg.parallel, rank, world, device, timeout_s=cfg.ft.collective_timeout)
-    # Every generator a rank has, so that two runs of one config write identical checkpoints. Each
-    # rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
-    # heads and sequence slices each TP rank holds, and for each pipeline stage's layers (Megatron's
-    # RNG tracker offsets by rank for the same reason). Weights never come from it: init_weights
-    # draws each slice of each parameter from a generator keyed by its name, so every rank draws
-    # its share of the one model a single process would build.
-    torch.manual_seed(cfg.train.seed + rank)
-    random.seed(cfg.train.seed + rank)
-    np.random.seed(cfg.train.seed + rank)
+    seed_generators(cfg.train.seed, rank)
     precision = _agreed_precision(cfg.precision, device, world)
     autocast_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    corpus, loader = set_up_data(cfg, layout, device)
+    engine, compiling, n_params = set_up_model(cfg, layout, device, autocast_dtype, allocator)
+    backends = what_computed(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
+    optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
+                                      norm_group=engine.norm_group)
+    scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.ft.collective_timeout)
+    return Run(cfg, run_dir, device, rank, world, layout, precision, autocast_dtype, corpus, loader, engine, optimizer,
+               scheduler, ckpt_dir, saver, compiling, n_params, allocator, backends)
 
-    # --- Data: rank 0 reads and hashes the corpus (building the cache under a file lock if need
-    # be); the others open the entry it names, from their own cache where that holds it ---
-    corpus = prepare_data(cfg, rank, world)
+
+def seed_generators(seed: int, rank: int) -> None:
+    """Every generator a rank has, so that two runs of one config write identical checkpoints. Each
+    rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
+    heads and sequence slices each TP rank holds, and for each pipeline stage's layers (Megatron's
+    RNG tracker offsets by rank for the same reason). Weights never come from it: init_weights
+    draws each slice of each parameter from a generator keyed by its name, so every rank draws
+    its share of the one model a single process would build."""
+    torch.manual_seed(seed + rank)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+
+
+def set_up_data(cfg: config.Config, layout, device: torch.device) -> tuple:
+    """(the corpus, the training batches). Rank 0 reads and hashes the corpus (building the cache
+    under a file lock if need be); the others open the entry it names, from their own cache where
+    that holds it."""
+    corpus = prepare_data(cfg, layout.rank, layout.world)
     if cfg.model.vocab_size < corpus.vocab_size:
         fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
-              f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
+             f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
     sampler = sampling.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
-                           layout.dp_rank, layout.dp, seed=cfg.train.seed)
-    loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler, layout.group("tp") if layout.tp > 1 else None,
-                               layout.tp_rank, device)
+                               layout.dp_rank, layout.dp, seed=cfg.train.seed)
+    loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler,
+                                   layout.group("tp") if layout.tp > 1 else None, layout.tp_rank, device)
+    return corpus, loader
 
-    # --- Model and optimizer: built on the meta device, cut to this rank's share (PP chunks, TP
-    # slices), and only that materialized and initialized; ZeRO's buffers from outside ---
+
+def set_up_model(cfg: config.Config, layout, device: torch.device, dtype: torch.dtype, allocator: str) -> tuple:
+    """(the engine, whether it is compiled, the model's parameter count). The model is built on the
+    meta device, cut to this rank's share (PP chunks, TP slices), and only that is materialized and
+    initialized; ZeRO's buffers come from outside (parallel.build)."""
     with torch.device("meta"):
         model = GPT(cfg.model, cfg.kernels)
     n_params = count_params(model)
     engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
-                            dtype=autocast_dtype, device=device, seed=cfg.train.seed)
+                            dtype=dtype, device=device, seed=cfg.train.seed)
     compiling, why = compile_choice(cfg.train.compile, device)
     if compiling:
         why += f": torch.compile of {engine.compile()}"
-    if rank == 0:
+    if layout.rank == 0:
         log.info("%s; %s", why, allocator)
-    ran = what_computed(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
-    optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
-                                      norm_group=engine.norm_group)
-    scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    return engine, compiling, n_params
 
-    # --- Resume ---
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.ft.collective_timeout)
-    start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader, saver.group, cfg.model)
 
-    # --- Logging ---
+def open_run_log(run: Run, start: int) -> None:
+    """run.json's record of the run and the step meter (throughput and MFU), on run.log and
+    run.meter. MFU is rank 0's to log, and so is the measurement of a CPU's peak: ranks measuring
+    side by side on shared cores would each see a fraction of it (and cost a second of start-up
+    each)."""
+    cfg, layout, rank = run.cfg, run.layout, run.rank
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    # MFU is rank 0's to log, and so is the measurement of a CPU's peak: ranks measuring side by
-    # side on shared cores would each see a fraction of it (and cost a second of start-up each).
-    peak, peak_source = machine.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops,
-                                              cfg.hardware.peak_tflops_fp32) if rank == 0 \
-        else (float("nan"), "rank 0's")
-    meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, world, peak)
+    peak, peak_source = machine.peak_tflops(run.device, run.autocast_dtype, cfg.hardware.peak_tflops,
+                                            cfg.hardware.peak_tflops_fp32) if rank == 0 else (float("nan"), "rank 0's")
+    run.meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, run.world, peak)
     record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
               "study": dataclasses.asdict(cfg.study),
-              "versions": metrics.versions(), "device": str(device), "precision": precision, "world_size": world,
+              "versions": metrics.versions(), "device": str(run.device), "precision": run.precision,
+              "world_size": run.world,
               "layout": {**layout.coordinates(), "dp_size": layout.dp, "pp_size": layout.pp, "tp_size": layout.tp,
                          "order": list(cfg.parallel.order), "group_setup_s": layout.setup_seconds,
                          "ranks": layout.all_coordinates()},
-              "params": n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
-              "peak_tflops": peak, "peak_source": peak_source, "allocator": allocator, "data": corpus.meta,
-              "backends": ran}
-    run_log = metrics.RunLog(run_dir, record, cfg.logging.wandb, enabled=rank == 0)
+              "params": run.n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
+              "peak_tflops": peak, "peak_source": peak_source, "allocator": run.allocator, "data": run.corpus.meta,
+              "backends": run.backends}
+    run.log = metrics.RunLog(run.run_dir, record, cfg.logging.wandb, enabled=rank == 0)
     if rank == 0:
         log.info("run dir %s | %s params | %.3g FLOPs/token | world %d (dp %d, pp %d, tp %d) | %s | peak %.3g TFLOP/s (%s)",
-                 run_dir, f"{n_params:,}", fpt, world, layout.dp, layout.pp, layout.tp, precision, peak, peak_source)
+                 run.run_dir, f"{run.n_params:,}", fpt, run.world, layout.dp, layout.pp, layout.tp, run.precision,
+                 peak, peak_source)
 
-    # --- The loop ---
-    stop = _StopFlag()
-    first_step_work = ", ".join(["torch.compile of every chunk"] * compiling + ["the communicators' set-up"] * (world > 1))
-    observer = observe.start(cfg.observe, layout)  # the op log and spans, written by the heartbeat
-    if observer is not None and cfg.observe.spans:
-        CLOCK.on_wait = observer.wait_span
-    beat = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work, observer)
-    faults = ft.Faults(rank, run_dir)
-    collector = ft.CollectGarbage(cfg.train.gc_interval)
-    step, history, status = start_step, [], "finished"
-    # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
-    # rehearsal records it (clustermodel/recorder.py), so that the two can be compared op by op.
-    recorder = None
-    if cfg.rehearse.record:
-        from clustermodel.recorder import Recorder
-        recorder = Recorder(layout, device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
-    bar = _progress(cfg, rank, start_step)
-    eval_set = sampling.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
-                                 layout.dp_rank, layout.dp, pin_memory=device.type == "cuda") \
-        if cfg.train.eval_interval > 0 else []
-    try:
-        for step in range(start_step + 1, cfg.train.max_steps + 1):
-            CLOCK.start_step(device)
-            beat.progress(step, "data")
-            inputs, targets = next(loader)
-            beat.progress(step, "compute")
-            recording = recorder is not None and step <= start_step + cfg.rehearse.steps
-            with recorder if recording else contextlib.nullcontext():
-                if recording:
-                    recorder.step = step - start_step
-                loss, grad_norm = parallel.train_step(engine, optimizer, inputs.to(device, non_blocking=True),
-                                                     targets.to(device, non_blocking=True), cfg, autocast_dtype)
-                scheduler.step()
-                agreed = parallel.agree(loss, stop.requested, layout, grad_norm)
-                # The step's one host read: loss, stop flag and grad norm together, once the step has run.
-                with recorder.named_read() if recording else contextlib.nullcontext():
-                    (loss, stop_now, grad_norm), timing = CLOCK.end_step(device, lambda: parallel.read_agreed(agreed, layout))
-            if recording and step == start_step + cfg.rehearse.steps:
-                recorder.write(run_dir / "comm" / f"rank{rank}.json")
-            row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   **meter(timing["step_s"]), **breakdown(timing), "memory_gib": metrics.memory_gib(device),
-                   **metrics.memory_reserved(device)}
-            if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
-                beat.progress(step, "eval")
-                row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
-            row.update(health(step, row, cfg, layout, collector))
-            run_log.step(row)
-            history.append(row)
-            _report(row, cfg, bar, rank)
+
+class Step:
+    """One training step, as the loop's body sees it: its batch (on the host) and its one read."""
+
+    def __init__(self, batch: tuple, clock, device: torch.device, recorder):
+        self.batch, self.clock, self.device, self.recorder = batch, clock, device, recorder
+        self.timing: dict = {}  # the wait clock's figures, once read
+
+    def read(self, host_sync):
+        """The step's one host read (`host_sync`: loss, stop flag and grad norm together, once the
+        step has run): it ends the clock's span of the step (self.timing) and is the read the
+        recorder names. Returns what host_sync returns."""
+        with self.recorder.named_read() if self.recorder is not None else contextlib.nullcontext():
+            value, self.timing = self.clock.end_step(self.device, host_sync)
+        return value
+
+
+class StepContext:
+    """What the loop enters for each training step, `with steps.enter(n) as step:`. It holds:
+    - the clock (overlap.WaitClock): the step's span from entry to its one host read, and the
+      compute stream's stalls on communication inside it (the step's metrics: breakdown);
+    - the heartbeat's phase: "data" while the batch is read, then "compute";
+    - the batch, read inside the clock's span (a slow loader shows in the step's time);
+    - with rehearse.record, for the run's first rehearse.steps steps, the recorder
+      (clustermodel/recorder.py): every collective and host read the step makes after its batch is
+      read (where a rehearsal's step starts: it has no loader), written to `record_to` after the
+      last, so that the rehearsal of this run can be compared with it op by op."""
+
+    def __init__(self, clock, device: torch.device, beat, loader, recorder=None, first: int = 0, recorded: int = 0,
+                 record_to: Optional[Path] = None):
+        self.clock, self.device, self.beat, self.loader = clock, device, beat, loader
+        self.recorder, self.first, self.last_recorded, self.record_to = recorder, first, first + recorded, record_to
+
+    @contextlib.contextmanager
+    def enter(self, number: int):
+        self.clock.start_step(self.device)
+        self.beat.progress(number, "data")
+        batch = next(self.loader)
+        self.beat.progress(number, "compute")
+        recorder = self.recorder if self.recorder is not None and number <= self.last_recorded else None
+        with recorder if recorder is not None else contextlib.nullcontext():
+            if recorder is not None:
+                recorder.step = number - self.first
+            yield Step(batch, self.clock, self.device, recorder)
+        if recorder is not None and number == self.last_recorded:
+            recorder.write(self.record_to)
+
+
+def step_recorder(cfg: config.Config, run: Run):
+    """rehearse.record: the recorder of what this real run posts in its first rehearse.steps steps,
+    in the form a rehearsal records it (clustermodel/recorder.py); None without it."""
+    if not cfg.rehearse.record:
+        return None
+    from clustermodel.recorder import Recorder
+    return Recorder(run.layout, run.device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
+
+
+class Loop:
+    """The training loop and what runs beside its steps: the stop flag (signals), the op log and
+    its spans (observe.py), the heartbeat, the planned faults, the synchronised GC, the progress
+    bar, the held-out batches. close() ends every thread it started."""
+
+    def __init__(self, run: Run, start: int):
+        cfg, layout = run.cfg, run.layout
+        self.run, self.start, self.step, self.history, self.status = run, start, start, [], "finished"
+        self.stop = _StopFlag()
+        first_step_work = ", ".join(["torch.compile of every chunk"] * run.compiling +
+                                    ["the communicators' set-up"] * (run.world > 1))
+        observer = observe.start(cfg.observe, layout)  # the op log and spans, written by the heartbeat
+        if observer is not None and cfg.observe.spans:
+            CLOCK.on_wait = observer.wait_span
+        self.beat = ft.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
+        self.faults = ft.Faults(run.rank, run.run_dir)
+        self.collector = ft.CollectGarbage(cfg.train.gc_interval)
+        self.steps = StepContext(CLOCK, run.device, self.beat, run.loader, step_recorder(cfg, run), start,
+                                 cfg.rehearse.steps, run.run_dir / "comm" / f"rank{run.rank}.json")
+        self.bar = _progress(cfg, run.rank, start)
+        self.eval_set = sampling.eval_batches(run.corpus, cfg.train.seq_len, cfg.train.eval_batches,
+                                              cfg.train.batch_size, layout.dp_rank, layout.dp,
+                                              pin_memory=run.device.type == "cuda") \
+            if cfg.train.eval_interval > 0 else []
+
+    def run_steps(self) -> None:
+        """Steps to train.max_steps, each followed by what falls due (evaluation, the health checks,
+        the row of metrics, a checkpoint), or until the ranks agree to stop (a signal: status
+        "interrupted")."""
+        cfg, run = self.run.cfg, self.run
+        for step in range(self.start + 1, cfg.train.max_steps + 1):
+            self.step = step
+            row, stop_now = self.train_step(step)
+            if self.eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
+                self.beat.progress(step, "eval")
+                row["val_loss"] = evaluate(run.engine, self.eval_set, run.device, run.autocast_dtype, run.layout)
+            row.update(health(step, row, cfg, run.layout, self.collector))
+            run.log.step(row)
+            self.history.append(row)
+            _report(row, cfg, self.bar, run.rank)
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                beat.progress(step, "checkpoint")
-                faults.before_save(step, saver)
-                save(saver, step, engine, optimizer, scheduler, loader, cfg)
-            faults.after_step(step, ckpt_dir, saver)
+                self.save(step)
+            self.faults.after_step(step, run.ckpt_dir, run.saver)
             if stop_now:
-                status = "interrupted"
+                self.status = "interrupted"
                 log.warning("stop requested: saving a checkpoint at step %d and exiting cleanly (%s)",
-                            step, stop.signal_name or "another rank's signal")
-                break
-        if step > start_step and (status == "interrupted" or cfg.checkpoint.interval) and saver.last_step != step:
-            beat.progress(step, "checkpoint")
-            faults.before_save(step, saver)
-            save(saver, step, engine, optimizer, scheduler, loader, cfg)
-        saver.wait()  # an asynchronous save still being written completes before the run ends
-        beat.progress(step, "done")
-    except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
-        run_log.finish("failed", summarize(history, step))
-        launch.mark_failed()
-        raise
-    finally:  # every thread the run started ends here, in this order (launch.shutdown says the rest)
-        loader.close()
-        saver.close()
-        beat.close()
+                            step, self.stop.signal_name or "another rank's signal")
+                return
+
+    def train_step(self, step: int) -> tuple:
+        """One optimizer step in the step context. Returns its row of metrics and whether the ranks
+        agreed to stop."""
+        run = self.run
+        with self.steps.enter(step) as current:
+            inputs, targets = (t.to(run.device, non_blocking=True) for t in current.batch)
+            loss, grad_norm = parallel.train_step(run.engine, run.optimizer, inputs, targets, run.cfg,
+                                                  run.autocast_dtype)
+            run.scheduler.step()
+            agreed = parallel.agree(loss, self.stop.requested, run.layout, grad_norm)
+            loss, stop_now, grad_norm = current.read(lambda: parallel.read_agreed(agreed, run.layout))
+        timing = current.timing
+        row = {"step": step, "loss": loss, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+               **run.meter(timing["step_s"]), **breakdown(timing), "memory_gib": metrics.memory_gib(run.device),
+               **metrics.memory_reserved(run.device)}
+        return row, stop_now
+
+    def save(self, step: int) -> None:
+        self.beat.progress(step, "checkpoint")
+        self.faults.before_save(step, self.run.saver)
+        save(self.run.saver, step, self.run.engine, self.run.optimizer, self.run.scheduler, self.run.loader,
+             self.run.cfg)
+
+    def save_last(self) -> None:
+        """The stop's checkpoint, or the last step's where checkpoints are on and it was not saved
+        yet; then an asynchronous save still being written completes before the run ends."""
+        run, step = self.run, self.step
+        if step > self.start and (self.status == "interrupted" or run.cfg.checkpoint.interval) \
+                and run.saver.last_step != step:
+            self.save(step)
+        run.saver.wait()
+        self.beat.progress(step, "done")
+
+    def close(self) -> None:
+        """Every thread the run started ends here, in this order (launch.shutdown says the rest)."""
+        self.run.loader.close()
+        self.run.saver.close()
+        self.beat.close()
         CLOCK.on_wait = None
         observe.stop()
-        collector.close()
-        if bar is not None:
-            bar.close()
-        stop.restore()
-    final = summarize(history, step)
-    final["checkpoint_stall_s"] = saver.stall_s  # how long each save held training up
-    final["checkpoint_failed_steps"] = saver.failed
-    if compiling:  # what torch.compile made of the chunks (0: nothing ran compiled)
+        self.collector.close()
+        if self.bar is not None:
+            self.bar.close()
+        self.stop.restore()
+
+
+def finish(run: Run, loop: Loop) -> dict:
+    """The final metrics in run.json and rank 0's last line; after a stop, the launcher's handlers
+    held back (a requeue) run now that the checkpoint is saved. The process group stays up for the
+    next job of a multirun (launch.init_distributed)."""
+    final = summarize(loop.history, loop.step)
+    final["checkpoint_stall_s"] = run.saver.stall_s  # how long each save held training up
+    final["checkpoint_failed_steps"] = run.saver.failed
+    if run.compiling:  # what torch.compile made of the chunks (0: nothing ran compiled), its breaks and recompiles
         final["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    if compiling:  # graph breaks and recompiles, each with its reason
         final["dynamo"] = metrics.dynamo_counters()
-    run_log.finish(status, final)
-    if rank == 0:
-        print(final_line(final, cfg), flush=True)
-    if status == "interrupted":  # saved: now the launcher may requeue the job (and exit)
-        stop.hand_back()
-    return final  # the process group stays up for the next job of a multirun (launch.init_distributed)
+    run.log.finish(loop.status, final)
+    if run.rank == 0:
+        print(final_line(final, run.cfg), flush=True)
+    if loop.status == "interrupted":
+        loop.stop.hand_back()
+    return final
 
 
 def prepare_data(cfg: config.Config, rank: int, world: int):
@@ -337,11 +479,9 @@ def what_computed(cfg: config.Config, device: torch.device, dtype: torch.dtype, 
 
 def compile_choice(setting, device: torch.device) -> tuple:
     """(whether to torch.compile, the log line saying why). train.compile=true or false is obeyed;
-    null, the default, picks the faster of the two where each was measured, with
-    experiments/bench_step.py: on CUDA compiled (an H200 at bench_step's default shape in fp32: 270k tok/s
-    against eager's 191k), on CPU eager (this project's AMD EPYC: compiled steps no faster, 0.87x and
-    1.02x of eager in two measurements, within the noise, and compiling costs start-up time:
-    experiments/results/bench_step.md)."""
+    null, the default, picks the faster of the two as experiments/bench_step.py measures them
+    (experiments/results/bench_step.md): compiled on CUDA, eager on a CPU, where compiled steps are
+    no faster and compiling costs start-up time."""
     if setting is not None:
         return setting, f"train.compile={str(setting).lower()}"
     if device.type == "cuda":
