@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import random
-import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -90,7 +89,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
         loop.run_steps()
         loop.save_last()
     except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
-        run.log.finish("failed", summarize(loop.history, loop.step))
+        run.log.finish("failed", metrics.summarize(loop.history, loop.step))
         launch.mark_failed()
         raise
     finally:
@@ -236,7 +235,7 @@ class Step:
 class StepContext:
     """What the loop enters for each training step, `with steps.enter(n) as step:`. It holds:
     - the clock (overlap.WaitClock): the step's span from entry to its one host read, and the
-      compute stream's stalls on communication inside it (the step's metrics: breakdown);
+      compute stream's stalls on communication inside it (the step's metrics: metrics.breakdown);
     - the heartbeat's phase: "data" while the batch is read, then "compute";
     - the batch, read inside the clock's span (a slow loader shows in the step's time);
     - with rehearse.record, for the run's first rehearse.steps steps, the recorder
@@ -281,7 +280,7 @@ class Loop:
     def __init__(self, run: Run, start: int):
         cfg, layout = run.cfg, run.layout
         self.run, self.start, self.step, self.history, self.status = run, start, start, [], "finished"
-        self.stop = _StopFlag()
+        self.stop = launch.StopFlag()
         first_step_work = ", ".join(["torch.compile of every chunk"] * run.compiling +
                                     ["the communicators' set-up"] * (run.world > 1))
         observer = observe.start(cfg.observe, layout)  # the op log and spans, written by the heartbeat
@@ -335,7 +334,7 @@ class Loop:
             loss, stop_now, grad_norm = current.read(lambda: parallel.read_agreed(agreed, run.layout))
         timing = current.timing
         row = {"step": step, "loss": loss, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-               **run.meter(timing["step_s"]), **breakdown(timing), "memory_gib": metrics.memory_gib(run.device),
+               **run.meter(timing["step_s"]), **metrics.breakdown(timing), "memory_gib": metrics.memory_gib(run.device),
                **metrics.memory_reserved(run.device)}
         return row, stop_now
 
@@ -372,7 +371,7 @@ def finish(run: Run, loop: Loop) -> dict:
     """The final metrics in run.json and rank 0's last line; after a stop, the launcher's handlers
     held back (a requeue) run now that the checkpoint is saved. The process group stays up for the
     next job of a multirun (launch.init_distributed)."""
-    final = summarize(loop.history, loop.step)
+    final = metrics.summarize(loop.history, loop.step)
     final["checkpoint_stall_s"] = run.saver.stall_s  # how long each save held training up
     final["checkpoint_failed_steps"] = run.saver.failed
     if run.compiling:  # what torch.compile made of the chunks (0: nothing ran compiled), its breaks and recompiles
@@ -380,7 +379,7 @@ def finish(run: Run, loop: Loop) -> dict:
         final["dynamo"] = metrics.dynamo_counters()
     run.log.finish(loop.status, final)
     if run.rank == 0:
-        print(final_line(final, run.cfg), flush=True)
+        print(metrics.final_line(final, run.cfg), flush=True)
     if loop.status == "interrupted":
         loop.stop.hand_back()
     return final
@@ -419,13 +418,6 @@ def health(step: int, row: dict, cfg: config.Config, layout, collector) -> dict:
             out["straggler_ranks"] = [f"{r}@{host}" for r, host, _, _ in slow]
             out["straggler_max_slowdown"] = max(s for *_, s in slow)
     return out
-
-
-def breakdown(timing: dict) -> dict:
-    """Where this rank's step went (overlap.WaitClock): the compute stream blocked on collectives
-    and sends (exposed communication), blocked on pipeline receives or on the slowest rank (bubble
-    or idle), and its own work (compute, including the optimizer and the data loader's share)."""
-    return {"exposed_comm_s": timing["comm_s"], "bubble_s": timing["bubble_s"], "compute_s": timing["compute_s"]}
 
 
 @torch.no_grad()
@@ -527,35 +519,6 @@ def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group
 
 # --- Reporting ---
 
-def summarize(history: list, step: int) -> dict:
-    """Final metrics: the last loss, and throughput as the median over steps after the first few
-    (the first steps pay for warm-up and allocation, and the median is robust to a noisy machine)."""
-    if not history:
-        return {"steps": step}
-    timed = history[min(3, len(history) - 1):]
-    median = lambda key: sorted(r[key] for r in timed)[len(timed) // 2]
-    final = {"steps": step, "loss": history[-1]["loss"], "first_loss": history[0]["loss"],
-             "tokens_per_s": median("tokens_per_s"), "step_time": median("step_time"),
-             "tflops_per_device": median("tflops_per_device"), "mfu": median("mfu"),
-             "exposed_comm_s": median("exposed_comm_s"), "bubble_s": median("bubble_s"),
-             "compute_s": median("compute_s"),
-             "memory_gib": history[-1]["memory_gib"],
-             "memory_reserved_gib": history[-1].get("memory_reserved_gib", "n/a")}  # n/a: no caching allocator (CPU)
-    vals = [r["val_loss"] for r in history if "val_loss" in r]
-    if vals:
-        final["val_loss"] = vals[-1]
-    return final
-
-
-def final_line(final: dict, cfg) -> str:
-    if "loss" not in final:
-        return f"done: nothing to do (already at step {final['steps']} of {cfg.train.max_steps})"
-    val = f" | val loss {final['val_loss']:.3f}" if "val_loss" in final else ""
-    return (f"done: {final['steps']} steps | loss {final['first_loss']:.3f} -> {final['loss']:.3f}{val} | "
-            f"{final['tokens_per_s']:,.0f} tokens/s | {final['tflops_per_device']:.3f} TFLOP/s per device | "
-            f"MFU {100 * final['mfu']:.1f}%")
-
-
 def _report(row: dict, cfg, bar, rank: int) -> None:
     if bar is not None:
         bar.update(1)
@@ -573,41 +536,6 @@ def _progress(cfg, rank: int, start: int):
         return None
     from tqdm import tqdm
     return tqdm(total=cfg.train.max_steps, initial=start, desc="train", dynamic_ncols=True, leave=False)
-
-
-class _StopFlag:
-    """Ctrl-C, SIGTERM and SLURM's warning before a preemption or the time limit (USR1 or USR2, as
-    sbatch --signal sends it) ask for a stop at the next step that every rank agrees on
-    (parallel.agree), so the run saves a checkpoint there and exits cleanly instead of dying
-    mid-step. A launcher's own handler for USR1/USR2 (submitit's: requeue the job, then exit) is
-    held back and run by hand_back once that checkpoint is written. A second Ctrl-C stops at once."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    LAUNCHER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-
-    def __init__(self):
-        self.requested = False
-        self.signal_name = ""
-        self._held_back: dict = {}  # signum -> the launcher's handler, run after the stop's save
-        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signal_name = self.signal_name or signal.Signals(signum).name
-        previous = self._previous[signum]
-        if signum in self.LAUNCHER_SIGNALS and callable(previous):
-            self._held_back[signum] = previous
-
-    def restore(self):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-    def hand_back(self) -> None:
-        """Run the launcher handlers held back (submitit's on rank 0 requeues the job and exits)."""
-        for signum, handler in self._held_back.items():
-            handler(signum, None)
 
 
 def record_pending(cfg: config.Config, run_dir: Path) -> float:
