@@ -1,8 +1,9 @@
 """The whole configuration schema, its validation, and the one-line errors for bad input.
 
 Each module owns the dataclass of its own switches (model.ModelConfig, parallel.ParallelConfig,
-kernels.KernelsConfig, ...); this file assembles them into the root that Hydra composes from
-conf/. Because the root is a structured config, an unknown key is an error, never a silent default.
+kernels.KernelsConfig, ...; the cluster model's, rehearse and hardware.perfmodel, in
+clustermodel/schema.py); this file assembles them into the root that Hydra composes from conf/.
+Because the root is a structured config, an unknown key is an error, never a silent default.
 
 Bad input stops the run before any rank does work: one line naming the key and the fix, exit 2.
 """
@@ -13,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -26,7 +27,7 @@ from model import ModelConfig
 from observe import ObserveConfig
 from optim import OptimConfig
 from parallel import ParallelConfig
-from clustermodel.rehearsal import RehearseConfig
+from clustermodel.schema import PerfModelHardware, RehearseConfig, rehearsed_world
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -45,62 +46,35 @@ class TrainConfig:
     # torch.compile the model: true, false, or null (auto, the default): compiled on CUDA, eager on
     # CPU, the faster of the two where each was measured (experiments/results/bench_step.md)
     compile: Optional[bool] = None
+    # torch.compile's mode for the compiled step: default, or reduce-overhead, which records it as
+    # CUDA graphs (a graph launch instead of a launch per kernel) where a step is launch-bound.
+    # CUDA only: elsewhere the step compiles as default, and the log line says so.
+    compile_mode: str = "default"
     gc_interval: int = 100        # Python's GC off during steps, run on every rank each N steps; 0: Python's own
 
 
 @dataclass
 class HardwareConfig:
-    """The machine a run is on (device, backend, peak FLOP/s for MFU) and, for clustermodel/perfmodel.py,
-    the cluster it describes. Unknown values stay None and are measured or looked up."""
+    """The machine a run is on: the device and backend it trains with, the peak FLOP/s its MFU
+    divides by and the memory its tensors fit in; and, in `perfmodel`, what only the performance
+    model reads of it (clustermodel/schema.py). One conf/hardware/<machine>.yaml holds both.
+    Unknown values stay None and are measured or looked up."""
     name: str = "auto"
     device: str = "auto"                  # auto | cpu | cuda
     backend: str = "auto"                 # auto | gloo | nccl
     keep_freed_memory: bool = True        # CPU: glibc's malloc reuses freed blocks (machine.keep_freed_memory)
     peak_tflops: Optional[float] = None   # dense peak per device for the run's dtype (CUDA: bf16's; TF32 takes half)
+    peak_tflops_fp32: Optional[float] = None  # an fp32 run's peak on CUDA without TF32 (None: the device table's)
     # The GPU this config describes (a key of machine.DEVICE_PEAK_TFLOPS: A100, H100, ...): a run
     # on another GPU is refused (its MFU would divide by this one's peak). None: any device.
     gpu: Optional[str] = None
-    devices_per_host: int = 1
     memory_gib: Optional[float] = None    # per device, as sold (80 for an "80 GB" A100 or H100)
     # What of memory_gib tensors cannot use: what CUDA never shows, the CUDA context and library
     # workspaces, NCCL's buffers, the caching allocator's fragmentation. Derived, with its sources,
-    # in conf/hardware/a100_cluster.yaml; tensor_memory_gib() is what rehearsal and perfmodel fit in.
+    # in conf/hardware/a100_cluster.yaml; machine.tensor_memory_gib() is what a rehearsal and
+    # perfmodel fit a rank's tensors in.
     memory_headroom_gib: float = 0.0
-    intra_host_GBps: Optional[float] = None   # per device, one direction (NVLink)
-    inter_host_Gbps: Optional[float] = None   # per host, all NICs together
-    # The rest is read by clustermodel/perfmodel.py only. None: measured on this machine (cpu_local) or fitted
-    # (experiments/fit_perfmodel.py); the efficiencies are fractions of the spec numbers above.
-    peak_tflops_fp32: Optional[float] = None
-    memory_GBps: Optional[float] = None       # device memory bandwidth (HBM; the host's DRAM on CPU)
-    intra_host_latency_us: float = 10.0       # one step of a collective inside a host
-    inter_host_latency_us: Optional[float] = 20.0  # one step of a collective, or one message, across hosts
-    op_overhead_us: Optional[float] = 5.0     # per kernel: a GPU launch, or a CPU eager dispatch + autograd
-    gemm_half_dim: Optional[float] = 32.0     # a GEMM dim of this size runs at half speed (tiles, waves)
-    gemm_efficiency: Optional[float] = None   # fraction of peak a large GEMM reaches
-    flash_efficiency: Optional[float] = 0.5   # fraction of peak a fused attention kernel reaches
-    # The same three for fp32 runs, where they differ (a CPU with AMX or AVX512-BF16 runs bf16 GEMMs
-    # on other units, with another size profile); None: the bf16 values.
-    gemm_half_dim_fp32: Optional[float] = None
-    gemm_efficiency_fp32: Optional[float] = None
-    flash_efficiency_fp32: Optional[float] = None
-    # A GEMM's speed by shape ("MxNxK" of [M,K] @ [K,N], the run's dtype) as a fraction of peak,
-    # where it was measured (machine.gemm_shape_efficiency, for the shapes a rehearsal records);
-    # a shape not listed takes the half-dim model above.
-    gemm_shapes: Dict[str, float] = field(default_factory=dict)
-    memory_efficiency: Optional[float] = 0.8  # fraction of memory_GBps a streaming kernel reaches (None: measured)
-    intra_host_efficiency: float = 0.75       # collective bus bandwidth / link rate inside a host
-    inter_host_efficiency: Optional[float] = None  # the same for large collectives across hosts
-    p2p_efficiency: Optional[float] = 0.8     # the same for pipeline point-to-point messages
-    # A collective's bus bandwidth relative to all_reduce's where the library's algorithm differs
-    # (measured: gloo's reduce_scatter costs a whole all-reduce, 0.5); NCCL's are alike: empty.
-    collective_efficiency: Dict[str, float] = field(default_factory=dict)
-    overlap_slowdown: Optional[float] = 0.1   # compute slows by this fraction of the comm it hides
-    # What each collective or send costs the host beside compute (clustermodel/replay.py). None: 0 on a GPU;
-    # on a CPU, this machine's `calibrate_comm.py --sharing` (its ranks' threads must be scheduled).
-    collective_host_us: Optional[float] = None
-    cores: Optional[int] = None               # CPU: the cores a job's ranks share (None: this machine's)
-    loader_step_s: float = 0.0                # host time the naive data loader adds to every step
-    collective_algo: str = "ring"             # ring | tree (hierarchical: inside hosts, then across)
+    perfmodel: PerfModelHardware = field(default_factory=PerfModelHardware)
 
 
 @dataclass
@@ -226,7 +200,9 @@ def _process_start_time(pid: int) -> Optional[datetime.datetime]:
 
 
 def register() -> None:
-    """Register the schema with Hydra and the resolvers the YAML uses. Idempotent."""
+    """Register the schema with Hydra and the resolvers the YAML uses (${run_id:}, ${ablation:...},
+    ...). Idempotent. Whatever composes a config calls it first (compose, launcher_world, train.py's
+    entry point); importing a module registers nothing."""
     from hydra.core.config_store import ConfigStore
     store = ConfigStore.instance()
     if "schema.yaml" not in store.repo:  # storing converts the schema anew: 0.1 s a compose
@@ -286,30 +262,76 @@ def convergence_setting(what: str, base: Any = None, *, _root_) -> Any:
 
 
 def world_size() -> int:
+    """This process's world: torchrun's WORLD_SIZE, else srun's SLURM_NTASKS, else 1."""
     for var in ("WORLD_SIZE", "SLURM_NTASKS"):
         if os.environ.get(var):
             return int(os.environ[var])
     return 1
 
 
+COMPILE_MODES = ("default", "reduce-overhead")
+
+
+def _check_cuda_graphs(cfg: Config) -> None:
+    """train.compile_mode=reduce-overhead records the one-graph step (forward, loss and backward of
+    a microbatch): it needs a compiled step, and pipeline or tensor parallelism compile chunk by
+    chunk, with their schedule and collectives between the graphs."""
+    if cfg.train.compile is False:
+        raise ConfigError("train.compile_mode", "reduce-overhead records the compiled step, and train.compile=false "
+                          "compiles none", "set train.compile=true (or leave it auto: compiled on CUDA), or "
+                          "train.compile_mode=default")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        raise ConfigError("train.compile_mode", f"reduce-overhead with parallel.tp={cfg.parallel.tp}, "
+                          f"parallel.pp={cfg.parallel.pp}: CUDA graphs are recorded for the one-graph step only",
+                          "use train.compile_mode=default with pipeline or tensor parallelism")
+
+
 def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> None:
-    """Every check that can fail before training starts. Raises ConfigError. remote: the job will
-    run elsewhere (a SLURM launcher's nodes), so this machine's devices do not matter."""
-    m, t = cfg.model, cfg.train
-    _choice("model.block", m.block, ("sequential", "parallel"))
+    """Every check that can fail before training starts, by kind: each key's value, the study's
+    settings, this machine's devices, the paths the run reads, then the layout on the run's world
+    and the settings data.py and optim.py own. Raises ConfigError. remote: the job will run
+    elsewhere (a SLURM launcher's nodes), so this machine's devices and paths do not matter."""
+    check_choices(cfg)
+    check_values(cfg)
+    check_studies(cfg)
+    remote = remote or cfg.rehearse.rehearsing  # a rehearsal needs none of the job's hardware or paths
+    if not (cfg.dry_run or remote):  # a dry run needs no hardware
+        check_devices(cfg)
+    if not remote:  # a launcher's nodes may see other paths
+        check_paths(cfg)
+    import data
+    import optim
+    import parallel
+    parallel.validate(cfg, job_world(cfg, world))
+    data.check_config(cfg.data)
+    optim.check_config(cfg.optim)
+
+
+def check_choices(cfg: Config) -> None:
+    """Every switch that takes one of a few names."""
+    _choice("model.block", cfg.model.block, ("sequential", "parallel"))
     _choice("precision", cfg.precision, ("auto", "bf16", "fp32"))
     _choice("hardware.device", cfg.hardware.device, ("auto", "cpu", "cuda"))
     _choice("hardware.backend", cfg.hardware.backend, ("auto", "gloo", "nccl"))
     _choice("kernels.attention", cfg.kernels.attention, ATTENTION_IMPLS)
     _choice("kernels.fused", cfg.kernels.fused, FUSED_IMPLS)
-    _choice("train.recompute", t.recompute, ("none", "selective", "full"))
+    _choice("train.recompute", cfg.train.recompute, ("none", "selective", "full"))
+    _choice("train.compile_mode", cfg.train.compile_mode, COMPILE_MODES)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("online", "offline", "disabled"))
+
+
+def check_values(cfg: Config) -> None:
+    """Each number on its own, or against another key of the same config: the model's shape,
+    counts and intervals, the fault-tolerance timeouts."""
+    m, t = cfg.model, cfg.train
     if m.d_model % m.n_heads:
         raise ConfigError("model.n_heads", f"{m.n_heads} heads do not divide d_model={m.d_model}",
                           "choose n_heads that divides model.d_model")
     if (m.d_model // m.n_heads) % 2:
         raise ConfigError("model.n_heads", f"head dim {m.d_model // m.n_heads} is odd and rotary needs it even",
                           "choose n_heads so that d_model/n_heads is even")
+    if t.compile_mode == "reduce-overhead":
+        _check_cuda_graphs(cfg)
     if cfg.kernels.attention_block < 1:
         raise ConfigError("kernels.attention_block", f"{cfg.kernels.attention_block} < 1",
                           "use a positive query block size, e.g. 128")
@@ -326,6 +348,15 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
                        ("train.max_steps", t.max_steps), ("model.n_layers", m.n_layers)):
         if value < 1:
             raise ConfigError(key, f"{value} < 1", "use a positive value")
+    for key, value in (("ft.straggler_interval", cfg.ft.straggler_interval), ("train.gc_interval", t.gc_interval),
+                       ("checkpoint.interval", cfg.checkpoint.interval), ("checkpoint.keep", cfg.checkpoint.keep)):
+        if value < 0:
+            raise ConfigError(key, f"{value} < 0", "use 0 (off) or a positive number of steps")
+    check_timeouts(cfg)
+
+
+def check_timeouts(cfg: Config) -> None:
+    """Fault tolerance's timeouts, and the observer's stall verdict against the snapshots' age."""
     for key, value in (("ft.collective_timeout", cfg.ft.collective_timeout), ("ft.hang_timeout", cfg.ft.hang_timeout),
                        ("ft.heartbeat_interval", cfg.ft.heartbeat_interval)):
         if value <= 0:
@@ -334,13 +365,25 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
         raise ConfigError("observe.stall_s", f"{cfg.observe.stall_s} s is within the snapshots' age, "
                           f"ft.hang_timeout/10 = {cfg.ft.hang_timeout / 10:g} s, so an early verdict could read stale state",
                           f"use observe.stall_s above {cfg.ft.hang_timeout / 10:g}, or 0 (only at the hang timeout)")
-    for key, value in (("ft.straggler_interval", cfg.ft.straggler_interval), ("train.gc_interval", t.gc_interval),
-                       ("checkpoint.interval", cfg.checkpoint.interval), ("checkpoint.keep", cfg.checkpoint.keep)):
-        if value < 0:
-            raise ConfigError(key, f"{value} < 0", "use 0 (off) or a positive number of steps")
-    rehearsing = bool(cfg.rehearse.ranks) or cfg.rehearse.rank >= 0
-    remote = remote or rehearsing  # a rehearsal needs none of the job's hardware or paths
-    if cfg.hardware.device in ("cuda", "auto") and not (cfg.dry_run or remote):  # a dry run needs no hardware
+
+
+def check_studies(cfg: Config) -> None:
+    """The study presets' own knobs: Table 3's step, the convergence study's evaluation grid."""
+    if cfg.study.name == "convergence":
+        c, k = cfg.convergence, cfg.convergence.k if cfg.convergence.variant != "lamb_4x" else 4
+        if c.steps % k or (c.steps // k) % c.evals:
+            raise ConfigError("convergence.steps", f"{c.steps} steps at k={k} are not {c.evals} evaluations at the "
+                              f"token counts of k=1's", f"choose steps divisible by k x convergence.evals "
+                              f"({k * c.evals})")
+    if not 0 <= cfg.ablation.step <= 8:
+        raise ConfigError("ablation.step", f"{cfg.ablation.step} is not a step of Table 3",
+                          "use 0 (baseline) to 8 (+LAMB), or the multirun ablation.step=range(0,9)")
+
+
+def check_devices(cfg: Config) -> None:
+    """This machine's devices against what the run asks for: a visible GPU for device=cuda, at most
+    one rank per GPU, the GPU the hardware config describes, FlashAttention where it is asked for."""
+    if cfg.hardware.device in ("cuda", "auto"):
         import torch
         import launch
         launch.set_cuda_connections(cfg.parallel.tp, cfg.hardware.device)  # CUDA reads it when it starts: below
@@ -359,43 +402,37 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
                 cfg.hardware, torch.cuda.get_device_name(launch.pick_device("cuda")))
             if problem:
                 raise ConfigError("hardware.gpu", *problem)
-    if cfg.kernels.attention == "flash" and not (cfg.dry_run or remote):
+    if cfg.kernels.attention == "flash":
         import kernels
         problem = kernels.flash_attn_problem()
         if problem:
             raise ConfigError("kernels.attention", f"flash: {problem[0]}", problem[1])
-    if cfg.resume not in ("auto", "none") and not remote:  # a launcher's nodes may see other paths
+
+
+def check_paths(cfg: Config) -> None:
+    """The files the run reads before it starts: the checkpoint resume= names."""
+    if cfg.resume not in ("auto", "none"):
         from checkpoint import MANIFEST
         if not (Path(cfg.resume) / MANIFEST).is_file():
             raise ConfigError("resume", f"{cfg.resume} is not a complete checkpoint (no {MANIFEST})",
                               "give a checkpoints/step_* folder, or resume=auto|none")
-    if cfg.study.name == "convergence":
-        c, k = cfg.convergence, cfg.convergence.k if cfg.convergence.variant != "lamb_4x" else 4
-        if c.steps % k or (c.steps // k) % c.evals:
-            raise ConfigError("convergence.steps", f"{c.steps} steps at k={k} are not {c.evals} evaluations at the "
-                              f"token counts of k=1's", f"choose steps divisible by k x convergence.evals "
-                              f"({k * c.evals})")
-    if not 0 <= cfg.ablation.step <= 8:
-        raise ConfigError("ablation.step", f"{cfg.ablation.step} is not a step of Table 3",
-                          "use 0 (baseline) to 8 (+LAMB), or the multirun ablation.step=range(0,9)")
-    import parallel
-    rehearsing = bool(cfg.rehearse.ranks) or cfg.rehearse.rank >= 0
-    if rehearsing:
-        world = _rehearsal_world(cfg)
-    if world is None:  # a dry run plans for the world its layout names, with no processes to count
-        planned = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-        world = planned if cfg.dry_run and cfg.parallel.dp > 0 else world_size()
-    parallel.validate(cfg, world)
-    import data
-    import optim
-    data.check_config(cfg.data)
-    optim.check_config(cfg.optim)
+
+
+def job_world(cfg: Config, world: Optional[int] = None) -> int:
+    """The world size the layout is checked on: a rehearsal's (rehearse.world or the layout's, its
+    ranks checked against it); the given one (a launcher's); a dry run's layout, which names it
+    (no processes to count); else this process's (WORLD_SIZE, SLURM_NTASKS, or 1)."""
+    if cfg.rehearse.rehearsing:
+        return _rehearsal_world(cfg)
+    if world is not None:
+        return world
+    planned = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    return planned if cfg.dry_run and cfg.parallel.dp > 0 else world_size()
 
 
 def _rehearsal_world(cfg: Config) -> int:
     """The world a rehearsal plays (rehearse.world, else the layout's tp*pp*dp), its ranks checked."""
-    from clustermodel import rehearsal
-    world = rehearsal.world_of(cfg)
+    world = rehearsed_world(cfg)
     if world is None:
         raise ConfigError("rehearse.world", "parallel.dp=-1 leaves the job's world size unknown",
                           "set rehearse.world=<GPUs> or parallel.dp")

@@ -15,15 +15,18 @@ restarts comes from detecting a broken rank fast and restarting from the newest 
   compiles every chunk (torch.compile) and creates the communicators (NCCL connects each group at
   its first collective), minutes at the paper's scale, and rank 0 logs how long it took and why.
   Collectives themselves time out after ft.collective_timeout seconds (the process group's timeout).
-- Stragglers: every ft.straggler_interval steps the ranks' compute times are gathered; a rank more
-  than ft.straggler_threshold slower than the median is logged with its host.
+- Stragglers (stragglers.py): every ft.straggler_interval steps a rank compares its own work with
+  its dp group's; a rank ft.straggler_threshold slower in ft.straggler_windows of the last that many
+  plus one windows is logged as the culprit, with its kind (compute, input, link) and its cost.
 - GC: Python's collector is off during steps and runs on every rank at the same step, every
   train.gc_interval steps (MegaScale traced decaying MFU to ranks collecting at different times).
 - Faults (MEGAREPRO_FAULT, for tests and experiments/faults.py): kill:RANK@STEP (SIGKILL itself),
   hang:RANK@STEP (sleeps forever), disk_full@STEP (the save at that step fails with ENOSPC),
   truncate@STEP (truncates the newest checkpoint's data, then SIGKILLs itself), slow_save@SECONDS
   (each background checkpoint write takes that much longer), slow_first_step@SECONDS (the run's
-  first step takes that much longer, as one that compiles and connects does). Several, comma-separated; each
+  first step takes that much longer, as one that compiles and connects does), slow:RANK@FACTOR (that
+  rank's forward and backward take FACTOR times as long, every step), spike:RANK@STEP (that rank's
+  forward and backward of that one step take SPIKE times as long). Several, comma-separated; each
   fires only in the attempt (restart) it names with #ATTEMPT, default 0.
 """
 from __future__ import annotations
@@ -35,13 +38,14 @@ import logging
 import os
 import signal
 import socket
-import statistics
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+
+import spans
 
 log = logging.getLogger("ft")
 HANG_EXIT = 75  # what a rank exits with when it finds the job hung (EX_TEMPFAIL: retry)
@@ -53,8 +57,9 @@ class FTConfig:
     hang_timeout: float = 300.0         # seconds without progress before a rank reports a hang and exits
     first_step_timeout: float = 3600.0  # the same for a run's first step, which compiles and connects
     heartbeat_interval: float = 1.0     # seconds between heartbeat writes and checks
-    straggler_interval: int = 50        # steps between gathers of per-rank compute time; 0: off
-    straggler_threshold: float = 0.2    # a rank this much slower than the median is reported
+    straggler_interval: int = 20        # steps in a straggler window (stragglers.py); 0: off
+    straggler_threshold: float = 0.2    # a rank this much slower than its peers' reference is a suspect
+    straggler_windows: int = 3          # windows, of the last this many + 1, a suspect must be one in for a verdict
 
 
 def attempt() -> int:
@@ -174,18 +179,6 @@ class Heartbeat:
         os._exit(HANG_EXIT)
 
 
-def stragglers(compute_s: float, layout, threshold: float) -> list:
-    """Gather every rank's compute time; return [(rank, host, seconds, slowdown)] of those more
-    than `threshold` slower than the median (every rank gets the list)."""
-    mine = (layout.rank, socket.gethostname(), compute_s)
-    everyone = [mine]
-    if layout.world > 1:
-        everyone = [None] * layout.world
-        dist.all_gather_object(everyone, mine)
-    median = statistics.median(t for _, _, t in everyone)
-    return [(r, h, t, t / median - 1) for r, h, t in everyone if median > 0 and t > median * (1 + threshold)]
-
-
 class CollectGarbage:
     """gc off for the run; a full collection on every rank at the same steps."""
 
@@ -198,7 +191,8 @@ class CollectGarbage:
     def after_step(self, step: int) -> float:
         if self.interval > 0 and step % self.interval == 0:
             t0 = time.perf_counter()
-            gc.collect()
+            with spans.segment("gc"):
+                gc.collect()
             return time.perf_counter() - t0
         return 0.0
 
@@ -222,6 +216,9 @@ def planned_faults() -> list:
     return out
 
 
+SPIKE = 10.0  # how many times as long a spike:RANK@STEP makes that step's forward and backward
+
+
 class Faults:
     """Fires the planned faults at their steps (checked by train.py after each step)."""
 
@@ -229,6 +226,27 @@ class Faults:
         self.rank, self.run_dir = rank, Path(run_dir)
         self.plan = [(k, r, v) for k, r, v in planned_faults() if r is None or r == rank]
         self.stepped = False  # whether the run's first step is over
+
+    def slowing(self, fn, step_of):
+        """fn (a rank's forward and backward, or one pipeline action of them) made slow:RANK@FACTOR
+        times as long every step, SPIKE times in the step of spike:RANK@STEP (step_of() says which
+        step runs): it sleeps (factor - 1) times fn's own time, its waits left out (overlap.CLOCK),
+        inside the step's compute, so that its peers' waits for it grow. fn itself without either."""
+        slow = max([v for k, _, v in self.plan if k == "slow"], default=1.0)
+        spikes = {int(v) for k, _, v in self.plan if k == "spike"}
+        if slow == 1.0 and not spikes:
+            return fn
+        from overlap import CLOCK
+
+        def slowed(*args, **kwargs):
+            waited = sum(CLOCK.seconds.values())
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            own = time.perf_counter() - t0 - (sum(CLOCK.seconds.values()) - waited)
+            factor = slow * (SPIKE if step_of() in spikes else 1.0)
+            time.sleep(max(own, 0.0) * (factor - 1))
+            return out
+        return slowed
 
     def _mine(self, kind: str, step: int) -> bool:
         return any(k == kind and int(v) == step for k, _, v in self.plan)

@@ -18,17 +18,26 @@ backend obeys exactly this rule (flash-attn spells it window_size=(W-1, 0)):
 - reference: naive softmax(QKᵀ)V in fp32, the oracle.
 - auto:      flash where it can run, else banded where the window skips enough, else sdpa.
 
-Fused operators (kernels.fused=true) are the eager functions below run through torch.compile:
-inductor turns each into one read-and-write pass forward and one backward, where eager PyTorch
-makes a pass per op. The functions are compiled lazily, once, the first time they are called.
-A lone LayerNorm, one ATen kernel each way already, stays ATen's (layer_norm). The attention's
-heads and RoPE (heads_with_rope) are compiled under either true or triton (no hand-written kernel).
+kernels.fused=true fuses inside a compiled step (train.compile=true; auto compiles on CUDA):
+there inductor turns each elementwise chain (residual add + LayerNorm, bias + GeLU, the heads with
+RoPE) into one read-and-write pass forward and one backward, with its neighbours, and the loss
+takes the form whose fp32 upcast stays in registers (_cross_entropy). From eager code it runs the
+eager ops, so that it costs nothing there: a kernel inductor builds can only be called through
+Python wrappers. A torch.compile'd function per op pays dynamo's frame evaluation and
+AOTAutograd's autograd.Function and runtime wrappers on every call, 173 Python function calls for
+an add + LayerNorm forward and backward against eager's 16 (with each op so compiled, a step at
+bench_step's launch shape calls 1,976 against 649); a graph compiled ahead
+(torch._inductor.standalone_compile) still runs behind AOTAutograd's runtime wrapper (26 calls
+forward, 40 backward), and a torch.library.custom_op around it adds ~43 more a call forward and
+backward, an autograd.Function ~9. So eager code calls no inductor kernel, and the Triton kernels
+below stay behind autograd.Functions rather than custom ops.
 
-kernels.fused=triton runs hand-written Triton kernels instead (CUDA, the optional `triton`
-extra, kernels_triton.py): residual add + LayerNorm and bias + GeLU forward and backward, and the
-cross-entropy, each one pass over its rows. Triton is imported on first use; on CPU it runs only
-in its interpreter (TRITON_INTERPRET=1), which is how the tests check it against the eager reference.
-Elsewhere, like kernels.attention=flash, the switch is a one-line error naming what to use.
+kernels.fused=triton runs hand-written Triton kernels from eager code (CUDA, the optional
+`triton` extra, kernels_triton.py): residual add + LayerNorm and bias + GeLU forward and backward,
+and the cross-entropy, each one pass over its rows, each behind one autograd.Function. Inside a
+compiled step inductor fuses the same ops itself. Triton is imported on first use; on CPU it runs
+only in its interpreter (TRITON_INTERPRET=1), which is how the tests check it against the eager
+reference. Elsewhere, like kernels.attention=flash, the switch is a one-line error naming what to use.
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ import functools
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -49,12 +58,13 @@ import kernels_triton
 @dataclass
 class KernelsConfig:
     attention: str = "auto"   # auto | flash | banded | sdpa | reference
-    # LayerNorm(+residual), bias+GeLU and cross-entropy: false (eager) | true (torch.compile) |
-    # triton (Triton kernels, CUDA). Any, not bool: OmegaConf has no bool-or-str type, so
-    # config.validate checks the value against FUSED_IMPLS.
+    # LayerNorm(+residual), bias+GeLU and cross-entropy: false (eager) | true (fused by inductor
+    # inside a compiled step, train.compile; eager ops from eager code) | triton (Triton kernels,
+    # CUDA). Any, not bool: OmegaConf has no bool-or-str type, so config.validate checks the value
+    # against FUSED_IMPLS.
     fused: Any = False
     # Query rows per block of the banded backend: it computes T·(W + block) scores, so smaller is
-    # less waste, until per-block overheads win. 128 measured best on CPU (experiments/bench_kernels.py).
+    # less waste, until per-block overheads win. 128 is the fastest on a CPU (experiments/bench_kernels.py).
     attention_block: int = 128
 
 
@@ -117,8 +127,8 @@ class _ScaledMaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # In the probabilities' dtype, in place, the row sums accumulated in fp32: the backward's
-        # transients are one square of the dtype at a time (in fp32 they were four, the largest
-        # thing alive at the backward's peak), as in Megatron's kernel, which keeps none.
+        # transients are one square of the dtype at a time (in fp32 they would be four, the
+        # largest thing alive at the backward's peak), as in Megatron's kernel, which keeps none.
         (probs,) = ctx.saved_tensors
         rows = (grad * probs).sum(-1, keepdim=True, dtype=torch.float32).to(grad.dtype)
         return torch.sub(grad, rows).mul_(probs).mul_(ctx.scale), None, None
@@ -175,13 +185,13 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
 
     Work: T·(block + W) scores instead of the T²/2 of causal SDPA, so the speed-up over it is
     about T / (2·(W + block)). The mask covers every score of the middle call, also those of
-    keys all of a block's queries see. Masking only where needed was tried and measured: three
-    calls per window (the masked left edge, the unmasked interior, the block's own keys causal)
-    of SDPA's CPU flash kernel, merged by their log-sum-exps, with the kernel's backward per piece.
-    At s=8192, W=256-1024, 1 thread (experiments/bench_band_split.py), the mask cost 0-4% of the
-    single call; the split ran at 0.75-0.93x of it in fp32 (what precision=auto trains in on this
-    CPU) and 1.02-1.06x in bf16: three calls, the merge and the pieces' gradient copies cost about
-    what the mask's one add per score does, so the single call stays.
+    keys all of a block's queries see. Masking only where needed does not pay: three calls per
+    window (the masked left edge, the unmasked interior, the block's own keys causal) of SDPA's
+    CPU flash kernel, merged by their log-sum-exps, with the kernel's backward per piece. At
+    s=8192, W=256-1024, 1 thread (experiments/bench_band_split.py), the mask costs 0-4% of the
+    single call; the split runs at 0.75-0.93x of it in fp32 (what precision=auto trains in on a
+    CPU without native bf16) and 1.02-1.06x in bf16: three calls, the merge and the pieces'
+    gradient copies cost about what the mask's one add per score does.
     """
     B, H, T, D = q.shape
     if window is None or window >= T:
@@ -218,11 +228,11 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
     return torch.cat(outs, dim=2)
 
 
-# flash-attn's sliding window (window_size) arrived in 2.3.0. From 2.7.0 its functions are torch
+# flash-attn has a sliding window (window_size) from 2.3.0. From 2.7.0 its functions are torch
 # custom ops (torch.library.custom_op, flash_attn::_flash_attn_forward/_backward, PR
-# Dao-AILab/flash-attention#1139, merged in August 2024 after 2.6.3): torch.compile keeps them in
-# its graph, where 2.3-2.6's pybind calls broke the graph at every layer's attention. 3.x is
-# another API. pyproject.toml's `gpu` extra pins the same range.
+# Dao-AILab/flash-attention#1139): torch.compile keeps them in its graph, where 2.3-2.6's pybind
+# calls break the graph at every layer's attention. 3.x is another API. pyproject.toml's `gpu`
+# extra pins the same range.
 FLASH_ATTN_RANGE = ">=2.7,<3"
 
 
@@ -247,8 +257,8 @@ def flash_attn_problem() -> Optional[tuple]:
 def flash_attn_importable() -> bool:
     """flash-attn imports and is a version this code can call (else auto picks another backend).
     A constant to torch.compile: every layer asks it (kernels.attention=auto on CUDA in bf16), and
-    tracing into the cached import broke the graph inside the blocks' loop, which sent the whole
-    compiled step back to eager (an H200 ran train.compile=true at 0.86x of eager)."""
+    tracing into the cached import would break the graph inside the blocks' loop and send the
+    whole compiled step back to eager (train.compile=true at 0.86x of eager on an H200)."""
     return flash_attn_problem() is None
 
 
@@ -299,7 +309,7 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
     banded backend's query block size; `dropout` the probability of dropping an attention
     probability (training only: the caller passes 0 in eval). Every backend applies it inside its
     softmax(QKᵀ)V, so dropout changes which random numbers are drawn between backends, never what
-    they compute in expectation; at 0 they are equal to the reference, as before."""
+    they compute in expectation; at 0 every backend equals the reference."""
     if impl == "auto":
         impl = pick_attention_impl(q, window, block)
     if impl == "flash":
@@ -317,27 +327,23 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
 
 # --- Attention's inputs: the heads of the QKV projection, q and k rotated (RoPE) ---
 
-def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                    fused=False) -> tuple:
+def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
     """[B, T, 3*d] projections, rows grouped (head, q|k|v, head_dim) -> q, k, v, each [B, H, T, D],
     q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
     reference) with the fp32 cos/sin tables [T, D] rounded to qkv's dtype.
 
-    Written out rather than left to autograd (one layer at bench_step's default shape, fp32, forward and
-    backward, took 7.5 ms here against autograd's 14-18.6 ms). Autograd's rotation builds the rotated copy with a neg, a cat and
-    two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
+    Written out rather than left to autograd (one layer at bench_step's default shape, fp32, forward
+    and backward: 7.5 ms on a 2-core CPU against autograd's 14-18.6 ms). Autograd's rotation builds
+    the rotated copy with a neg, a cat and two muls, and its backward zero-fills and copies each half's slice, then stacks q, k and v's
     gradients and copies them back into the projection's layout. Here q and k are rotated
     together, a mul and two half-width multiply-adds over both; backward, one copy gathers dq and
     dk, the same three ops write their inverse rotation straight into the projection's layout,
-    and one copy writes dv. Inside a compiled model the plain ops go to inductor instead.
-
-    fused (kernels.fused, true or triton): the same plain ops compiled by inductor, one kernel each
-    way: forward, q and k read once and written rotated; backward, dq, dk and dv read once and the
-    projection's gradient written once (3.9 ms a layer forward and backward against the
-    written-out 8.0 ms, fp32, bench_step's default shape; the half-width multiply-adds above run at ~1 GB/s)."""
+    and one copy writes dv. Inside a compiled model the plain ops go to inductor instead, which
+    makes one kernel each way of them (3.9 ms a layer forward and backward against the written-out
+    8.0 ms, fp32, bench_step's default shape: the half-width multiply-adds run at ~1 GB/s)."""
     if torch.compiler.is_compiling():
         return _heads_then_rope(qkv, head_dim, cos, sin)
-    return (_FusedHeadsWithRope if fused else _HeadsWithRope).apply(qkv, head_dim, cos, sin)
+    return _HeadsWithRope.apply(qkv, head_dim, cos, sin)
 
 
 def _heads(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -350,7 +356,7 @@ def _heads(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The reference rotation of x [..., T, D] by the tables [T, D]: x * cos + (-x2, x1) * sin, each
     half written out. Compiled (kernels.fused, or a compiled model), this form is one vectorized
-    pass; the same sum with the rotated copy built by cat([-x2, x1]) compiled to a kernel 2-4x
+    pass; the same sum with the rotated copy built by cat([-x2, x1]) compiles to a kernel 2-4x
     slower (q and k forward 2.80 against 0.73 ms at bench_step's default shape, fp32)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -404,68 +410,10 @@ class _HeadsWithRope(torch.autograd.Function):
         return grad.view(B, T, -1), None, None, None
 
 
-def _rotated_q_and_k(qkv, head_dim: int, cos, sin):
-    """The fused forward's source: q and k rotated, each laid out [B, T, H, D]."""
-    q, k, _ = _heads(qkv, head_dim).unbind(3)
-    cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]: over the heads
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
-def _heads_with_rope_grad(dq, dk, dv, cos, sin):
-    """The fused backward's source: dq and dk turned back (the inverse rotation, -sin) and dv,
-    [B, H, T, D] each, written into the projection's [B, T, 3*d] layout."""
-    cos, sin = cos[:, None], sin[:, None]
-    dq, dk, dv = (g.transpose(1, 2) for g in (dq, dk, dv))
-    return torch.stack([apply_rope(dq, cos, -sin), apply_rope(dk, cos, -sin), dv], dim=3).flatten(2)
-
-
-class _FusedHeadsWithRope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qkv, head_dim, cos, sin):
-        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
-        ctx.save_for_backward(cos, sin)
-        q, k = _rotated_q_and_k_fused(qkv, head_dim, cos, sin)
-        v = _heads(qkv, head_dim)[:, :, :, 2]
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        cos, sin = ctx.saved_tensors
-        return _heads_with_rope_grad_fused(dq, dk, dv, cos, sin), None, None, None
-
-
 # --- Fused elementwise operators and the loss ---
 #
-# Each eager function below is the reference AND the source of its fused version: the fused path
-# is the same code compiled by inductor, so the two can only differ by rounding. They take
-# tensors (weights, bias), not modules, so one compiled graph serves every layer: a module
-# argument would make dynamo guard on its identity and recompile per layer.
-
-class _Compiled:
-    """fn compiled by torch.compile on first call, one static graph per input shape.
-
-    dynamic=False: a training run calls each op on one or two shapes (train, eval), and the
-    static graphs ran ~30% faster than one dynamic-shape graph here (LayerNorm + residual, bf16,
-    CPU); each new shape costs a compile (2-4 s on CPU). dynamic=None would be worse than either:
-    after the second shape it swaps in a dynamic graph that then also serves the first."""
-
-    def __init__(self, fn: Callable):
-        self.fn, self.compiled = fn, None
-
-    def __call__(self, *args):
-        if torch.compiler.is_compiling():  # inside a compiled model: let the outer graph fuse it
-            return self.fn(*args)
-        if any(torch.is_tensor(a) and a.is_meta for a in args):  # a rehearsal: shapes only, nothing to compile
-            return self.fn(*args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=False)
-        return self.compiled(*args)
-
-
-def _add_layer_norm(x, delta, weight, bias, eps: float):
-    x = x + delta
-    return x, F.layer_norm(x, weight.shape, weight, bias, eps)
-
+# The functions below are what a compiled step fuses, written so that inductor's one pass each
+# way computes what eager computes. They take tensors (weights, bias), not modules.
 
 def _bias_gelu(x, bias):
     # The bias joins in x's dtype, as it would inside the GEMM (nn.Linear under autocast), so a
@@ -488,19 +436,12 @@ def _cross_entropy(logits, targets):
     return (torch.logsumexp(logits, dim=-1) - target_logit).mean()
 
 
-_add_layer_norm_fused = _Compiled(_add_layer_norm)
-_bias_gelu_fused = _Compiled(_bias_gelu)
-_cross_entropy_fused = _Compiled(_cross_entropy)
-_rotated_q_and_k_fused = _Compiled(_rotated_q_and_k)
-_heads_with_rope_grad_fused = _Compiled(_heads_with_rope_grad)
-
-
 def layer_norm(x: torch.Tensor, norm: nn.LayerNorm, fused=False) -> torch.Tensor:
     """fused: a value of KernelsConfig.fused (False, True or "triton"), for every function here.
 
-    A lone LayerNorm is already one ATen kernel forward and one backward, so compiling it has
-    nothing to fuse; on this CPU inductor's LayerNorm loops ran at 0.40-0.70x of ATen's (1 thread,
-    bf16 and fp32, experiments/bench_kernels.py). fused=true keeps ATen's; only Triton replaces it."""
+    A lone LayerNorm is already one ATen kernel forward and one backward, so there is nothing to
+    fuse; on a CPU inductor's LayerNorm loops run at 0.40-0.70x of ATen's (1 thread, bf16 and fp32,
+    experiments/bench_kernels.py). Only Triton replaces it."""
     if _use_triton(fused, x):
         return kernels_triton.TritonLayerNorm.apply(x, None, norm.weight, norm.bias, norm.eps)
     return _norm(x, norm)
@@ -519,31 +460,33 @@ def _norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
 
 
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm, fused=False):
-    """Residual add then LayerNorm: returns (x + delta, LN(x + delta))."""
-    if not fused:
-        x = x + delta
-        return x, _norm(x, norm)
+    """Residual add then LayerNorm: returns (x + delta, LN(x + delta)). Inside a compiled step
+    inductor fuses the two, whatever fused says."""
     if _use_triton(fused, x):
         return kernels_triton.TritonLayerNorm.apply(x, delta, norm.weight, norm.bias, norm.eps)
-    return _add_layer_norm_fused(x, delta, norm.weight, norm.bias, norm.eps)
+    x = x + delta
+    return x, _norm(x, norm)
 
 
 def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], fused=False) -> torch.Tensor:
-    """Without a bias (model.bias=false) fused=true has nothing to fuse and keeps ATen's GeLU, one
-    kernel each way, as layer_norm keeps ATen's LayerNorm: inductor's lone GeLU ran at 0.70x of it
-    here (forward and backward of [2048, 1536] fp32, 6.01 against 4.19 ms; bench_step's default MLP)."""
+    """GeLU(x + bias); inside a compiled step inductor fuses the two, whatever fused says. Without
+    a bias (model.bias=false) there is nothing to fuse: ATen's GeLU is one kernel each way, and
+    inductor's lone GeLU runs at 0.70x of it on a CPU (forward and backward of [2048, 1536] fp32,
+    6.01 against 4.19 ms; bench_step's default MLP)."""
     if _use_triton(fused, x):
         return kernels_triton.TritonBiasGelu.apply(x, bias)
-    return (_bias_gelu_fused if fused and bias is not None else _bias_gelu)(x, bias)
+    return _bias_gelu(x, bias)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, fused=False) -> torch.Tensor:
-    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    if not fused:
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype. fused=true inside a
+    compiled step, and on meta tensors (a rehearsal, which stands for a GPU's compiled step): the
+    form inductor fuses into two reductions (_cross_entropy); from eager code, ATen's."""
     if _use_triton(fused, logits):
         return kernels_triton.TritonCrossEntropy.apply(logits.flatten(0, -2), targets.flatten()).mean()
-    return _cross_entropy_fused(logits, targets)
+    if fused and (torch.compiler.is_compiling() or logits.is_meta):
+        return _cross_entropy(logits, targets)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
 # --- Triton kernels (kernels.fused=triton): when they run; the kernels are in kernels_triton.py ---

@@ -73,11 +73,10 @@ def keep_freed_memory() -> str:
     By default glibc serves a block above its mmap threshold (128 KiB, rising on its own to at most
     32 MiB) with a fresh mapping that free() unmaps, and trims the top of its heap. A training step
     frees and allocates the same activation sizes every step, so the kernel faults in and zeroes
-    their pages every step: at bench_step's default shape (6 layers, d 384, batch 8 x 256, fp32, 2 cores)
-    8,000-35,000 minor faults and 15-75 ms of system time a step, in nanoGPT's step and in ours.
-    With the threshold at glibc's ceiling and trimming off, both take ~0 faults and their steps
-    773-828 ms became 749-769 (experiments/bench_step.py --allocator). jemalloc or tcmalloc through
-    LD_PRELOAD do the same (Intel's launcher for PyTorch preloads one); this needs nothing installed.
+    their pages every step, thousands of minor faults a step; with the threshold at glibc's ceiling
+    and trimming off there are none (experiments/bench_step.py --allocator; the figures are in
+    experiments/results/bench_step.md). jemalloc or tcmalloc through LD_PRELOAD do the same
+    (Intel's launcher for PyTorch preloads one); this needs nothing installed.
     Blocks above 32 MiB are still mapped afresh. The cost: the heap keeps its peak, which every
     step reaches again anyway."""
     try:
@@ -205,7 +204,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 # --- hardware=cpu_local: perfmodel's description of this machine ---
 
-LOCAL_MEASUREMENTS_VERSION = 5  # 2: the shape effect and attention's rate per dtype (the *_fp32 keys); 3: medians; 4: memory_efficiency; 5: with train.py's allocator
+LOCAL_MEASUREMENTS_VERSION = 5  # raised whenever what is measured, or how, changes: older caches are measured again
 
 
 def local_measurements_key() -> Dict[str, object]:
@@ -228,7 +227,7 @@ def local_measurements(remeasure: bool = False) -> Dict[str, float]:
     return measured
 
 
-# --- Measured beside a run: this shared machine's speed drifts (up to 2x over hours) ---
+# --- Measured beside a run: this shared machine's speed drifts over hours (perfmodel_validation.md) ---
 
 CALIBRATION = "calibration.json"  # in a run (or sweep) dir: measure_local_hardware before and after it
 
@@ -255,8 +254,8 @@ def calibration_beside(run_dir: Path) -> Optional[Dict[str, Dict[str, float]]]:
 
 def typical_time(fn, repeats: int = 5) -> float:
     """The median of a few runs after a warm-up. The runs a calibration prices are timed by their
-    median step on this shared machine, neighbours and all; the fastest of a few (timeit's rule)
-    read it 4-11% faster than the median, and priced every run that much too fast."""
+    median step on this shared machine, neighbours and all, so their rates are medians too; the
+    fastest of a few (timeit's rule) would price every run too fast."""
     fn()
     times = []
     for _ in range(repeats):
@@ -314,9 +313,9 @@ def _elementwise_efficiency(copy_Bps: float) -> float:
     perfmodel prices them as bytes / (bandwidth * efficiency). It is fitted on the tiny
     model's forward and backward in one process (8 x 256 tokens). The bytes are
     what the rehearsal counts (ledgers.Segment: every tensor read and written by a kernel that is
-    neither a GEMM nor attention). The seconds are those kernels' own time in torch.profiler. On
-    this EPYC they reach about a third of the copy's bandwidth: GeLU's erf and the loss's exp are
-    compute, not bytes."""
+    neither a GEMM nor attention). The seconds are those kernels' own time in torch.profiler. They
+    reach well below the copy's bandwidth (experiments/results/perfmodel_validation.md): GeLU's erf
+    and the loss's exp are compute, not bytes."""
     import kernels
     import model as gpt
     from clustermodel.ledgers import FlopLedger
@@ -366,16 +365,16 @@ def _shape_and_attention(gemm_rate, peak: float, dtype: torch.dtype) -> Dict[str
 
 def gemm_shape_efficiency(shapes, dtype: torch.dtype, threads: int) -> Dict[str, float]:
     """{"MxNxK": FLOP rate of [M,K] @ [K,N] / that of the 2048^3 GEMM}, at `threads` threads in
-    `dtype`, for perfmodel's gemm_time (hardware.gemm_shapes), in place of the half-dim model
-    (fitted on one skinny GEMM at the machine's thread count: on this EPYC it charged one-thread
-    ranks a small-shape penalty they do not pay). The shapes a rehearsal records are few, so each
-    is measured once and cached per CPU, torch, dtype and thread count.
+    `dtype`, for perfmodel's gemm_time (hardware.perfmodel.gemm_shapes), in place of the half-dim
+    model (fitted on one skinny GEMM at the machine's thread count, it misprices ranks of another
+    thread count: experiments/results/perfmodel_validation.md). The shapes a rehearsal records are
+    few, so each is measured once and cached per CPU, torch, dtype and thread count.
     A step runs a shape in one of three layouts (forward x @ W^T, input gradient g @ W, weight
     gradient g^T @ x) that the rehearsal does not tell apart: a shape's time is their mean. Each
     round times the shape right after the 2048^3 GEMM, and the table keeps the median ratio of
     5 rounds, so it holds while this shared machine's speed drifts (_shape_vs_peak)."""
     key = {"torch": torch.__version__, "cpu": cpu_model(), "dtype": str(dtype), "threads": threads,
-           "method": 2}  # 2: a ratio per round; tables of method 1 (a ratio of medians) are measured again
+           "method": 2}  # how the table is measured (_shape_vs_peak): a table of another method is measured again
     path = cache_dir() / "gemm_shapes.json"
     tables = json.loads(path.read_text()) if path.exists() else []
     table = next((t["efficiency"] for t in tables if t["key"] == key), None)
@@ -397,11 +396,10 @@ def gemm_shape_efficiency(shapes, dtype: torch.dtype, threads: int) -> Dict[str,
 
 
 def _shape_vs_peak(M: int, N: int, K: int, dtype: torch.dtype, rounds: int = 5) -> float:
-    """The median over `rounds` of (shape's rate / 2048^3 rate), each round timing both back to back.
-    A ratio of two medians taken seconds apart moved with this shared machine's load (CI read a
-    tiny shape at over 2x the peak while a neighbour slowed the peak's GEMM); a ratio per round
-    cancels the drift. A tiny shape runs in microseconds, so it is timed over enough calls to
-    outweigh the timer and the Python call."""
+    """The median over `rounds` of (shape's rate / 2048^3 rate), each round timing both back to back:
+    a ratio per round cancels this shared machine's drift in speed, which a ratio of two medians
+    taken seconds apart would carry (a neighbour slowing one GEMM and not the other). A tiny shape
+    runs in microseconds, so it is timed over enough calls to outweigh the timer and the Python call."""
     big = [torch.randn(2048, 2048, dtype=dtype) for _ in range(2)]
     x, w, xt = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype), torch.randn(K, M, dtype=dtype)
     wt = w.t().contiguous()
@@ -485,8 +483,8 @@ def link_calibration(rate_Gbps: float) -> Optional[Dict[str, object]]:
 def collective_host_s(world: int) -> Optional[float]:
     """What a small collective costs beside compute on this CPU with `world` ranks sharing it: the
     median over every `calibrate_comm.py --sharing` run here, at the most ranks it measured that
-    do not exceed world (2, 4 or 8), or None if it never ran on this CPU. (Its runs vary 4x with this
-    VM's scheduling: one run is not enough, and the median of them all is what is used.)"""
+    do not exceed world (2, 4 or 8), or None if it never ran on this CPU. One run varies with the
+    VM's scheduling (experiments/results/perfmodel_validation.md), so the median of them all is used."""
     by_ranks: Dict[int, list] = {}
     for record in _comm_calibrations():
         if "sharing" in record and record.get("cpu") == cpu_model():

@@ -134,7 +134,8 @@ class RunLog:
         self.jsonl.write(json.dumps({**metrics, "attempt": len(self.record["attempts"]) - 1}) + "\n")
         if self.wandb is not None:
             try:
-                self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+                self.wandb.log({k: v for k, v in metrics.items() if k != "step" and not _records(v)},
+                               step=metrics["step"])
             except Exception as err:  # a sink must never stop training
                 log.warning("W&B logging failed, continuing without it: %s", err)
                 self.wandb = None
@@ -211,3 +212,8 @@ def final_line(final: dict, cfg) -> str:
     return (f"done: {final['steps']} steps | loss {final['first_loss']:.3f} -> {final['loss']:.3f}{val} | "
             f"{final['tokens_per_s']:,.0f} tokens/s | {final['tflops_per_device']:.3f} TFLOP/s per device | "
             f"MFU {100 * final['mfu']:.1f}%")
+
+
+def _records(value) -> bool:
+    """A list of dicts (metrics.jsonl's straggler verdicts): W&B gets their scalars instead."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)

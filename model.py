@@ -103,7 +103,7 @@ class Attention(nn.Module):
         self.window = cfg.attention.window
         self.rope_theta, self.max_seq_len = cfg.rope_theta, cfg.max_seq_len
         self.impl, self.block_size = ops.attention, ops.attention_block
-        self.dropout, self.fused = cfg.dropout, ops.fused
+        self.dropout = cfg.dropout
         # Rows grouped as (head, q|k|v, head_dim), the GPT-NeoX/Megatron layout: a tensor-parallel
         # shard of the rows is a whole set of heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
@@ -118,7 +118,7 @@ class Attention(nn.Module):
         B, T, _ = qkv.shape
         cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device, self.max_seq_len, qkv.dtype)
         # The head count comes from qkv, not the config: under TP this rank holds a slice.
-        q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin, self.fused)  # kernels.apply_rope on q and k
+        q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin)  # kernels.apply_rope on q and k
         return self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
 
     def core(self, q, k, v):

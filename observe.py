@@ -9,20 +9,19 @@ while it runs, and on a hang the rank it started from.
   dtype, call site), kept in each entry. The functions are wrapped once at start-up, here, so
   no call site changes, and the rehearsal's Recorder (clustermodel/recorder.py), which wraps the same
   functions, wraps these in turn.
-- Spans: the phases the heartbeat is told (data, compute, eval, checkpoint) and every wait
-  overlap.WaitClock times (comm, bubble), with wall-clock start and duration; the op log's waits
-  say which group (tp, pp, dp) each wait was on.
+- Spans: the phases the heartbeat is told (data, compute, eval, checkpoint), the segments spans.py
+  times (forward and backward per chunk and microbatch, gc, checkpoint save, the agreed read) and
+  every wait overlap.WaitClock times, named by what it waits for (comm tp, bubble pp recv, comm pp
+  send, comm dp, comm optimizer, bubble agree: wait_label), with wall-clock start and duration.
 - Snapshots: the heartbeat thread (ft.Heartbeat) writes <run dir>/observe/attempt<A>/rank<K>.json (temporary
   file, then rename) with the ring, the spans, the main thread's Python stack and who wrote it
   (rank, host, pid, attempt, dp/pp/tp coordinates), at the heartbeat file's own bounded rate
   (at most every ft.hang_timeout/10 seconds once the first step is over, and only when
-  something changed), and once more at once when it finds a hang.
-- Hang localization (localize): on the hang timeout, rank 0 reads every rank's snapshot (once,
-  O(world) on one rank only) and names the root rank, its host, coordinates and why: dead (no
-  snapshot, or its process gone), skipped (went on to a later step without posting the
-  collective the others wait in), mismatch (posted another op or size at the same sequence
-  number: both call sites), busy outside communication (its Python stack), or a wait-for
-  cycle. The report is appended to faults.jsonl; the job then exits HANG_EXIT as ft.py does.
+  something changed), once more at once when it finds a hang, and at once on a stop signal
+  (lastwords.py, which also leaves every thread's stack on a fatal one).
+- Hang localization (hangs.localize): on the hang timeout, rank 0 reads every rank's snapshot
+  (once, O(world) on one rank only) and names the root rank and why. The report is appended to
+  faults.jsonl; the job then exits HANG_EXIT as ft.py does.
 - Desync (check_desync): every observe.desync_every heartbeats each rank publishes each group's
   (seq, hash) through the c10d store, and each group's lowest rank compares its members' with its
   own at that seq; a divergence is bisected to the first differing seq in the snapshots' rings and
@@ -50,7 +49,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import spans
 import timeline
+# Where a hang started (hangs.py reads the snapshots this module writes)
+from hangs import _blocked, localize, ranks_of, read_snapshots, read_snapshots_of, snapshot_dir  # noqa: F401
 # An op-log entry's fields (timeline.py defines them: it reads entries without importing this module)
 from timeline import BYTES, DIM, DONE, DTYPE, FIELDS, GROUP, HASH, OP, PAIR_SEQ, PEER, POST, SEQ, SITE, STEP, WAIT  # noqa: F401
 
@@ -74,6 +76,8 @@ class ObserveConfig:
     ring: int = 4096         # op-log entries kept per rank (a 175B rank 0 posts ~51k ops in a step at batch 768)
     spans: int = 2048        # phase and wait spans kept per rank; 0: none
     localize: bool = True    # on a hang, rank 0 reads every rank's snapshot and names the root rank
+    # On a stop signal, the snapshot at once (LastWords); on a fatal one, every thread's stack
+    signals: bool = True
     # Seconds rank 0 may wait in one op before it reads every rank's snapshot (once per op); a root
     # that is certain (dead, skipped, mismatch) then ends the job as a hang does, before
     # ft.hang_timeout. Keep it above ft.hang_timeout/10, the snapshots' age. 0: off.
@@ -105,6 +109,8 @@ class Recorder:
         self.stall_checked = None  # the op whose stall rank 0 last looked into
         self.swap_step, self.swapped, self.held = swap_step, None, None  # swap:RANK@STEP
         self.beats, self.desynced = 0, set()  # the desync check's state
+        self.waited = None  # the op whose wait began last (what a WaitClock wait waits for)
+        self.signals = []  # [{name, time}] of the stop signals this rank received (LastWords)
         self._saved = {}
 
     # --- recording ---
@@ -112,6 +118,8 @@ class Recorder:
     def mark(self, step: int, phase: str) -> None:
         """The training loop's phase changed (ft.Heartbeat.progress calls this)."""
         now = time.time()
+        if spans.DEVICE is not None and phase != "compute":  # the last step's host sync has passed its events
+            spans.DEVICE.resolve(self)
         if self.cfg.spans and self.spans and self.spans[-1][0] == "phase" and self.spans[-1][4] is None:
             self.spans[-1][4] = now - self.spans[-1][3]
         if self.cfg.spans:
@@ -120,8 +128,34 @@ class Recorder:
         self.version += 1
 
     def wait_span(self, kind: str, start: float, seconds: float) -> None:
-        """A wait WaitClock timed (kind: comm or bubble), at wall time `start`."""
+        """A wait WaitClock timed, at wall time `start`: kind is WaitClock's (comm or bubble), or on
+        a GPU the label wait_label gave it when it was queued."""
+        if " " not in kind:  # on a CPU the wait has just ended: its op is the one waited last
+            kind = self.wait_label(kind)
         self.spans.append(["wait", kind, self.step, start, seconds])
+
+    def wait_label(self, kind: str) -> str:
+        """What the wait of WaitClock's `kind` that has just ended waits for, from the op whose wait
+        began last: "comm tp", "bubble pp recv", "comm pp send", "comm dp", "comm optimizer" (the
+        gradient norm's and the LAMB trust ratios' all-reduces), "bubble agree" (the step's agreed
+        loss and stop flag); the kind alone where no op's wait began since the last wait ended."""
+        entry, self.waited = self.waited, None
+        if entry is None:
+            return kind
+        site = entry[SITE]
+        if site.startswith("optim.py") or site.endswith(" finish_gradients"):
+            what = "optimizer"
+        elif site.endswith(" agree"):
+            what = "agree"
+        elif entry[PEER] is not None:
+            what = f"{entry[DIM]} {entry[OP]}"
+        else:
+            what = entry[DIM]
+        return f"{kind} {what}"
+
+    def add_span(self, kind: str, name: str, start: float, seconds: float) -> None:
+        """A named segment (spans.py: forward, backward, gc, checkpoint save, agreed read)."""
+        self.spans.append([kind, name, self.step, start, seconds])
 
     def _group(self, group) -> str:
         group = group or dist.group.WORLD
@@ -205,6 +239,7 @@ class Recorder:
         if launched or kwargs.get("async_op"):
             return _Watched(original(*args, **kwargs), entry, self)
         entry[WAIT] = entry[POST]  # a blocking op waits from its post
+        self.waited = entry
         work = original(*args, **kwargs)
         entry[DONE] = time.time()
         self.version += 1
@@ -279,13 +314,14 @@ class Recorder:
                 "coords": self.coords, "time": time.time(), "step": self.step, "phase": self.phase,
                 "exiting": exiting, "fields": FIELDS, "ops": [list(e) for e in list(self.ops)],
                 "spans": [list(s) for s in list(self.spans)], "seq": dict(self.seq), "pairs": dict(self.pairs),
-                "hash": dict(self.hash), "members": dict(self.members), "stack": main_stack()}
+                "hash": dict(self.hash), "members": dict(self.members), "stack": main_stack(),
+                "signals": list(self.signals)}
 
     def write(self, run_dir: Path, exiting: str = "") -> Path:
         folder = snapshot_dir(run_dir, _attempt())
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.rank}.json"
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")  # the heartbeat's and a signal's may write at once
         tmp.write_text(json.dumps(self.snapshot(exiting)))
         os.replace(tmp, path)
         return path
@@ -375,6 +411,7 @@ class _Watched:
         if self.entry[WAIT] is None:
             self.entry[WAIT] = time.time()
             self.recorder.version += 1
+        self.recorder.waited = self.entry
         done = self.work.wait() if timeout is None else self.work.wait(timeout)
         if self.entry[DONE] is None:
             self.entry[DONE] = time.time()
@@ -417,11 +454,6 @@ def as_range(ranks: list) -> list:
     if step > 0 and ranks == list(range(ranks[0], ranks[-1] + 1, step)):
         return ["range", ranks[0], ranks[-1] + 1, step]
     return list(ranks)
-
-
-def ranks_of(members: list):
-    """The ranks as_range's form stands for."""
-    return range(*members[1:]) if members and members[0] == "range" else members
 
 
 def call_site() -> str:
@@ -467,9 +499,10 @@ def _attempt() -> int:
 RECORDER: Optional[Recorder] = None  # this process's, while a run records
 
 
-def start(cfg: ObserveConfig, layout) -> Optional[Recorder]:
-    """Install this rank's recorder (cfg.ops), or none."""
-    global RECORDER
+def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=None) -> Optional[Recorder]:
+    """Install this rank's recorder (cfg.ops), its segments (cfg.spans) and, with a run dir, its
+    last words on a signal (cfg.signals; from the main thread); or none."""
+    global RECORDER, LAST_WORDS
     if not cfg.ops:
         return None
     import ft
@@ -479,14 +512,30 @@ def start(cfg: ObserveConfig, layout) -> Optional[Recorder]:
     RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None,
                         swap[0] if swap else None)
     RECORDER.install()
+    if cfg.spans:
+        spans.SINK = RECORDER
+        if device is not None and torch.device(device).type == "cuda":
+            spans.DEVICE = spans.DeviceSegments(torch.cuda.Event)
+    if cfg.signals and run_dir is not None and threading.current_thread() is threading.main_thread():  # (signal's rule)
+        import lastwords
+        LAST_WORDS = lastwords.LastWords(RECORDER, Path(run_dir))
     return RECORDER
 
 
 def stop() -> None:
-    global RECORDER
+    global RECORDER, LAST_WORDS
+    if LAST_WORDS is not None:
+        LAST_WORDS.close()
+        LAST_WORDS = None
+    if spans.DEVICE is not None and RECORDER is not None:
+        spans.DEVICE.resolve(RECORDER)
+    spans.SINK, spans.DEVICE = None, None
     if RECORDER is not None:
         RECORDER.uninstall()
         RECORDER = None
+
+
+LAST_WORDS = None  # lastwords.LastWords, while a run records
 
 
 def dim_names(layout) -> dict:
@@ -500,148 +549,13 @@ def dim_names(layout) -> dict:
     return names
 
 
-# --- Where a hang started, from every rank's snapshot ---
-
-def snapshot_dir(run_dir: Path, attempt: int) -> Path:
-    """Where an attempt's snapshots go: each restart keeps its own, so a crashed attempt's last
-    state stays beside the next attempt's."""
-    return Path(run_dir) / "observe" / f"attempt{attempt}"
-
-
-def read_snapshots(run_dir: Path, world: int, attempt: int) -> dict:
-    """{rank: its snapshot in that attempt, or None where it has none (or an unreadable one)}."""
-    return read_snapshots_of(run_dir, attempt, range(world))
-
-
-def read_snapshots_of(run_dir: Path, attempt: int, ranks) -> dict:
-    out = {}
-    for rank in ranks:
-        try:
-            out[rank] = json.loads((snapshot_dir(run_dir, attempt) / f"rank{rank}.json").read_text())
-        except (OSError, ValueError):
-            out[rank] = None
-    return out
-
-
-def localize(snaps: dict) -> dict:
-    """The rank a hang started from, and why: {rank, host, coords, reason, detail, op, group, dim,
-    seq, step, site, waiting}. reason: dead | skipped | mismatch | busy | cycle | waiting."""
-    for rank, snap in sorted(snaps.items()):
-        if snap is None or _gone(snap):
-            why = "no snapshot" if snap is None else f"process {snap['pid']} on {snap['host']} is gone"
-            return _report(rank, snap, "dead", why, _first_wait(snaps, waiting_on=rank))
-    blocked = {r: _blocked(s) for r, s in snaps.items()}
-    edges = {}
-    for rank, entry in sorted(blocked.items()):
-        if entry is None:
-            continue
-        for other, why, theirs in _blockers(snaps, rank, entry):
-            if why == "skipped":
-                where = f" (it would have been {theirs[SITE]})" if theirs else ""
-                return _report(other, snaps[other], "skipped", f"did not post {entry[OP]} #{entry[SEQ]} of group "
-                               f"{entry[GROUP]} ({entry[DIM]}){where} and went on (now step "
-                               f"{snaps[other]['step']}, {snaps[other]['phase']}); rank {rank} waits in it at "
-                               f"{entry[SITE]}", entry, sites=[entry[SITE]] + ([theirs[SITE]] if theirs else []))
-            if why == "mismatch":
-                return _report(other, snaps[other], "mismatch", f"posted {theirs[OP]} of {theirs[BYTES]} bytes "
-                               f"at {theirs[SITE]} as #{entry[SEQ]} of group {entry[GROUP]}, where rank {rank} "
-                               f"posted {entry[OP]} of {entry[BYTES]} bytes at {entry[SITE]}", entry,
-                               sites=[entry[SITE], theirs[SITE]])
-            edges.setdefault(rank, other)
-    if not edges:
-        rank = min(snaps, key=lambda r: (snaps[r]["step"], r))
-        return _report(rank, snaps[rank], "busy", "no rank waits for another; it is the furthest behind",
-                       None, stack=snaps[rank]["stack"])
-    rank, chain = min(edges), []
-    while rank in edges and rank not in chain:
-        chain.append(rank)
-        rank = edges[rank]
-    waited = blocked[chain[-1]]
-    if rank in chain:
-        cycle = chain[chain.index(rank):] + [rank]
-        return _report(rank, snaps[rank], "cycle", "wait-for cycle: " + " -> ".join(
-            f"rank {r} ({blocked[r][OP]} #{blocked[r][SEQ]} of {blocked[r][GROUP]} at {blocked[r][SITE]})"
-            for r in cycle[:-1]) + f" -> rank {rank}", blocked[cycle[0]])
-    if blocked[rank] is None:
-        stack = snaps[rank]["stack"]
-        return _report(rank, snaps[rank], "busy", f"not in any collective or send/receive while rank "
-                       f"{chain[-1]} waits for it; its stack ends at {stack[-1] if stack else '?'}", waited,
-                       stack=stack)
-    return _report(rank, snaps[rank], "waiting", f"waits in {blocked[rank][OP]} at {blocked[rank][SITE]}, "
-                   "which every peer has posted", waited)
-
-
-def _gone(snap: dict) -> bool:
-    """Whether a snapshot's process has died (known only on this host; a rank that exited after
-    reporting the hang itself is not dead)."""
-    if snap.get("exiting") or snap["host"] != socket.gethostname():
-        return False
-    try:
-        os.kill(snap["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    return False
-
-
-def _blocked(snap: dict) -> Optional[list]:
-    """The op this rank's main thread waits in: its wait began and has not ended."""
-    return next((e for e in reversed(snap["ops"]) if e[WAIT] is not None and e[DONE] is None), None)
-
-
-def _posted(snap: dict, group: str, seq: int, skipped: bool = False) -> Optional[list]:
-    """The collective a rank posted (or, with `skipped`, an injected skip recorded) as number `seq`."""
-    return next((e for e in reversed(snap["ops"]) if e[GROUP] == group and e[PEER] is None and e[SEQ] == seq
-                 and e[OP].startswith("skipped") == skipped), None)
-
-
-def _blockers(snaps: dict, rank: int, entry: list) -> list:
-    """[(rank, why, its entry)] of the ranks `rank`'s op `entry` waits for. why: not posted |
-    skipped (it went on to a later step) | mismatch (another op or size at the same number)."""
-    if entry[PEER] is not None:
-        peer, other = entry[PEER], "recv" if entry[OP] == "send" else "send"
-        snap = snaps.get(peer)
-        done = snap["pairs"].get(f"{entry[GROUP]}:{other}:{rank}", 0) if snap else 0
-        return [(peer, "not posted", None)] if done < entry[PAIR_SEQ] else []
-    out = []
-    for member in ranks_of(snaps[rank]["members"].get(entry[GROUP], [])):
-        snap = snaps.get(member)
-        if member == rank or snap is None:
-            continue
-        if snap["seq"].get(entry[GROUP], 0) < entry[SEQ]:
-            out.append((member, "skipped" if snap["step"] > entry[STEP] else "not posted", None))
-            continue
-        theirs = _posted(snap, entry[GROUP], entry[SEQ], skipped=True)
-        if theirs is not None and theirs[OP].startswith("skipped"):
-            out.append((member, "skipped", theirs))
-            continue
-        theirs = _posted(snap, entry[GROUP], entry[SEQ])
-        if theirs is not None and (theirs[OP], theirs[BYTES]) != (entry[OP], entry[BYTES]):
-            out.append((member, "mismatch", theirs))
-    return out
-
-
-def _first_wait(snaps: dict, waiting_on: int) -> Optional[list]:
-    return next((e for r, s in sorted(snaps.items()) if s is not None and r != waiting_on
-                 for e in [_blocked(s)] if e is not None), None)
-
-
-def _report(rank: int, snap: Optional[dict], reason: str, detail: str, entry: Optional[list], **extra) -> dict:
-    out = {"rank": rank, "host": snap["host"] if snap else None, "coords": snap["coords"] if snap else None,
-           "reason": reason, "detail": detail}
-    if entry is not None:
-        out.update({"op": entry[OP], "group": entry[GROUP], "dim": entry[DIM], "step": entry[STEP],
-                    "seq": entry[SEQ] if entry[PEER] is None else entry[PAIR_SEQ],  # a send/receive's: per pair
-                    "peer": entry[PEER], "site": entry[SITE]})
-    return {**out, **extra}
-
-
 # --- python observe.py RUN_DIR: the diagnosis, the timeline and a short report ---
 
 def diagnose(run_dir: Path) -> dict:
-    """Write RUN_DIR/observe/diagnosis.json, trace.json and report.txt from the newest attempt's
-    snapshots and faults.jsonl; works while the run still runs (the snapshots are renamed into place)."""
+    """Write RUN_DIR/observe/diagnosis.json, trace.json, timeline.png, heatmap.png and report.txt
+    from the newest attempt's snapshots and faults.jsonl; works while the run still runs (the
+    snapshots are renamed into place). The timeline gains the replay's predicted track where
+    predicted.py has written observe/predicted.json."""
     run_dir = Path(run_dir)
     attempts = sorted(int(p.name.removeprefix("attempt")) for p in (run_dir / "observe").glob("attempt*"))
     if not attempts:
@@ -656,21 +570,43 @@ def diagnose(run_dir: Path) -> dict:
             hangs.append({**{k: event["root"].get(k) for k in ("rank", "op", "group", "seq", "reason")},
                           "attempt": event["attempt"], "detail": event["root"]["detail"]})
     desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
+    import stragglers
+    late = stragglers.post_lateness(snaps, offsets)
+    signals = {r: s["signals"] for r, s in sorted(snaps.items()) if s.get("signals")}
+    fatal = {int(p.name.split(".")[0].removeprefix("rank")): p.read_text().splitlines()[0]
+             for p in sorted(folder.glob("rank*.stacks.txt")) if p.stat().st_size}  # faulthandler's first line
     diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "desync": desyncs,
+                 "hangs": hangs, "desync": desyncs, "stragglers": stragglers.from_metrics(run_dir, late),
+                 "post_late_ms": {str(r): ms for r, ms in late.items()}, "signals": signals, "fatal": fatal,
                  "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
     out = run_dir / "observe"
+    predicted = _predicted(run_dir, snaps)
+    diagnosis["predicted_track"] = sorted(predicted)
     _write(out / "diagnosis.json", json.dumps(diagnosis, indent=1))
-    _write(out / "trace.json", json.dumps(timeline.trace(snaps, offsets)))
+    _write(out / "trace.json", json.dumps(timeline.trace(snaps, offsets, predicted)))
+    timeline.figure(snaps, offsets, out / "timeline.png", predicted)
+    stragglers.heat_map(run_dir, out)
     lines = [f"{run_dir}: attempt {attempts[-1]}, {len(snaps)} ranks' snapshots",
              f"clocks aligned from matched collectives; residual {residual * 1e3:.3f} ms"]
     lines += [f"hang (attempt {h['attempt']}): rank {h['rank']}, {h['reason']}: {h['detail']}" for h in hangs] or \
         ["no hang reported"]
     lines += [f"desync (attempt {d['attempt']}): rank {d['rank']}: {d['detail']}" for d in desyncs] or \
         ["no desync reported"]
+    lines += [f"straggler: rank {s['rank']}, {s['kind']}, {s['slowdown']:.2f}x its peers, {s['cost_pct']:.1f}% of "
+              f"the step (first at step {s['first_step']}); posts its collectives {s.get('post_late_ms', '?')} ms "
+              "after the first member (median)" for s in diagnosis["stragglers"]] or ["no straggler reported"]
+    lines += [f"rank {r} received {', '.join(s['name'] for s in got)}" for r, got in signals.items()]
+    lines += [f"rank {r}: {first} (every thread's stack in {folder.name}/rank{r}.stacks.txt)" for r, first in fatal.items()]
     _write(out / "report.txt", "\n".join(lines) + "\n")
     return diagnosis
+
+
+def _predicted(run_dir: Path, snaps: dict) -> dict:
+    """{rank: the replay's predicted spans} from RUN_DIR/observe/predicted.json (python predicted.py
+    RUN_DIR writes it), or {}."""
+    path = Path(run_dir) / "observe" / "predicted.json"
+    return timeline.lay_predicted(snaps, json.loads(path.read_text())["stages"]) if path.exists() else {}
 
 
 def _write(path: Path, text: str) -> None:
@@ -682,10 +618,23 @@ def _write(path: Path, text: str) -> None:
 def main(argv: Optional[list] = None) -> None:
     import argparse
     parser = argparse.ArgumentParser(prog="observe.py", description="A run dir's diagnosis, timeline and report.")
-    parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir)")
+    parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir), or a folder of PyTorch "
+                        "Flight Recorder dumps (<prefix><rank>, as TORCH_FR_DUMP_TEMP_FILE names them)")
     run_dir = parser.parse_args(argv).run_dir
-    diagnose(run_dir)
+    if not any((run_dir / "observe").glob("attempt*")) and run_dir.is_dir() and _holds_dumps(run_dir):
+        import flightrec  # another job's collectives, from its Flight Recorder
+        flightrec.diagnose(run_dir)
+    else:
+        diagnose(run_dir)
     print((run_dir / "observe" / "report.txt").read_text(), end="")
+
+
+def _holds_dumps(folder: Path) -> bool:
+    import flightrec
+    try:
+        return bool(flightrec.dump_files(folder))
+    except SystemExit:
+        return False
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ class WaitClock:
         self._pool, self._used, self.seconds = [], 0, {}
         self._pairs, self._span, self._t0, self._wall0 = [], None, 0.0, 0.0
         self.on_wait = None  # f(kind, wall-clock start, seconds) for each wait: observe.py's spans
+        self.describe = None  # f(kind) -> the wait's label as it is queued (observe.py: "comm tp", ...)
 
     def _event(self):
         if self._used == len(self._pool):
@@ -82,7 +83,7 @@ class WaitClock:
             start.record()
             yield
             end.record()
-            self._pairs.append((kind, start, end))
+            self._pairs.append((kind, start, end, self.describe(kind) if self.describe else kind))
             return
         t0 = time.perf_counter()
         yield
@@ -104,10 +105,10 @@ class WaitClock:
         if end is not None:
             end.synchronize()  # already passed: host_sync waited for the stream
             span = self._span.elapsed_time(end) / 1e3
-            for kind, a, b in self._pairs:
+            for kind, a, b, label in self._pairs:
                 self.seconds[kind] = self.seconds.get(kind, 0.0) + a.elapsed_time(b) / 1e3
                 if self.on_wait is not None:  # placed on the host's clock from the step's start
-                    self.on_wait(kind, self._wall0 + self._span.elapsed_time(a) / 1e3, a.elapsed_time(b) / 1e3)
+                    self.on_wait(label, self._wall0 + self._span.elapsed_time(a) / 1e3, a.elapsed_time(b) / 1e3)
         comm, bubble = self.seconds.get("comm", 0.0), self.seconds.get("bubble", 0.0)
         figures = {"step_s": step_s, "comm_s": comm, "bubble_s": bubble, "compute_s": max(0.0, span - comm - bubble)}
         self.start_step("cpu")  # waits outside a step (evaluation, checkpoints) start from zero

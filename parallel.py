@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+import spans
 from errors import ConfigError
 from overlap import CLOCK
 from pipeline import Pipeline, autocast, split_for_pipeline
@@ -430,6 +431,7 @@ class ParallelModel:
         microbatch casts the weights again)."""
         self.layout, self.cfg, self.fused = layout, cfg, fused
         self._microbatch_loss = self._eager_microbatch_loss  # compile() may swap in a compiled one
+        self._cuda_graphs = False  # compile(mode="reduce-overhead"): the compiled step replays CUDA graphs
         on_meta = next(model.parameters()).is_meta
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Split first: the TP and recompute forwards bind to the modules each chunk really holds.
@@ -484,6 +486,7 @@ class ParallelModel:
         names were given. Returns what was compiled, for the log line."""
         if self.pipeline is None and self.layout.tp == 1:
             self._microbatch_loss = torch.compile(self._eager_microbatch_loss, **options)
+            self._cuda_graphs = options.get("mode") == "reduce-overhead"
             return "forward, loss and backward, one graph"
         for chunk in self.chunks:
             chunk.compile(**options)
@@ -523,13 +526,18 @@ class ParallelModel:
         if self.pipeline is not None:
             return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
         total = None  # (one microbatch: its loss as it is, no zeros, no division by 1, no add)
-        for x, y in zip(xs, ys):
-            with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward):
+        for mb, (x, y) in enumerate(zip(xs, ys)):
+            if self._cuda_graphs:  # each microbatch a new replay: the last one's outputs are used up
+                torch.compiler.cudagraph_mark_step_begin()
+            with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward), \
+                    spans.segment(spans.action_name(("F", mb, 0)), x.device):
                 loss = self._microbatch_loss(x, y)
                 loss = loss / len(xs) if len(xs) > 1 else loss
             if backward:
-                loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
+                with spans.segment(spans.action_name(("B", mb, 0)), x.device):
+                    loss.backward()
+            kept = loss.detach().clone() if self._cuda_graphs else loss.detach()  # a replay reuses its outputs' memory
+            total = kept if total is None else total + kept
         return total
 
     def finish_gradients(self, max_norm: float) -> torch.Tensor:
@@ -615,7 +623,8 @@ def agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tens
 
 def read_agreed(agreed: torch.Tensor, layout) -> tuple:
     """The host read of agree's result: (mean loss, stop flag[, grad norm])."""
-    values = agreed.tolist()
+    with spans.segment("agreed read"):  # the host's wait for the step's device work
+        values = agreed.tolist()
     values[0] /= layout.dp * layout.tp
     values[1] = values[1] > 0
     return tuple(values)

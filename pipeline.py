@@ -37,6 +37,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+import spans
 from overlap import CLOCK
 
 
@@ -179,7 +180,8 @@ class Pipeline:
                     work.wait()
             elif step[0] == "compute":
                 buf = received.pop(step[1], (None, None))[1]
-                out = self._compute(step[2], buf, inputs, targets, loss_fn, autocast_dtype, backward, saved)
+                with spans.segment(spans.action_name(step[2]), self.device):
+                    out = self._compute(step[2], buf, inputs, targets, loss_fn, autocast_dtype, backward, saved)
                 if out is not None and out.dim() == 0:
                     total += out
                 self._release_completed()

@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -37,12 +38,13 @@ import observe
 import optim
 import parallel
 import sampling
+import spans
+import stragglers
 from errors import ConfigError, fail
 from overlap import CLOCK
 from model import GPT, count_params, flops_per_token, matmul_params
 
 log = logging.getLogger("train")
-config.register()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -183,7 +185,10 @@ def set_up_model(cfg: config.Config, layout, device: torch.device, dtype: torch.
                             dtype=dtype, device=device, seed=cfg.train.seed)
     compiling, why = compile_choice(cfg.train.compile, device)
     if compiling:
-        why += f": torch.compile of {engine.compile()}"
+        options, note = compile_mode_choice(cfg.train.compile_mode, device)
+        why += f": torch.compile of {engine.compile(**options)}{note}"
+    elif cfg.train.compile_mode != "default":
+        why += f"; train.compile_mode={cfg.train.compile_mode} unused: the step runs eager"
     if layout.rank == 0:
         log.info("%s; %s", why, allocator)
     return engine, compiling, n_params
@@ -217,10 +222,11 @@ def open_run_log(run: Run, start: int) -> None:
 
 
 class Step:
-    """One training step, as the loop's body sees it: its batch (on the host) and its one read."""
+    """One training step, as the loop's body sees it: its batch (on the host), the seconds the
+    loader took to hand it over, and its one read."""
 
-    def __init__(self, batch: tuple, clock, device: torch.device, recorder):
-        self.batch, self.clock, self.device, self.recorder = batch, clock, device, recorder
+    def __init__(self, batch: tuple, data_s: float, clock, device: torch.device, recorder):
+        self.batch, self.data_s, self.clock, self.device, self.recorder = batch, data_s, clock, device, recorder
         self.timing: dict = {}  # the wait clock's figures, once read
 
     def read(self, host_sync):
@@ -237,7 +243,8 @@ class StepContext:
     - the clock (overlap.WaitClock): the step's span from entry to its one host read, and the
       compute stream's stalls on communication inside it (the step's metrics: metrics.breakdown);
     - the heartbeat's phase: "data" while the batch is read, then "compute";
-    - the batch, read inside the clock's span (a slow loader shows in the step's time);
+    - the batch, read inside the clock's span (a slow loader shows in the step's time), and the
+      loader's own seconds (the straggler detector's data time);
     - with rehearse.record, for the run's first rehearse.steps steps, the recorder
       (clustermodel/recorder.py): every collective and host read the step makes after its batch is
       read (where a rehearsal's step starts: it has no loader), written to `record_to` after the
@@ -252,13 +259,15 @@ class StepContext:
     def enter(self, number: int):
         self.clock.start_step(self.device)
         self.beat.progress(number, "data")
+        loading = time.perf_counter()
         batch = next(self.loader)
+        data_s = time.perf_counter() - loading
         self.beat.progress(number, "compute")
         recorder = self.recorder if self.recorder is not None and number <= self.last_recorded else None
         with recorder if recorder is not None else contextlib.nullcontext():
             if recorder is not None:
                 recorder.step = number - self.first
-            yield Step(batch, self.clock, self.device, recorder)
+            yield Step(batch, data_s, self.clock, self.device, recorder)
         if recorder is not None and number == self.last_recorded:
             recorder.write(self.record_to)
 
@@ -283,12 +292,13 @@ class Loop:
         self.stop = launch.StopFlag()
         first_step_work = ", ".join(["torch.compile of every chunk"] * run.compiling +
                                     ["the communicators' set-up"] * (run.world > 1))
-        observer = observe.start(cfg.observe, layout)  # the op log and spans, written by the heartbeat
+        observer = observe.start(cfg.observe, layout, run.run_dir, run.device)  # the op log and spans, written by the heartbeat
         if observer is not None and cfg.observe.spans:
-            CLOCK.on_wait = observer.wait_span
+            CLOCK.on_wait, CLOCK.describe = observer.wait_span, observer.wait_label
         self.beat = ft.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
         self.faults = ft.Faults(run.rank, run.run_dir)
         self.collector = ft.CollectGarbage(cfg.train.gc_interval)
+        self.detector = self._time_compute(run)
         self.steps = StepContext(CLOCK, run.device, self.beat, run.loader, step_recorder(cfg, run), start,
                                  cfg.rehearse.steps, run.run_dir / "comm" / f"rank{run.rank}.json")
         self.bar = _progress(cfg, run.rank, start)
@@ -297,6 +307,22 @@ class Loop:
                                               pin_memory=run.device.type == "cuda") \
             if cfg.train.eval_interval > 0 else []
 
+    def _time_compute(self, run: Run):
+        """The slow:/spike: faults, in the step's own compute, and the straggler detector
+        (stragglers.py), timing the forward and backward, slowed ones included. Returns the
+        detector, or None without ft.straggler_interval."""
+        cfg, engine = run.cfg, run.engine
+        if engine.pipeline is not None:
+            engine.pipeline._compute = self.faults.slowing(engine.pipeline._compute, lambda: self.beat.step)
+        else:
+            engine.forward_backward = self.faults.slowing(engine.forward_backward, lambda: self.beat.step)
+        if not cfg.ft.straggler_interval:
+            return None
+        detector = stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
+                                       cfg.ft.straggler_windows, run.device, run.run_dir)
+        engine.forward_backward = detector.timed(engine.forward_backward)
+        return detector
+
     def run_steps(self) -> None:
         """Steps to train.max_steps, each followed by what falls due (evaluation, the health checks,
         the row of metrics, a checkpoint), or until the ranks agree to stop (a signal: status
@@ -304,11 +330,11 @@ class Loop:
         cfg, run = self.run.cfg, self.run
         for step in range(self.start + 1, cfg.train.max_steps + 1):
             self.step = step
-            row, stop_now = self.train_step(step)
+            row, stop_now, current = self.train_step(step)
             if self.eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
                 self.beat.progress(step, "eval")
                 row["val_loss"] = evaluate(run.engine, self.eval_set, run.device, run.autocast_dtype, run.layout)
-            row.update(health(step, row, cfg, run.layout, self.collector))
+            row.update(health(step, current.timing, current.data_s, self.collector, self.detector, run.rank))
             run.log.step(row)
             self.history.append(row)
             _report(row, cfg, self.bar, run.rank)
@@ -322,8 +348,8 @@ class Loop:
                 return
 
     def train_step(self, step: int) -> tuple:
-        """One optimizer step in the step context. Returns its row of metrics and whether the ranks
-        agreed to stop."""
+        """One optimizer step in the step context. Returns its row of metrics, whether the ranks
+        agreed to stop, and the step (its timing, its data loader's time)."""
         run = self.run
         with self.steps.enter(step) as current:
             inputs, targets = (t.to(run.device, non_blocking=True) for t in current.batch)
@@ -336,7 +362,7 @@ class Loop:
         row = {"step": step, "loss": loss, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                **run.meter(timing["step_s"]), **metrics.breakdown(timing), "memory_gib": metrics.memory_gib(run.device),
                **metrics.memory_reserved(run.device)}
-        return row, stop_now
+        return row, stop_now, current
 
     def save(self, step: int) -> None:
         self.beat.progress(step, "checkpoint")
@@ -359,7 +385,7 @@ class Loop:
         self.run.loader.close()
         self.run.saver.close()
         self.beat.close()
-        CLOCK.on_wait = None
+        CLOCK.on_wait = CLOCK.describe = None
         observe.stop()
         self.collector.close()
         if self.bar is not None:
@@ -403,20 +429,14 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
     return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
 
 
-def health(step: int, row: dict, cfg: config.Config, layout, collector) -> dict:
-    """The synchronised GC (its time) and, every ft.straggler_interval steps, the ranks whose
-    compute is more than ft.straggler_threshold slower than the median, with their hosts."""
+def health(step: int, timing: dict, data_s: float, collector, detector, rank: int) -> dict:
+    """The synchronised GC (its time) and the straggler verdicts confirmed at this step (stragglers.py:
+    the rank, the kind, its slowdown over its peers and its cost to the step), logged by rank 0."""
     out = {"gc_s": collector.after_step(step)}
-    every = cfg.ft.straggler_interval
-    if every and step % every == 0:
-        slow = ft.stragglers(row["compute_s"], layout, cfg.ft.straggler_threshold)
-        out["stragglers"] = len(slow)
-        for r, host, seconds, slowdown in slow:
-            log.warning("straggler at step %d: rank %d on %s computes in %.3f s, %.0f%% slower than the median",
-                        step, r, host, seconds, 100 * slowdown)
-        if slow:
-            out["straggler_ranks"] = [f"{r}@{host}" for r, host, _, _ in slow]
-            out["straggler_max_slowdown"] = max(s for *_, s in slow)
+    if detector is not None:
+        verdicts = detector.step(step, timing, data_s)
+        if rank == 0:
+            out.update(stragglers.log_verdicts(verdicts, step))
     return out
 
 
@@ -469,6 +489,18 @@ def what_computed(cfg: config.Config, device: torch.device, dtype: torch.dtype, 
     return ran
 
 
+def compile_mode_choice(mode: str, device: torch.device) -> tuple:
+    """(torch.compile's options, what the log line adds) for train.compile_mode. reduce-overhead
+    records the compiled step as CUDA graphs, one launch for a graph's kernels, which pays where a
+    step is launch-bound; CUDA graphs exist on CUDA only, so elsewhere the step compiles as default."""
+    if mode == "default":
+        return {}, ""
+    if device.type != "cuda":
+        return {}, (f"; train.compile_mode={mode}: no CUDA graphs on {device.type.upper()}, the step compiles "
+                    "as mode=default")
+    return {"mode": mode}, f"; train.compile_mode={mode}: the step recorded as CUDA graphs"
+
+
 def compile_choice(setting, device: torch.device) -> tuple:
     """(whether to torch.compile, the log line saying why). train.compile=true or false is obeyed;
     null, the default, picks the faster of the two as experiments/bench_step.py measures them
@@ -488,7 +520,8 @@ def save(saver, step, engine, optimizer, scheduler, loader, cfg) -> None:
     """Every rank saves its pieces (checkpoint.py); with checkpoint.async_save this returns once
     they are copied to host memory."""
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
-    saver.save(step, checkpoint.training_state(step, engine, optimizer, scheduler, loader, config_dict))
+    with spans.segment("checkpoint save"):  # what the save holds training up (an async save: its copy to host)
+        saver.save(step, checkpoint.training_state(step, engine, optimizer, scheduler, loader, config_dict))
 
 
 def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group, model_cfg=None) -> int:
@@ -602,6 +635,7 @@ def _pickle_config_modules_by_name() -> None:
 
 
 if __name__ == "__main__":
+    config.register()  # the schema and the YAML's resolvers, for every composition below (Hydra's too)
     jobs = config.preflight(sys.argv[1:])
     slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
     if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued

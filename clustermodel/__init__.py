@@ -8,7 +8,9 @@
   (nccl_rules.py), memory and FLOPs counted (ledgers.py), per-rank start-up and host costs counted
   (rank_costs.py, host_syncs.py).
 - replay.py: a rehearsal's program priced on a machine's rates.
+- schema.py: this folder's part of the configuration (hardware.perfmodel, rehearse), a leaf that
+  config.py assembles into the root.
 
-The training path (the repository's flat files) imports from here only to rehearse itself and to
-check a config's memory before any rank works.
+The training path (the repository's flat files) imports from here only its schema, and lazily to
+rehearse itself and to check a config's memory before any rank works.
 """

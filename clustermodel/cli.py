@@ -32,6 +32,7 @@ import config
 import machine
 from clustermodel import perfmodel as pm
 from clustermodel import replay
+from clustermodel.schema import PerfModelHardware
 from errors import ConfigError
 # Table 3's row names and the number formats: one definition, shared with the tables of measured runs.
 from experiments.tables import ABLATION_LABELS, markdown_table, pct, seconds
@@ -206,7 +207,7 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
     unless include_oom; TP stays inside a host."""
     hw = pm.resolve_hardware(cfg.hardware)
     m, L = cfg.model, cfg.model.n_layers
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.devices_per_host and m.n_heads % t == 0]
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.perfmodel.devices_per_host and m.n_heads % t == 0]
     ranked = []
     for tp in tps:
         for pp in (p for p in range(1, L + 1) if L % p == 0 and gpus % (tp * p) == 0):
@@ -358,7 +359,7 @@ def fabric_hardware(cfg: config.Config, fabric: str) -> Optional[config.Hardware
     recorded (run.json's study.fabric = emulated:<hosts>x<ranks>@<rate>, as make demo's runs have it)."""
     h = cfg.hardware
     if h.name.startswith("emulated"):
-        per_host, gbps = h.devices_per_host, h.inter_host_Gbps
+        per_host, gbps = h.perfmodel.devices_per_host, h.perfmodel.inter_host_Gbps
     elif fabric.startswith("emulated:"):
         shape, rate = fabric.split(":", 1)[1].split("@")
         if "/" in rate:
@@ -367,7 +368,8 @@ def fabric_hardware(cfg: config.Config, fabric: str) -> Optional[config.Hardware
         gbps = float(rate.removesuffix("mbit")) / 1000 if rate.endswith("mbit") else float(rate.removesuffix("gbit"))
     else:
         return None
-    return compose([EMULATED, f"hardware.devices_per_host={per_host}", f"hardware.inter_host_Gbps={gbps}"]).hardware
+    return compose([EMULATED, f"hardware.perfmodel.devices_per_host={per_host}",
+                    f"hardware.perfmodel.inter_host_Gbps={gbps}"]).hardware
 
 
 def measured_beside(hw: config.HardwareConfig, run: Path) -> Tuple[config.HardwareConfig, Optional[float]]:
@@ -377,13 +379,27 @@ def measured_beside(hw: config.HardwareConfig, run: Path) -> Tuple[config.Hardwa
     taken = machine.calibration_beside(run)
     if taken is None:
         return hw, None
-    hw = copy.copy(hw)
+    hw = copy.deepcopy(hw)
     for key in pm.MEASURED + pm.MEASURED_FP32:
         values = [m[key] for m in taken.values() if key in m]
-        if getattr(hw, key) is None and values:
-            setattr(hw, key, sum(values) / len(values))
+        if getattr(pm.owner(hw, key), key) is None and values:
+            setattr(pm.owner(hw, key), key, sum(values) / len(values))
     peak = {when: m["peak_tflops_fp32"] for when, m in taken.items()}
     return hw, peak["after"] / peak["before"] - 1 if len(peak) == 2 else 0.0
+
+
+def run_config(run: Path) -> config.Config:
+    """The config a run ran with (Hydra's <run>/.hydra/config.yaml) on the schema. A file that names
+    the performance model's hardware keys at hardware's top level (the layout of runs recorded
+    before the hardware.perfmodel group) has them moved into the group."""
+    from omegaconf import OmegaConf
+    saved = OmegaConf.load(run / ".hydra" / "config.yaml")
+    hardware = saved.get("hardware") or {}
+    flat = [k for k in list(hardware) if k in PerfModelHardware.__dataclass_fields__]
+    if flat:
+        rates = {k: hardware.pop(k) for k in flat}
+        hardware["perfmodel"] = OmegaConf.merge(hardware.get("perfmodel") or {}, rates)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config.Config), saved))
 
 
 EMULATED = "hardware=emulated_2x2_250mbit"  # this machine as an emulated cluster; shape and rate are overrides
@@ -400,12 +416,10 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
     beside the run where it was (measured_beside). With `replayed`, each run is also rehearsed (once: <run>/rehearsal/)
     and its program replayed (replay.py). Returns [{run, label, measured_s, predicted_s, error,
     measured: {comm_s, bubble_s, compute_s}, replayed: {step_s, ...}, replay_error}]."""
-    from omegaconf import OmegaConf
     hw = compose([f"hardware={hardware}"]).hardware
     out = []
     for run in runs_in(run_dirs):
-        schema = OmegaConf.structured(config.Config)
-        cfg = OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(run / ".hydra" / "config.yaml")))
+        cfg = run_config(run)
         record = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
         fabric = record.get("study", {}).get("fabric") or "loopback"  # as it ran (config.yaml has the env's interpolation)
         cfg.hardware, drift = measured_beside(fabric_hardware(cfg, fabric) or hw, run)
@@ -421,7 +435,7 @@ def compare_with_runs(run_dirs: Sequence[str], hardware: str = "cpu_local", gpus
         ranks = world or cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1)
         records = replay.rehearse(cfg, resolved, ranks, run / "rehearsal") if replayed else None
         if records and resolved.device == "cpu":  # both models price its GEMMs at their measured speed
-            resolved.gemm_shapes = measured_gemm_shapes(records, ranks)
+            resolved.perfmodel.gemm_shapes = measured_gemm_shapes(records, ranks)
         predicted = pm.predict(cfg, world, resolved).step_s
         label = cfg.study.label if cfg.study.name else run.name
         row = {"run": str(run), "label": label, "measured_s": measured, "predicted_s": predicted,
@@ -568,7 +582,7 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
         raise ConfigError("scale", f"unknown value {scale!r}", f"use one of: {', '.join(SCALE_NAMES)}")
     picked = {"ablation": "ablation.step", "scaling": "scaling.row"}.get(command)
     if picked and any(o.split("=", 1)[0].lstrip("+~") == picked for o in overrides):
-        raise ConfigError(picked, f"the {command} study predicts every one", f"leave it out, or use `python perfmodel.py "
+        raise ConfigError(picked, f"the {command} study predicts every one", f"leave it out, or use `python -m clustermodel "
                           f"predict experiment={'megascale_ablation' if command == 'ablation' else 'strong_scaling'} "
                           f"scale={scale} {picked}=K` for one, broken down")
     if command == "ablation":

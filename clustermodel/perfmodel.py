@@ -19,7 +19,7 @@ else is a spec or a stated prior in conf/hardware/*.yaml, so Table 2's MegaScale
 ablation and the 530B runs are predictions.
 
 What the paper leaves unstated, assumed here:
-- Megatron-LM (perfmodel_cli.MEGATRON): TP8 PP8 with 6 virtual stages, seq 2048, micro-batch 1
+- Megatron-LM (cli.MEGATRON): TP8 PP8 with 6 virtual stages, seq 2048, micro-batch 1
   (microbatches = batch/DP), sequence parallelism, bf16 weights with fp32 gradients and
   --use-distributed-optimizer (ZeRO-1: fp32 reduce-scatter, bf16 all-gather), Adam, no overlap
   beyond Megatron's own async backward collectives, materialized-softmax attention (its default
@@ -43,8 +43,8 @@ What the paper leaves unstated, assumed here:
   (kernels.attention=unfused), as Table 2's Megatron-LM column does; step 2's window runs the
   banded kernel, fused per block.
 
-Usage: python perfmodel.py [predict|ablation|scaling|plan|530b|validate] [key=value ...]
-       (gpus=N, batch=B, micro_batch=B, scale=cluster|cpu, top=N are perfmodel's own keys)
+Usage: python -m clustermodel [predict|ablation|scaling|plan|530b|validate] [key=value ...]
+       (gpus=N, batch=B, micro_batch=B, scale=cluster|cpu, top=N are its own keys; cli.py)
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ from config import HardwareConfig
 from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
-                   collective_time, gemm_key, gemm_time, resolve_hardware, stream_time)
+                   collective_time, gemm_key, gemm_time, owner, resolve_hardware, stream_time)
 
 
 # --- Pipeline and overlap ---
@@ -129,21 +129,23 @@ class Network:
     """Collectives and sends of one layout: NVLink (or loopback) inside a host, the NICs across."""
 
     def __init__(self, hw: HardwareConfig, lay: JobLayout):
-        self.hw, self.lay = hw, lay
-        self.intra = (hw.intra_host_GBps * 1e9 * hw.intra_host_efficiency, hw.intra_host_latency_us * 1e-6)
-        nic = hw.inter_host_Gbps / 8 * 1e9 / hw.devices_per_host          # bytes/s per device
-        self.inter = (nic * hw.inter_host_efficiency, hw.inter_host_latency_us * 1e-6)
+        self.rates, self.lay = hw.perfmodel, lay
+        p = self.rates
+        self.intra = (p.intra_host_GBps * 1e9 * p.intra_host_efficiency, p.intra_host_latency_us * 1e-6)
+        nic = p.inter_host_Gbps / 8 * 1e9 / p.devices_per_host          # bytes/s per device
+        self.inter = (nic * p.inter_host_efficiency, p.inter_host_latency_us * 1e-6)
         self.nic = nic
 
     def collective(self, kind: str, nbytes: float, dim: str) -> float:
         n = getattr(self.lay, dim)
-        k = self.lay.members_per_host(dim, self.hw.devices_per_host)
+        k = self.lay.members_per_host(dim, self.rates.devices_per_host)
+        algo = self.rates.collective_algo
         # the library's own algorithm for this kind (gloo's reduce_scatter is an all-reduce)
-        nbytes = nbytes / (self.hw.collective_efficiency or {}).get(kind, 1.0)
+        nbytes = nbytes / (self.rates.collective_efficiency or {}).get(kind, 1.0)
         if k >= n:
-            return collective_time(kind, nbytes, n, *self.intra, self.hw.collective_algo)
-        if k == 1 or self.hw.collective_algo == "ring":  # a flat ring runs at its slowest (network) hop
-            return collective_time(kind, nbytes, n, *self.inter, self.hw.collective_algo)
+            return collective_time(kind, nbytes, n, *self.intra, algo)
+        if k == 1 or algo == "ring":  # a flat ring runs at its slowest (network) hop
+            return collective_time(kind, nbytes, n, *self.inter, algo)
         # tree: inside each host over NVLink, then across hosts on 1/k of the buffer, every GPU on its NIC
         return (collective_time(kind, nbytes, k, *self.intra, "ring")
                 + collective_time(kind, nbytes / k, n // k, *self.inter, "tree"))
@@ -151,9 +153,10 @@ class Network:
     def pp_send(self, nbytes: float) -> float:
         """One activation (or its gradient) to the next pipeline stage, over NVLink if the whole
         pipeline shares a host, else over the NIC (the slowest hop paces the pipeline)."""
-        if self.lay.members_per_host("pp", self.hw.devices_per_host) < self.lay.pp:
-            return self.inter[1] + nbytes / (self.nic * self.hw.p2p_efficiency)
-        return self.intra[1] + nbytes / (self.hw.intra_host_GBps * 1e9 * self.hw.p2p_efficiency)
+        p = self.rates
+        if self.lay.members_per_host("pp", p.devices_per_host) < self.lay.pp:
+            return self.inter[1] + nbytes / (self.nic * p.p2p_efficiency)
+        return self.intra[1] + nbytes / (p.intra_host_GBps * 1e9 * p.p2p_efficiency)
 
 
 # --- One layer, one microbatch, one rank ---
@@ -604,9 +607,9 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     step["bubble"] += 2 * (lay.pp - 1) * send if ov.pp else 0.0
     step.update(dp_time(cfg, lay, net, fwd_s, bwd_s))
     step["optimizer"] = optimizer_time(cfg, lay, r)
-    step["data"] = hw.loader_step_s if cfg.data.pipeline != "megascale" else 0.0
+    step["data"] = hw.perfmodel.loader_step_s if cfg.data.pipeline != "megascale" else 0.0
     hidden = step.pop("hidden", 0.0) + step.pop("dp_hidden", 0.0)
-    step["overlap_slowdown"] = hw.overlap_slowdown * hidden
+    step["overlap_slowdown"] = hw.perfmodel.overlap_slowdown * hidden
     step_s = sum(step.values())
     tokens = cfg.train.batch_size * lay.seq
     mfu = tokens / step_s * gpt.flops_per_token(m, lay.seq) / (lay.gpus * r.flops)

@@ -57,9 +57,22 @@ def heartbeat_fs_calls_per_second(world: int, heartbeat_interval: float, hang_ti
     return {"before": 3 * world / heartbeat_interval, "after": 3 * world / max(heartbeat_interval, hang_timeout / 10)}
 
 
-def costs(rank: int, world: int, events: list, ft_cfg) -> dict:
+def straggler_bytes(world: int, dp: int, pp: int) -> dict:
+    """Bytes a rank receives per straggler window: before, an all-gather of one pickled (rank, host,
+    seconds) over the world (and its size, 8 bytes, first); after (stragglers.py), an all-gather of
+    its 4 float64 over its dp group and a ring all-reduce of 2 + 2 pp int64 over the world."""
+    import pickle
+    import stragglers
+    mine = len(pickle.dumps((world - 1, "host-00000", 0.0)))
+    reduced = 8 * (2 + 2 * pp)
+    return {"before": (world - 1) * (mine + 8),
+            "after": (dp - 1) * 8 * stragglers.FIGURES + 2 * (world - 1) * reduced // world}
+
+
+def costs(rank: int, world: int, events: list, ft_cfg, layout=None) -> dict:
     """What rehearsal.py records for a rehearsed rank."""
     return {"communicators": communicators(events) if dist.is_initialized() else None,
+            "stragglers_bytes_per_window": straggler_bytes(world, layout.dp, layout.pp) if layout else None,
             "checkpoint": checkpoint_costs(rank, world),
             "heartbeat_fs_calls_per_s_job": heartbeat_fs_calls_per_second(world, ft_cfg.heartbeat_interval,
                                                                           ft_cfg.hang_timeout)}

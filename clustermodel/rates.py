@@ -13,16 +13,31 @@ from typing import Dict
 
 import machine
 from config import HardwareConfig
+from clustermodel.schema import PerfModelHardware
 from errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 DATA_DIR = ROOT / "experiments" / "data"
 FIT_FILE = DATA_DIR / "perfmodel_fit.json"
 FITTED = ("gemm_efficiency", "inter_host_efficiency")
-MEASURED = ("peak_tflops", "peak_tflops_fp32", "memory_GBps", "memory_efficiency", "op_overhead_us", "gemm_half_dim",
-            "gemm_efficiency", "flash_efficiency", "intra_host_GBps", "inter_host_Gbps", "memory_gib")
+# Measured on a CPU where the config leaves them null: the device's (hardware.*) and the rates'
+# (hardware.perfmodel.*), as machine.local_measurements names them.
+MEASURED_DEVICE = ("peak_tflops", "peak_tflops_fp32", "memory_gib")
+MEASURED_RATES = ("memory_GBps", "memory_efficiency", "op_overhead_us", "gemm_half_dim", "gemm_efficiency",
+                  "flash_efficiency", "intra_host_GBps", "inter_host_Gbps")
+MEASURED = MEASURED_DEVICE + MEASURED_RATES
 # Measured on a CPU too; elsewhere None means the bf16 value (Rates.of).
 MEASURED_FP32 = ("gemm_half_dim_fp32", "gemm_efficiency_fp32", "flash_efficiency_fp32")
+
+
+def owner(hw: HardwareConfig, key: str):
+    """What holds hardware key `key`: hw for the device's keys, hw.perfmodel for the rest."""
+    return hw if key in HardwareConfig.__dataclass_fields__ else hw.perfmodel
+
+
+def config_key(key: str) -> str:
+    """The override that sets `key`, for error messages: hardware.<key> or hardware.perfmodel.<key>."""
+    return f"hardware.{key}" if key in HardwareConfig.__dataclass_fields__ else f"hardware.perfmodel.{key}"
 
 
 # --- Hardware: conf/hardware completed by the fit, or on a CPU by measuring this machine ---
@@ -36,25 +51,26 @@ def fitted_constants() -> Dict[str, float]:
 def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     """A copy of hw with every number the model needs filled in, and device=auto decided (cuda or
     cpu, as train.py decides it on this machine); ConfigError if a number can't be filled in."""
-    hw = copy.copy(hw)
+    hw = copy.deepcopy(hw)  # its perfmodel group too: filled in below
+    rates = hw.perfmodel
     on_cpu = hw.device == "cpu" or (hw.device == "auto" and not _cuda_available())
     hw.device = "cpu" if on_cpu else "cuda"
-    if on_cpu and hw.cores is None:
-        hw.cores = machine.cores()
+    if on_cpu and rates.cores is None:
+        rates.cores = machine.cores()
     if not on_cpu:
         for key, value in fitted_constants().items():
-            if getattr(hw, key, 0) is None:
-                setattr(hw, key, value)
-    if on_cpu and hw.inter_host_efficiency is None:
-        calibrated_link(hw)
-    missing = [k for k in MEASURED + FITTED if getattr(hw, k) is None]
+            if getattr(rates, key, 0) is None:
+                setattr(rates, key, value)
+    if on_cpu and rates.inter_host_efficiency is None:
+        calibrated_link(rates)
+    missing = [k for k in MEASURED + FITTED if getattr(owner(hw, k), k) is None]
     if missing and on_cpu:
         measured = machine.local_measurements()
-        for key in missing + [k for k in MEASURED_FP32 if getattr(hw, k) is None]:
-            setattr(hw, key, measured.get(key))
-        missing = [k for k in missing if getattr(hw, k) is None]
+        for key in missing + [k for k in MEASURED_FP32 if getattr(rates, k) is None]:
+            setattr(owner(hw, key), key, measured.get(key))
+        missing = [k for k in missing if getattr(owner(hw, k), k) is None]
     if missing:
-        raise ConfigError(f"hardware.{missing[0]}", f"unknown for hardware={hw.name}",
+        raise ConfigError(config_key(missing[0]), f"unknown for hardware={hw.name}",
                           "set it, or use hardware=a100_cluster, h100_cluster or cpu_local")
     return hw
 
@@ -62,30 +78,31 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
 CALIBRATED_KIND = "all_reduce"  # the link's efficiency is gloo's all-reduce bus bandwidth over its rate
 
 
-def calibrated_link(hw: HardwareConfig) -> None:
+def calibrated_link(rates: PerfModelHardware) -> None:
     """An emulated cluster's link (conf/hardware/emulated_*): gloo's bandwidth there as a fraction of
     the tbf rate, and its latency per ring step, from experiments/calibrate_comm.py's newest run at
-    that rate on this CPU (a microbenchmark, not a run being predicted). Fills hw in place."""
-    found = machine.link_calibration(hw.inter_host_Gbps) if hw.inter_host_Gbps else None
+    that rate on this CPU (a microbenchmark, not a run being predicted). Fills rates in place."""
+    rate = rates.inter_host_Gbps
+    found = machine.link_calibration(rate) if rate else None
     if found is None:
-        raise ConfigError("hardware.inter_host_efficiency", f"no calibration of a {hw.inter_host_Gbps} Gbit/s link "
+        raise ConfigError("hardware.perfmodel.inter_host_efficiency", f"no calibration of a {rate} Gbit/s link "
                           "on this CPU", f"run `sudo python experiments/calibrate_comm.py --links "
-                          f"{hw.inter_host_Gbps * 1000:g}mbit` once (it is cached), or set the efficiency")
+                          f"{(rate or 0) * 1000:g}mbit` once (it is cached), or set the efficiency")
     fits = found["fits"]
     fit = fits[CALIBRATED_KIND]
-    hw.inter_host_efficiency = fit["GBps"] * 8 / hw.inter_host_Gbps
-    if hw.inter_host_latency_us is None:
-        hw.inter_host_latency_us = fit["latency_us"]
-    if hw.p2p_efficiency is None and "send" in fits:
-        hw.p2p_efficiency = fits["send"]["GBps"] * 8 / hw.inter_host_Gbps
-    if hw.overlap_slowdown is None and "overlap" in found:
-        hw.overlap_slowdown = found["overlap"]["overlap_slowdown"]
-    if not hw.collective_efficiency:
-        hw.collective_efficiency = {k: fits[k]["GBps"] / fit["GBps"] for k in ("all_gather", "reduce_scatter") if k in fits}
+    rates.inter_host_efficiency = fit["GBps"] * 8 / rate
+    if rates.inter_host_latency_us is None:
+        rates.inter_host_latency_us = fit["latency_us"]
+    if rates.p2p_efficiency is None and "send" in fits:
+        rates.p2p_efficiency = fits["send"]["GBps"] * 8 / rate
+    if rates.overlap_slowdown is None and "overlap" in found:
+        rates.overlap_slowdown = found["overlap"]["overlap_slowdown"]
+    if not rates.collective_efficiency:
+        rates.collective_efficiency = {k: fits[k]["GBps"] / fit["GBps"] for k in ("all_gather", "reduce_scatter") if k in fits}
     for key in ("p2p_efficiency", "overlap_slowdown"):
-        if getattr(hw, key) is None:
-            raise ConfigError(f"hardware.{key}", f"the calibration of the {hw.inter_host_Gbps} Gbit/s link predates it",
-                              f"rerun `sudo python experiments/calibrate_comm.py --links {hw.inter_host_Gbps * 1000:g}mbit`")
+        if getattr(rates, key) is None:
+            raise ConfigError(f"hardware.perfmodel.{key}", f"the calibration of the {rate} Gbit/s link predates it",
+                              f"rerun `sudo python experiments/calibrate_comm.py --links {rate * 1000:g}mbit`")
 
 
 def _cuda_available() -> bool:
@@ -111,19 +128,20 @@ class Rates:
         # share its measured peak and bandwidth (calibrate_comm.py --sharing measures how evenly),
         # one thread a rank (torchrun's and emucluster's OMP_NUM_THREADS=1), so at most a core each.
         # This is every rank computing at once; replay.py gives a rank more while others wait.
-        share = max(ranks, hw.cores or 1) if hw.device == "cpu" and ranks > 1 else 1
+        p = hw.perfmodel
+        share = max(ranks, p.cores or 1) if hw.device == "cpu" and ranks > 1 else 1
         peak = hw.peak_tflops if precision == "bf16" else hw.peak_tflops_fp32
-        gemm_eff, half_dim, flash_eff = (_of_dtype(hw, key, precision) for key in
+        gemm_eff, half_dim, flash_eff = (_of_dtype(p, key, precision) for key in
                                          ("gemm_efficiency", "gemm_half_dim", "flash_efficiency"))
         return cls(peak * 1e12 / share, gemm_eff, half_dim, flash_eff,
-                   hw.memory_GBps * 1e9 * hw.memory_efficiency / share, hw.op_overhead_us * 1e-6,
-                   hw.device == "cpu", dict(hw.gemm_shapes or {}))
+                   p.memory_GBps * 1e9 * p.memory_efficiency / share, p.op_overhead_us * 1e-6,
+                   hw.device == "cpu", dict(p.gemm_shapes or {}))
 
 
-def _of_dtype(hw: HardwareConfig, key: str, precision: str) -> float:
-    """hw.<key>, or for an fp32 run its <key>_fp32 where the hardware has one."""
-    fp32 = getattr(hw, key + "_fp32") if precision != "bf16" else None
-    return getattr(hw, key) if fp32 is None else fp32
+def _of_dtype(rates: PerfModelHardware, key: str, precision: str) -> float:
+    """rates.<key>, or for an fp32 run its <key>_fp32 where the hardware has one."""
+    fp32 = getattr(rates, key + "_fp32") if precision != "bf16" else None
+    return getattr(rates, key) if fp32 is None else fp32
 
 
 # --- Primitive costs: a kernel, a GEMM, a memory-bound op, a collective ---

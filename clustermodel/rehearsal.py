@@ -35,9 +35,8 @@ import resource
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,27 +44,9 @@ import torch.distributed as dist
 from clustermodel import rank_costs
 from clustermodel.ledgers import FlopLedger, MemoryLedger, categories, cuda_attention
 from clustermodel.recorder import OBJECTS, Recorder, op_of
+from clustermodel.schema import rehearsed_world
 
 HERE = str(Path(__file__).resolve().parents[1])  # the repository
-
-
-@dataclass
-class RehearseConfig:
-    ranks: List[int] = field(default_factory=list)  # ranks of the job to rehearse; empty: a normal run
-    rank: int = -1                # set by the parent in each rank's own process
-    record: bool = False          # a real run records its first `steps` steps the same way (<run dir>/comm/)
-    # Before a SLURM submission (the submitit launcher, experiments/slurm/submit.py): rank 0 of each
-    # job, one step; a job that cannot be built, breaks NCCL's rules or overflows the GPU fails on
-    # the login node instead of after the queue. On at scale=cluster.
-    precheck: bool = False
-    world: int = -1               # the job's world size; -1: tp*pp*dp of the layout (dp must be set)
-    steps: int = 2
-    nccl_rules: bool = True       # enforce NCCL's rules on what the ranks post (nccl_rules.py)
-    # What every rank's tensors must fit in. None: the hardware's tensor memory (its memory_gib
-    # less memory_headroom_gib, conf/hardware), or 80 GiB where the hardware names no memory.
-    capacity_gib: Optional[float] = None
-    out: Optional[str] = None     # where rank<r>/rehearsal.json go; None: the run dir
-    parallel_ranks: int = 2       # rehearsals run at once (each is one process)
 
 
 # --- One rank's rehearsal ---
@@ -202,7 +183,7 @@ class _Run:
             "checkpoint_bytes": self.saved, "schedule": self.first_step, "crash": self.crash,
             "comm": self.recorder.events, "violations": self.recorder.violations, "seconds": seconds,
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "costs": rank_costs.costs(rank, world, self.recorder.events, cfg.ft),  # communicators, sockets, fs calls
+            "costs": rank_costs.costs(rank, world, self.recorder.events, cfg.ft, layout),  # communicators, sockets, fs calls
         }
 
 
@@ -346,14 +327,6 @@ def remembered(cfg, world: int) -> dict:
     return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
 
 
-def world_of(cfg) -> int:
-    """The rehearsed job's world size: rehearse.world, else the layout's tp*pp*dp (None if dp=-1)."""
-    if cfg.rehearse.world > 0:
-        return cfg.rehearse.world
-    p = cfg.parallel
-    return p.tp * p.pp * p.dp if p.dp > 0 else None
-
-
 def main(cfg, overrides: list, run_dir: Path) -> int:
     """Rehearses cfg.rehearse.ranks (each `python train.py <overrides> rehearse.rank=R` in its own
     process, rehearse.parallel_ranks at a time), checks NCCL's rules across them, prints the
@@ -361,7 +334,7 @@ def main(cfg, overrides: list, run_dir: Path) -> int:
     import subprocess
     out = Path(cfg.rehearse.out or run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    world = world_of(cfg)
+    world = rehearsed_world(cfg)
     started = time.perf_counter()
     pending, running, failed = list(cfg.rehearse.ranks), [], {}
     while pending or running:

@@ -16,7 +16,7 @@ group's work queue), sends and receives each direction on their own. A collectiv
 every rehearsed member has posted it and its streams are free (members not rehearsed mirror the
 rank that was: ranks of one stage issue the same program); a send and its receive pair up first
 in, first out, per pair of ranks, and start when both are posted. Compute that runs beside its
-rank's own communication in flight runs 1 + hardware.overlap_slowdown times slower (gloo's
+rank's own communication in flight runs 1 + hardware.perfmodel.overlap_slowdown times slower (gloo's
 threads take the same cores; NCCL's kernels take SMs).
 
 On a CPU the job's ranks share the machine's cores, so a rank computes as fast as the ranks
@@ -28,7 +28,7 @@ all-reduce beside GEMMs; the link fits start at 256 KiB and leave it out. Not mo
 contention between two groups' transfers on one link (each group gets the link's rate), and the
 host's Python time beyond the per-op overhead.
 
-    python perfmodel.py validate <run dirs>    # prices each run both ways, beside its measured step
+    python -m clustermodel validate <run dirs>    # prices each run both ways, beside its measured step
 """
 from __future__ import annotations
 
@@ -66,9 +66,9 @@ def comm_time(ev: dict, net: pm.Network) -> float:
     kind = op if op in ("all_reduce",) + GATHERS else "all_gather"  # broadcast, objects, barrier: one pass
     if ev.get("group") in ("tp", "pp", "dp") and n == getattr(net.lay, ev["group"]):
         return net.collective(kind, nbytes, ev["group"])
-    link = net.inter if n > net.hw.devices_per_host else net.intra
-    nbytes /= (net.hw.collective_efficiency or {}).get(kind, 1.0)
-    return pm.collective_time(kind, nbytes, n, *link, net.hw.collective_algo)
+    link = net.inter if n > net.rates.devices_per_host else net.intra
+    nbytes /= (net.rates.collective_efficiency or {}).get(kind, 1.0)
+    return pm.collective_time(kind, nbytes, n, *link, net.rates.collective_algo)
 
 
 class _Rank:
@@ -254,22 +254,22 @@ def predict(records: List[dict], cfg, hw, gpus: int) -> dict:
     cfg = pm.resolve_config(cfg, hw)
     r, net = pm.Rates.of(hw, pm.precision(cfg), lay.gpus), pm.Network(hw, lay)
     host = host_cost(hw, lay.gpus)
-    replay = Replay(records, r, net, hw.overlap_slowdown or 0.0, host, core_sharing(hw, lay.gpus),
+    replay = Replay(records, r, net, hw.perfmodel.overlap_slowdown or 0.0, host, core_sharing(hw, lay.gpus),
                     weight=lay.gpus / len(records))
     replay.run()
     out = replay.step(max(rec["steps"] for rec in records))
-    data = hw.loader_step_s if cfg.data.pipeline != "megascale" else 0.0
+    data = hw.perfmodel.loader_step_s if cfg.data.pipeline != "megascale" else 0.0
     out["step_s"] += data
     out["host_s"] = host
     return out
 
 
 def host_cost(hw, world: int) -> float:
-    """Seconds each collective or send costs the host beside compute: hardware.collective_host_us
+    """Seconds each collective or send costs the host beside compute: hardware.perfmodel.collective_host_us
     where set, else 0 on a GPU (NCCL runs on the device), and on a CPU this machine's calibration
     (calibrate_comm.py --sharing; 0 until it has run, which validate says)."""
-    if hw.collective_host_us is not None:
-        return hw.collective_host_us * 1e-6
+    if hw.perfmodel.collective_host_us is not None:
+        return hw.perfmodel.collective_host_us * 1e-6
     if hw.device != "cpu" or world < 2:
         return 0.0
     return machine.collective_host_s(world) or 0.0
@@ -282,7 +282,7 @@ def core_sharing(hw, world: int) -> Optional[Callable[[float], float]]:
     GPU (each rank its own device)."""
     if hw.device != "cpu" or world < 2:
         return None
-    cores = hw.cores or 1
+    cores = hw.perfmodel.cores or 1
     return lambda n: max(world, cores) / max(n, cores)
 
 
@@ -309,9 +309,9 @@ def rehearse(cfg, hw, gpus: int, out: Path) -> List[dict]:
         if record.get("crash"):
             raise RuntimeError(f"the rehearsal of rank {rank} ({path}) crashed: {record['crash']}")
         if any("work" not in ev for ev in record["comm"]):
-            raise RuntimeError(f"{path} is a rehearsal from before events carried their work: delete it")
+            raise RuntimeError(f"{path} is a rehearsal whose events lack their work (an older recorder's): delete it")
         if any("bmm" not in ev["work"] for ev in record["comm"]):
-            raise RuntimeError(f"{path} is a rehearsal from before batched GEMMs were recorded by shape (1a55e81): "
-                               f"delete it")
+            raise RuntimeError(f"{path} is a rehearsal whose events lack their batched GEMMs' shapes (an older "
+                               f"recorder's): delete it")
         records.append(record)
     return records

@@ -33,9 +33,9 @@ TERMS = {"gemm": "GEMMs", "attention": "attention", "elementwise": "elementwise"
          "data": "data", "overlap_slowdown": "overlap's cost"}
 COUNTED = "FLOPs counted"
 ASSUMPTIONS = {  # the paper's silences: name -> overrides of every step
-    "NICs 4 x 200 Gb/s per host (we: 8 x 200)": ["hardware.inter_host_Gbps=800"],
-    "NICs 8 x 400 Gb/s per host": ["hardware.inter_host_Gbps=3200"],
-    "NCCL tree, hierarchical (we: ring)": ["hardware.collective_algo=tree"],
+    "NICs 4 x 200 Gb/s per host (we: 8 x 200)": ["hardware.perfmodel.inter_host_Gbps=800"],
+    "NICs 8 x 400 Gb/s per host": ["hardware.perfmodel.inter_host_Gbps=3200"],
+    "NCCL tree, hierarchical (we: ring)": ["hardware.perfmodel.collective_algo=tree"],
     "2 sequences per microbatch (we: 1)": ["parallel.microbatches=${ablation:8,96,32}"],
     "baseline overlaps DP (we: not)": ["parallel.overlap.dp=true"],
 }

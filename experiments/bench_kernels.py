@@ -10,8 +10,8 @@ Every number is forward + backward, the median of --reps timed runs after --warm
 ones (the first of which compiles, for the fused path; its time is reported separately). The
 eager and fused runs of an op alternate, so that load from other processes falls on both.
 
-(a) fused: each kernels.fused value of --fused (true: torch.compile'd functions; triton: the
-    Triton kernels, CUDA only) against the eager reference for the residual add + LayerNorm, bias +
+(a) fused: each kernels.fused value of --fused (true: the op compiled on its own, as inside a
+    compiled step, where fused=true fuses; triton: the Triton kernels, CUDA only) against the eager reference for the residual add + LayerNorm, bias +
     GeLU (on the MLP's 4h-wide activation) and the cross-entropy, each on its own, and "LN+GeLU",
     the two ops the MLP input goes through. A lone LayerNorm stays ATen's under fused=true (one
     kernel each way already); its row times torch.compile of it, the alternative not taken.
@@ -109,9 +109,11 @@ def timed_together(fns, reps: int, warmup: int, clock) -> list:
     return [(statistics.median(t), first) for t, first in zip(times, firsts)]
 
 
-def forward_backward(fn, inputs):
-    """A closure running fn(*inputs) and its backward, under a fixed random output gradient."""
+def forward_backward(fn, inputs, compiled: bool = False):
+    """A closure running fn(*inputs) and its backward, under a fixed random output gradient;
+    compiled: fn through torch.compile, as a compiled step runs it."""
     grads = None
+    fn = torch.compile(fn, dynamic=False) if compiled else fn
 
     def run():
         nonlocal grads
@@ -136,32 +138,31 @@ def fused_ops(args, dtype):
     def ln(fused):
         return forward_backward(lambda x, *_: kernels.layer_norm(x, norm, fused), [x, *params])
 
-    compiled_ln = kernels._Compiled(lambda x, w, b: F.layer_norm(x, w.shape, w, b))
-
     def ln_compiled(fused):  # why fused=true keeps ATen's lone LayerNorm: this is what it would run
         if fused is not True:
             return ln(fused)
-        return forward_backward(lambda x, w, b: compiled_ln(x, w, b), [x, *params])
+        return forward_backward(lambda x, w, b: F.layer_norm(x, w.shape, w, b), [x, *params], compiled=True)
 
     def add_ln(fused):
-        return forward_backward(lambda x, d, *_: kernels.add_layer_norm(x, d, norm, fused), [x, delta, *params])
+        return forward_backward(lambda x, d, *_: kernels.add_layer_norm(x, d, norm, fused), [x, delta, *params],
+                                compiled=fused is True)
 
     def gelu(fused):
-        return forward_backward(lambda a, b: kernels.bias_gelu(a, b, fused), [pre_gelu, bias])
+        return forward_backward(lambda a, b: kernels.bias_gelu(a, b, fused), [pre_gelu, bias], compiled=fused is True)
 
     def ln_gelu(fused):
         a, b = ln(fused), gelu(fused)
         return lambda: (a(), b())
 
     def ce(fused):
-        return forward_backward(lambda z: kernels.cross_entropy(z, targets, fused), [logits])
+        return forward_backward(lambda z: kernels.cross_entropy(z, targets, fused), [logits], compiled=fused is True)
 
     head_dim = getattr(args, "head_dim", None) or 64
     qkv = leaf(B, T, 3 * h)
     cos, sin = (t.to(args.device) for t in rope_tables(T, head_dim, 10000.0, "cpu"))
 
     def heads_rope(fused):  # the projection's heads, q and k rotated; eager: the written-out op
-        return forward_backward(lambda z: kernels.heads_with_rope(z, head_dim, cos, sin, fused), [qkv])
+        return forward_backward(lambda z: kernels.heads_with_rope(z, head_dim, cos, sin), [qkv], compiled=fused is True)
 
     return {"LayerNorm, compiled (unused)": ln_compiled, "LN+residual": add_ln, "bias+GeLU (4h)": gelu, "LN+GeLU": ln_gelu,
             f"cross-entropy ({rows}x{args.vocab})": ce, f"heads+RoPE (head_dim {head_dim})": heads_rope}

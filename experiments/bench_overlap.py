@@ -50,7 +50,8 @@ def hardware(rate: str, loopback: bool) -> list:
     if loopback:
         return ["hardware=cpu_local"]
     gbit = float(rate.removesuffix("gbit")) if rate.endswith("gbit") else float(rate.removesuffix("mbit")) / 1000
-    return ["hardware=emulated_2x2_250mbit", "hardware.devices_per_host=1", f"hardware.inter_host_Gbps={gbit:g}"]
+    return ["hardware=emulated_2x2_250mbit", "hardware.perfmodel.devices_per_host=1",
+            f"hardware.perfmodel.inter_host_Gbps={gbit:g}"]
 
 
 def run(case: str, label: str, steps: int, loopback: bool, workdir: Path, keep: bool = False) -> dict:

@@ -25,8 +25,12 @@ and what differs by design, each timed as its own contender when asked (--varian
   ours@256    vocab 256 instead of 257 (nanoGPT's vocab is free; byte-level data needs 257)
   ours-rope   rotary positions replaced by none (nanoGPT adds learned positions instead)
 and MegaScale's switch that nanoGPT has no counterpart for (--variants fused):
-  ours+fused  kernels.fused=true: the elementwise chains (residual+LayerNorm, bias+GeLU, the
-              loss, the heads with RoPE) as compiled kernels, the rest of the step as `ours`
+  ours+fused  kernels.fused=true: compiled, the loss in the form inductor fuses into two
+              reductions (the elementwise chains inductor fuses either way); eager, the eager
+              ops, which dispatch what `ours` does (kernels.fused fuses inside a compiled step)
+and, compiled, the step recorded as CUDA graphs (--variants graphs):
+  ours+graphs train.compile_mode=reduce-overhead: one graph launch replays the compiled step's
+              kernels (CUDA; on a CPU the step compiles as `ours` does)
 Throughput is tokens/s (batch * seq / median step time). The CPU model and whether it computes
 bf16 natively (AVX512-BF16, AMX) are printed first, with how much longer a bf16 GEMM takes than an
 fp32 one: AVX512 without BF16 emulates it at ~4x (timed), AVX2 alone at ~1000x, where the bf16
@@ -139,7 +143,8 @@ def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: Optional[int] = 
         for module in (m for chunk in engine.chunks for m in chunk.modules() if isinstance(m, Attention)):
             module.mix = functools.partial(mix_without_rope, module)
     if compiled:
-        engine.compile()
+        import train
+        engine.compile(**train.compile_mode_choice(cfg.train.compile_mode, device)[0])
     opt = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr, norm_group=engine.norm_group)
     scheduler = optim.build_scheduler(opt, cfg.optim, 10 ** 6)
     g = torch.Generator().manual_seed(0)
@@ -305,6 +310,24 @@ def dispatch_counts(step) -> dict:
     return counts
 
 
+def python_frames(step) -> int:
+    """The Python functions one step calls, every frame counted (ours, torch's, torch.compile's
+    wrappers and guards' fallbacks): what a launch-bound step pays in the interpreter beside its
+    kernels' dispatch. The calling thread's alone: on a GPU autograd runs the backward on its
+    device thread, whose frames this misses, so the figure is a CPU's."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def dispatch_cost_us(reps: int = 20000) -> float:
     """The cost of one eager op that does almost nothing on this device (a 1-element in-place add,
     autograd off): what each kernel costs a launch-bound step at least, beside its arithmetic."""
@@ -348,7 +371,7 @@ def count_table(args) -> str:
              f"{flops / 1e6:,.1f} MFLOP a step, {flops / rate / 1e6:.2f} ms at this device's {rate:,.0f} GFLOP/s "
              f"(a 512^3 fp32 GEMM); step times: median of {args.steps} steps in turn\n",
              "| mode | contender | kernels fwd / bwd / opt / all | host reads | autograd Python calls | hooks | "
-             "step ms (median) | kernels x dispatch ms |", "|---|---|---|---|---|---|---|---|"]
+             "Python frames | step ms (median) | kernels x dispatch ms |", "|---|---|---|---|---|---|---|---|---|"]
     for compiled in {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]:
         contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], compiled),
                       "ours": our_stepper(shape, dtype, compiled)}
@@ -356,6 +379,8 @@ def count_table(args) -> str:
             contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
         if "fused" in args.variants:
             contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
+        if "graphs" in args.variants and compiled:
+            contenders["ours+graphs"] = our_stepper(shape, dtype, True, extra=("train.compile_mode=reduce-overhead",))
         times = interleaved(contenders, args.steps, args.warmup)
         for name, step in contenders.items():
             c = dispatch_counts(step)
@@ -364,7 +389,7 @@ def count_table(args) -> str:
             lines.append(f"| {'compiled' if compiled else 'eager'} | {name} | "
                          f"{' / '.join(map(str, kernels_by_phase))} / **{total}** | "
                          f"{sum(c['host reads', p] for p in PHASES)} | {sum(c['python calls', p] for p in PHASES)} | "
-                         f"{c['hooks', 'backward']} | {ms:.2f} | {total * per_op / 1e3:.2f} |")
+                         f"{c['hooks', 'backward']} | {python_frames(step):,} | {ms:.2f} | {total * per_op / 1e3:.2f} |")
     return "\n".join(lines)
 
 
@@ -494,6 +519,8 @@ def bench(args) -> list:
                 contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
             if "fused" in args.variants:
                 contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
+            if "graphs" in args.variants and compiled:
+                contenders["ours+graphs"] = our_stepper(shape, dtype, True, extra=("train.compile_mode=reduce-overhead",))
             times = {name: [] for name in [*contenders, *(["ours+loop"] if args.loop else [])]}
             ratios = {name: [] for name in contenders}
             round_ratios = {name: [] for name in contenders}
@@ -550,8 +577,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=tuple(SHAPES), default="issue")
     p.add_argument("--dtype", default="fp32,bf16", help="fp32, bf16 or both (comma-separated)")
     p.add_argument("--compile", choices=("eager", "compiled", "both"), default="both")
-    p.add_argument("--variants", default="", help="also time what differs by design (vocab, rope) and "
-                   "kernels.fused=true (fused), comma-separated")
+    p.add_argument("--variants", default="", help="also time what differs by design (vocab, rope), "
+                   "kernels.fused=true (fused) and, compiled, train.compile_mode=reduce-overhead (graphs), "
+                   "comma-separated")
     p.add_argument("--no-loop", dest="loop", action="store_false",
                    help="leave out ours+loop (a whole train.py run a round)")
     p.add_argument("--rounds", type=int, default=3)
@@ -565,7 +593,7 @@ def main(argv=None) -> int:
     p.add_argument("--ops", action="store_true", help="instead: kernels.fused's ops at the step's shapes, eager and "
                    "fused, each against its memory-bandwidth bound (bytes moved / measured bandwidth)")
     p.add_argument("--count", action="store_true", help="instead: what each step dispatches (kernels, host reads, "
-                   "autograd Python calls, hooks; forward, backward, optimizer apart), eager and compiled, beside "
+                   "autograd Python calls, hooks, Python frames; forward, backward, optimizer apart), eager and compiled, beside "
                    "its step time (the first --dtype)")
     p.add_argument("--profile", action="store_true", help="instead of timing: torch.profiler's table by op of "
                    "nanoGPT's and our step (eager, the first --dtype)")

@@ -140,7 +140,7 @@ def collective_beside_gemms(rank: int, world: int, reps: int) -> float:
     every rank does the same (as TP pairs do in a step): the host's cost of a collective beside
     compute, which the link fits (from 256 KiB up) leave out. A collective waits until its peer's
     threads are scheduled, and gloo's threads take cores from the GEMMs. clustermodel/replay.py adds it to every
-    collective and send (hardware.collective_host_us)."""
+    collective and send (hardware.perfmodel.collective_host_us)."""
     import torch.distributed as dist
     if world < 2:
         return 0.0

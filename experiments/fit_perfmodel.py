@@ -31,8 +31,8 @@ def megatron_rows():
 
 def errors(hw, rows, gemm: float, network: float):
     """Predicted minus paper MFU, per row, in MFU points."""
-    hw = copy.copy(hw)
-    hw.gemm_efficiency, hw.inter_host_efficiency = gemm, network
+    hw = copy.deepcopy(hw)
+    hw.perfmodel.gemm_efficiency, hw.perfmodel.inter_host_efficiency = gemm, network
     return [100 * (pm.predict(cfg, gpus, hw).mfu - mfu) for cfg, gpus, mfu in rows]
 
 

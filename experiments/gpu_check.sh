@@ -10,11 +10,15 @@
 #     PARTS=efficiency bash experiments/gpu_check.sh OUT_DIR NANOGPT_DIR     # the efficiency checks alone
 #
 # PARTS (default "tests bench") picks what runs: tests, tests/test_cuda.py; bench, bench_step at its
-# default shape; efficiency, the per-GPU efficiency checks, ~6 min on an H100 in all: what the step
-# dispatches (bench_step --count), bench_step against nanoGPT at nanoGPT's GPT-2 124M configuration
-# and at bench_step's default shape, bf16, eager and compiled, then one transformer layer forward
+# default shape; efficiency, the per-GPU efficiency checks (~6 min on an H100 without the CUDA
+# graphs' checks, which add at most 5 min, their time limits): what the step dispatches
+# (bench_step --count), bench_step against nanoGPT at nanoGPT's GPT-2 124M configuration and at
+# bench_step's default shape, bf16, eager and compiled, then one transformer layer forward
 # and backward at GPT-3 175B's TP8 slice (experiments/bench_layer.py) against the H100's peak and
-# perfmodel's per-layer compute time, and the LayerNorm-under-autocast test.
+# perfmodel's per-layer compute time, and the LayerNorm-under-autocast test; and the step recorded
+# as CUDA graphs (train.compile_mode=reduce-overhead): train.py's losses against the CPU run's and
+# its resume (tests/test_cuda.py), then bench_step's `ours+graphs` against the compiled step at
+# the launch-bound shape and the default one, and what each dispatches.
 #
 # Each part runs under its own time limit (TEST_TIMEOUT, BENCH_TIMEOUT, MEMORY_TIMEOUT seconds) so that a hang
 # still leaves the other's log; the logs and the versions seen go to OUT_DIR. On an H100 (16 cores)
@@ -35,14 +39,19 @@ if [[ $parts == *" tests "* ]]; then
 fi
 if [[ $parts == *" efficiency "* ]]; then
   timeout 60 "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider -k layer_norm 2>&1 | tee "$out/test_layer_norm.log"
+  timeout 150 "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider -k cudagraphs 2>&1 | tee "$out/test_cudagraphs.log"
   timeout 90 "$python" experiments/bench_layer.py --device cuda 2>&1 | tee "$out/bench_layer.log"
   if [ -n "$nanogpt" ]; then
     timeout 60 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --count --dtype bf16 --compile eager \
         --steps 5 --warmup 2 2>&1 | tee "$out/bench_step_count.log"
     timeout 150 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --shape gpt2 --dtype bf16 \
         --compile both --no-loop --rounds 2 --steps 5 --warmup 3 2>&1 | tee "$out/bench_step_gpt2.log"
-    timeout 100 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --dtype bf16 --compile both \
-        --no-loop --rounds 2 --steps 10 --warmup 3 2>&1 | tee "$out/bench_step_issue.log"
+    timeout 120 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --dtype bf16 --compile both \
+        --variants graphs --no-loop --rounds 2 --steps 10 --warmup 3 2>&1 | tee "$out/bench_step_issue.log"
+    timeout 90 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --shape launch --dtype bf16 \
+        --compile compiled --variants graphs --no-loop --rounds 2 --steps 20 --warmup 3 2>&1 | tee "$out/bench_step_launch.log"
+    timeout 60 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --shape launch --count --dtype bf16 \
+        --compile compiled --variants graphs --steps 5 --warmup 3 2>&1 | tee "$out/bench_step_launch_count.log"
   fi
 fi
 if [ -n "$nanogpt" ] && [[ $parts == *" bench "* ]]; then

@@ -80,14 +80,24 @@ def test_gc_runs_only_at_its_interval():
     assert gc.isenabled()
 
 
-def test_a_slow_rank_is_reported(monkeypatch):
-    class Layout:
-        rank, world = 0, 1
-    assert ft.stragglers(1.0, Layout, 0.2) == []  # one rank is its own median
-    monkeypatch.setattr(ft.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [
-        (0, "h0", 1.0), (1, "h0", 1.05), (2, "h1", 1.6), (3, "h1", 0.95)]))
-    Layout.world = 4
-    assert [(r, h) for r, h, _, _ in ft.stragglers(1.0, Layout, 0.2)] == [(2, "h1")]
+def test_a_slowed_rank_sleeps_its_own_time_times_the_factor_less_one_and_its_waits_not(monkeypatch, tmp_path):
+    from overlap import CLOCK
+    monkeypatch.setenv("MEGAREPRO_FAULT", "slow:1@1.5,spike:1@4,slow:0@3")
+    clock, slept = [100.0], []
+    monkeypatch.setattr(ft.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(ft.time, "sleep", slept.append)
+    monkeypatch.setattr(CLOCK, "seconds", {"comm": 0.0})
+
+    def forward_backward():  # 2 s of its own, 1 s of it waiting in a collective
+        clock[0] += 2.0
+        CLOCK.seconds["comm"] += 1.0
+    step = [3]
+    slowed = ft.Faults(1, tmp_path).slowing(forward_backward, lambda: step[0])
+    slowed()
+    step[0] = 4
+    slowed()
+    assert slept == [pytest.approx(0.5), pytest.approx(1.0 * (1.5 * ft.SPIKE - 1))]
+    assert ft.Faults(2, tmp_path).slowing(forward_backward, lambda: 1) is forward_backward  # not its fault
 
 
 def test_the_hang_timer_spares_a_slow_first_step_but_not_a_later_hang(tmp_path, cache_dir):

@@ -1,9 +1,9 @@
 """Every fast path of kernels.py against its reference: outputs and gradients.
 
 Attention backends are compared with kernels.attention_reference (itself checked against a
-per-token loop in test_model.py). Fused operators are compared with their eager versions.
-Compiling is what costs here, so the fused tests use one shape per dtype: each compiled
-function is built once and reused across tests.
+per-token loop in test_model.py). Fused operators (kernels.fused=true: what inductor makes of them
+inside a compiled step, so compiled here) are compared with their eager versions. Compiling is what
+costs here, so the fused tests use one small shape per dtype.
 """
 import copy
 import os
@@ -213,6 +213,11 @@ def test_flash_equals_reference(window):
 ROWS, HIDDEN, VOCAB = (2, 24), 32, 96
 
 
+def compiled(fn):
+    """fn as a compiled step runs it: kernels.fused=true fuses there, and only there."""
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
 def leaf(*shape, dtype=torch.float32, seed=0, scale=1.0, shift=0.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale + shift).to(dtype).requires_grad_()
@@ -256,14 +261,13 @@ def test_heads_with_rope_equals_the_plain_ops(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_heads_with_rope_equals_the_plain_ops(dtype):
-    """kernels.fused's one-kernel heads and rotation (inductor), forward and backward, against the
-    plain ops in fp64: as accurate as the written-out op. 5 heads, as a TP rank's slice may hold."""
+    """The heads and rotation inside a compiled step (inductor's one kernel each way of the plain
+    ops), forward and backward, against the plain ops in fp64: as accurate as the written-out op.
+    5 heads, as a TP rank's slice may hold."""
     B, T, H, D = 2, 12, 5, 8
     cos, sin = rope_tables(T, D, 10000.0, "cpu")
     check_same(lambda x: kernels.heads_with_rope(x, D, cos, sin),
-               lambda x: kernels.heads_with_rope(x, D, cos, sin, fused=True), [leaf(B, T, 3 * H * D, dtype=dtype)])
-    q, k, v = kernels.heads_with_rope(leaf(B, T, 3 * H * D, dtype=dtype), D, cos, sin, fused=True)
-    assert q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()  # [B, T, H, D] in memory
+               compiled(lambda x: kernels.heads_with_rope(x, D, cos, sin)), [leaf(B, T, 3 * H * D, dtype=dtype)])
 
 
 def test_heads_with_rope_rotates_q_and_k_only():
@@ -299,13 +303,14 @@ def test_fused_add_layer_norm(x_dtype):
     and fp32 LayerNorm parameters."""
     inputs = [leaf(*ROWS, HIDDEN, dtype=x_dtype), leaf(*ROWS, HIDDEN, dtype=torch.bfloat16, seed=1)]
     check_same(lambda x, d, n: kernels.add_layer_norm(x, d, n),
-               lambda x, d, n: kernels.add_layer_norm(x, d, n, fused=True), inputs, norm=layer_norm_module(True, x_dtype))
+               compiled(lambda x, d, n: kernels.add_layer_norm(x, d, n, fused=True)), inputs,
+               norm=layer_norm_module(True, x_dtype))
 
 
 def test_fused_add_layer_norm_returns_the_sum():
     norm = layer_norm_module(True, torch.float32)
     x, delta = torch.randn(*ROWS, HIDDEN), torch.randn(*ROWS, HIDDEN)
-    s, h = kernels.add_layer_norm(x, delta, norm, fused=True)
+    s, h = compiled(lambda a, b: kernels.add_layer_norm(a, b, norm, fused=True))(x, delta)
     torch.testing.assert_close(s, x + delta)
     torch.testing.assert_close(h, F.layer_norm(x + delta, (HIDDEN,), norm.weight, norm.bias, norm.eps))
 
@@ -315,7 +320,7 @@ def test_fused_bias_gelu(dtype, bias):
     # The bias is fp32 as under autocast (master weights); the activation comes out of a GEMM.
     inputs = [leaf(*ROWS, 4 * HIDDEN, dtype=dtype, scale=2.0)] + ([leaf(4 * HIDDEN, seed=1)] if bias else [])
     eager = (lambda x, b=None: kernels.bias_gelu(x, b))
-    fused = (lambda x, b=None: kernels.bias_gelu(x, b, fused=True))
+    fused = compiled(lambda x, b=None: kernels.bias_gelu(x, b, fused=True))
     check_same(eager, fused, inputs)
 
 
@@ -324,14 +329,15 @@ def test_bias_gelu_is_exact_erf_gelu():
     z = x + b
     expected = 0.5 * z * (1 + torch.erf(z / 2 ** 0.5))
     torch.testing.assert_close(kernels.bias_gelu(x, b), expected)
-    torch.testing.assert_close(kernels.bias_gelu(x.float(), b.float(), fused=True), expected.float())
+    torch.testing.assert_close(compiled(lambda a, c: kernels.bias_gelu(a, c, fused=True))(x.float(), b.float()),
+                               expected.float())
 
 
 def test_fused_cross_entropy_matches_eager_in_fp32():
     logits = leaf(*ROWS, VOCAB, dtype=torch.bfloat16, scale=4.0)
     targets = torch.randint(0, VOCAB, ROWS, generator=torch.Generator().manual_seed(3))
     eager = kernels.cross_entropy(logits, targets)
-    fused = kernels.cross_entropy(logits, targets, fused=True)
+    fused = compiled(lambda z, t: kernels.cross_entropy(z, t, fused=True))(logits, targets)
     assert fused.dtype == torch.float32
     # Both upcast before the reductions, so they agree to fp32 rounding.
     torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
@@ -551,3 +557,19 @@ def test_the_rotation_costs_three_kernels_a_layer_each_way(monkeypatch):
         assert counts[True]["python calls", phase] - counts[False]["python calls", phase] == layers, phase
     assert counts[True]["kernels", "optimizer"] == counts[False]["kernels", "optimizer"]
     assert counts[True]["hooks", "backward"] == 0
+
+
+def test_fused_from_eager_code_dispatches_what_eager_does(monkeypatch):
+    """kernels.fused=true costs an eager step nothing: at bench_step's launch shape it dispatches
+    the kernels and autograd Python calls of kernels.fused=false, phase by phase, and calls the
+    same Python functions but the one check a step that the loss runs eagerly (is_compiling)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))  # bench_step's imports
+    from experiments import bench_step
+    shape = bench_step.SHAPES["launch"]
+    counts, frames = {}, {}
+    for fused in (False, True):
+        step = bench_step.our_stepper(shape, "fp32", False, extra=(f"kernels.fused={str(fused).lower()}",))
+        step()  # the first step allocates the optimizer's state
+        counts[fused], frames[fused] = bench_step.dispatch_counts(step), bench_step.python_frames(step)
+    assert counts[True] == counts[False]
+    assert 0 <= frames[True] - frames[False] <= 3, frames

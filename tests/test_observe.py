@@ -21,7 +21,8 @@ FAULTS = "skip:1@3,hang:0@4#1"
 def faulty_run(tmp_path_factory, cache_dir):
     run_dir = tmp_path_factory.mktemp("observe")
     args = SMALL + ["parallel.pp=2", "parallel.microbatches=2", f"train.max_steps={STEPS}", "checkpoint.interval=2",
-                    "ft.hang_timeout=3", "ft.heartbeat_interval=0.1", "observe.stall_s=1", f"hydra.run.dir={run_dir}"]
+                    "ft.hang_timeout=3", "ft.heartbeat_interval=0.1", "observe.stall_s=1", "train.gc_interval=1",
+            f"hydra.run.dir={run_dir}"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "--max-restarts=2", "train.py"] + args, cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=train_env(cache_dir, MEGAREPRO_FAULT=FAULTS, OMP_NUM_THREADS=1))
@@ -83,7 +84,17 @@ def test_every_snapshot_says_who_wrote_it_and_holds_the_ops_and_spans(faulty_run
             per_group.setdefault(o["group"], []).append(o["seq"])
     assert all(seqs == list(range(seqs[0], seqs[0] + len(seqs))) for seqs in per_group.values())
     kinds = {(s[0], s[1]) for s in snap["spans"]}
-    assert {("phase", "data"), ("phase", "compute"), ("wait", "bubble"), ("wait", "comm")} <= kinds
+    assert {("phase", "data"), ("phase", "compute"), ("segment", "gc"), ("segment", "checkpoint save"),
+            ("segment", "agreed read")} <= kinds
+    # Each wait named by what it waits for; rank 1, the last stage, receives activations and sends gradients
+    assert {("wait", "bubble pp recv"), ("wait", "comm pp send"), ("wait", "comm optimizer"),
+            ("wait", "bubble agree")} <= kinds
+    # Forward and backward of every microbatch of every step, each once
+    steps = {s[2] for s in snap["spans"] if s[0] == "phase" and s[1] == "compute"}
+    passes = sorted((s[2], s[1]) for s in snap["spans"] if s[0] == "segment" and s[1].split()[0] in ("forward", "backward"))
+    assert passes == sorted((step, f"{kind} c0 mb{mb}") for step in steps for kind in ("forward", "backward")
+                            for mb in range(2))
+    assert all(s[4] >= 0 for s in snap["spans"] if s[0] != "phase")
 
 
 # --- localize, on hand-made snapshots ---
@@ -191,6 +202,49 @@ def test_the_diagnosis_names_the_last_hang_and_the_trace_is_valid(faulty_run):
     assert starts and starts == sorted(e["id"] for e in events if e["ph"] == "f")  # every flow paired
     sends = [e for e in events if e["ph"] == "X" and e["name"].startswith("send")]
     assert sends and len(starts) >= len(sends)  # each send linked to its receive, and the collectives too
+    assert (run_dir / "observe" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_replays_predicted_track_lies_beside_each_rank_and_the_trace_stays_valid(faulty_run, capsys):
+    """python predicted.py RUN_DIR: the run rehearsed (one rank per stage), its replay's steady step
+    laid at each measured step of each rank, in the trace and the figure."""
+    import predicted
+    import timeline
+    from clustermodel import perfmodel as pm, replay
+    _, run_dir, _ = faulty_run
+    predicted.main([str(run_dir)])
+    assert "rank 1, skipped" in capsys.readouterr().out  # observe.py's report, redrawn with the track
+    stages = json.loads((run_dir / "observe" / "predicted.json").read_text())["stages"]
+    cfg = predicted.run_config(run_dir)
+    hw = pm.resolve_hardware(cfg.hardware)
+    step_s = replay.predict(replay.rehearse(cfg, hw, 2, run_dir / "rehearsal"), cfg, hw, 2)["step_s"]
+    assert sorted(stages) == ["0", "1"]
+    for segments in stages.values():  # the whole replayed step, compute and waits end to end, no gap
+        ends = [start + seconds for _, _, start, seconds in segments]
+        assert segments[0][2] == pytest.approx(0.0, abs=1e-9)
+        assert all(nxt[2] == pytest.approx(end, abs=1e-9) for nxt, end in zip(segments[1:], ends))
+        assert ends[-1] == pytest.approx(step_s, rel=1e-6)  # the replay's own step time
+        assert {"compute", "bubble pp recv"} <= {name for _, name, _, _ in segments}
+    diagnosis = json.loads((run_dir / "observe" / "diagnosis.json").read_text())
+    assert diagnosis["predicted_track"] == [0, 1]
+    events = json.loads((run_dir / "observe" / "trace.json").read_text())["traceEvents"]
+    snaps = {r: json.loads((observe.snapshot_dir(run_dir, 2) / f"rank{r}.json").read_text()) for r in (0, 1)}
+    for rank, snap in snaps.items():
+        tid = timeline.PREDICTED_TID + rank
+        assert any(e["ph"] == "M" and e.get("tid") == tid and e["args"].get("name") == f"rank {rank} predicted"
+                   for e in events)
+        measured = sorted({s[2] for s in snap["spans"] if s[:2] == ["phase", "data"]})
+        mine = [e for e in events if e["ph"] == "X" and e.get("tid") == tid]
+        assert measured and len(mine) == len(measured) * len(stages[str(snap["coords"]["pp"])])
+        assert sorted({e["args"]["step"] for e in mine}) == measured
+        mine.sort(key=lambda e: e["ts"])
+        assert all(b["ts"] >= a["ts"] + a["dur"] - 1.0 for a, b in zip(mine, mine[1:]))  # no overlap (us rounding)
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    assert sorted(e["id"] for e in events if e["ph"] == "s") == sorted(e["id"] for e in events if e["ph"] == "f")
+    drawn = timeline.figure(snaps, timeline.clock_offsets(snaps)[0], run_dir / "observe" / "check.png",
+                            timeline.lay_predicted(snaps, stages))
+    assert list(drawn) == ["rank 0", "rank 0 predicted", "rank 1", "rank 1 predicted"]
+    assert {"forward", "backward", "wait bubble"} <= set(drawn["rank 1"]) and drawn["rank 1 predicted"]["compute"]
 
 
 def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_millisecond():
@@ -351,3 +405,17 @@ def test_the_desync_check_leaves_out_groups_larger_than_its_bound():
     assert rec.check_desync(Path("."), store) == []
     prefix = f"observe/desync/{observe._attempt()}/"
     assert store.check([f"{prefix}tp/0"]) and not store.check([f"{prefix}world/0"])
+
+
+def test_the_figure_draws_each_ranks_spans_by_kind_and_a_wait_still_unfinished(tmp_path):
+    """A hand-made hang: rank 0 waits in a receive from t=2 until its snapshot at t=7; rank 1 ran a
+    forward and a backward and is busy. Each drawn once, on aligned clocks."""
+    import timeline
+    recv = ["g", "pp", 0, "recv", 4, "float32", 1, 1, "pipeline.py:9 _post", 1, 1.5, 2.0, None, None]
+    snaps = {0: {"time": 7.0, "ops": [recv], "spans": [["wait", "bubble pp recv", 1, 1.0, 0.5]]},
+             1: {"time": 7.0, "ops": [], "spans": [["segment", "forward c0 mb0", 1, 1.0, 0.4],
+                                                   ["segment", "backward c0 mb0", 1, 1.5, 0.6],
+                                                   ["phase", "compute", 1, 1.0, None]]}}
+    drawn = timeline.figure(snaps, {0: 0.0, 1: 0.0}, tmp_path / "t.png")
+    assert drawn == {"rank 0": {"wait bubble": 1, "waiting (unfinished)": 1}, "rank 1": {"forward": 1, "backward": 1}}
+    assert (tmp_path / "t.png").stat().st_size > 1000

@@ -12,6 +12,7 @@ import model as gpt
 from clustermodel import perfmodel as pm
 from clustermodel import cli
 from clustermodel import replay
+from clustermodel.schema import PerfModelHardware
 from experiments.tables import ABLATION_LABELS
 
 
@@ -33,11 +34,12 @@ def tiny():
 
 def ideal(hw: config.HardwareConfig) -> config.HardwareConfig:
     """A machine where only FLOPs cost time: GEMMs at peak whatever their shape, free bytes and ops."""
-    hw = copy.copy(hw)
-    hw.gemm_efficiency, hw.gemm_half_dim, hw.op_overhead_us = 1.0, 1e-9, 0.0
-    hw.memory_GBps, hw.intra_host_GBps, hw.inter_host_Gbps = 1e15, 1e15, 1e15
-    hw.intra_host_latency_us = hw.inter_host_latency_us = hw.loader_step_s = hw.overlap_slowdown = 0.0
-    hw.inter_host_efficiency = 1.0
+    hw = copy.deepcopy(hw)
+    p = hw.perfmodel
+    p.gemm_efficiency, p.gemm_half_dim, p.op_overhead_us = 1.0, 1e-9, 0.0
+    p.memory_GBps, p.intra_host_GBps, p.inter_host_Gbps = 1e15, 1e15, 1e15
+    p.intra_host_latency_us = p.inter_host_latency_us = p.loader_step_s = p.overlap_slowdown = 0.0
+    p.inter_host_efficiency = 1.0
     return hw
 
 
@@ -172,15 +174,15 @@ def test_collectives_are_textbook():
 
 
 def test_hierarchical_collective_splits_host_and_network():
-    hw = config.HardwareConfig(devices_per_host=8, intra_host_GBps=300, inter_host_Gbps=1600,
-                               intra_host_efficiency=1.0, inter_host_efficiency=1.0,
-                               intra_host_latency_us=0, inter_host_latency_us=0, collective_algo="tree")
+    hw = config.HardwareConfig(perfmodel=PerfModelHardware(
+        devices_per_host=8, intra_host_GBps=300, inter_host_Gbps=1600, intra_host_efficiency=1.0,
+        inter_host_efficiency=1.0, intra_host_latency_us=0, inter_host_latency_us=0, collective_algo="tree"))
     lay = pm.JobLayout(64, 1, 1, 1, 64, 1, 1, 256, 1)        # 64-way DP, 8 ranks on each of 8 hosts
     S = 8e9
     # Inside each host over NVLink, then 1/8 of the data across 8 hosts, each GPU on its own 25 GB/s NIC.
     expected = 7 / 8 * S / 300e9 + 7 / 8 * (S / 8) / 25e9
     assert pm.Network(hw, lay).collective("reduce_scatter", S, "dp") == pytest.approx(expected)
-    hw.collective_algo = "ring"   # a flat ring runs at its network hop
+    hw.perfmodel.collective_algo = "ring"   # a flat ring runs at its network hop
     assert pm.Network(hw, lay).collective("reduce_scatter", S, "dp") == pytest.approx(63 / 64 * S / 25e9)
     assert lay.members_per_host("dp", 8) == 8 and pm.JobLayout(64, 8, 1, 1, 8, 1, 1, 256, 1).members_per_host("dp", 8) == 1
 
@@ -202,7 +204,8 @@ def test_chunked_tp_overlap_shows_one_piece_with_its_latency(megascale_175b):
     net, r = pm.Network(hw, lay), pm.Rates.of(hw, "bf16", 256)
     k, nbytes = cfg.parallel.overlap.tp_chunks, 2048 * 12288 * 2
     piece = net.collective("all_gather", nbytes / k, "tp")
-    assert piece == pytest.approx(7 * hw.intra_host_latency_us * 1e-6 + 7 / 8 * nbytes / k / (300e9 * hw.intra_host_efficiency))
+    p = hw.perfmodel
+    assert piece == pytest.approx(7 * p.intra_host_latency_us * 1e-6 + 7 / 8 * nbytes / k / (300e9 * p.intra_host_efficiency))
     fwd, _, _ = pm.layer_time(cfg, lay, r, net)
     # PTB: one all-gather and one reduce-scatter in the forward, each showing one piece
     assert fwd["tp_comm"] == pytest.approx(piece + net.collective("reduce_scatter", nbytes / k, "tp"))
@@ -221,8 +224,8 @@ def test_more_bandwidth_or_flops_is_never_slower(megatron_175b, megascale_175b):
     for cfg, gpus in layouts(megatron_175b, megascale_175b):
         base = pm.predict(cfg, gpus, hw).step_s
         for key in ("intra_host_GBps", "inter_host_Gbps", "memory_GBps", "peak_tflops", "inter_host_efficiency"):
-            faster = copy.copy(hw)
-            setattr(faster, key, getattr(hw, key) * 2)
+            faster = copy.deepcopy(hw)
+            setattr(pm.owner(faster, key), key, getattr(pm.owner(hw, key), key) * 2)
             assert pm.predict(cfg, gpus, faster).step_s <= base, key
 
 
@@ -344,8 +347,8 @@ def test_fitted_constants_are_the_optimum_of_the_megatron_column(megatron_175b):
     rows = [(cfg, gpus, float(row["megatron_mfu"])) for row, cfg, gpus in cli.table2_configs("Megatron-LM")]
 
     def worst(gemm, network):
-        hw = copy.copy(megatron_175b.hardware)
-        hw.gemm_efficiency, hw.inter_host_efficiency = gemm, network
+        hw = copy.deepcopy(megatron_175b.hardware)
+        hw.perfmodel.gemm_efficiency, hw.perfmodel.inter_host_efficiency = gemm, network
         return max(abs(100 * (pm.predict(c, g, hw).mfu - mfu)) for c, g, mfu in rows)
     g, n = fit["constants"]["gemm_efficiency"], fit["constants"]["inter_host_efficiency"]
     best = worst(g, n)
@@ -387,7 +390,7 @@ def test_emulated_link_is_priced_from_its_calibration_and_shares_the_cores(tmp_p
     monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
     (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(),
                                                           "measured": CPU_MEASURED}))
-    emulated = cli.compose(["hardware=emulated_2x2_250mbit", "hardware.devices_per_host=1"]).hardware
+    emulated = cli.compose(["hardware=emulated_2x2_250mbit", "hardware.perfmodel.devices_per_host=1"]).hardware
     with pytest.raises(config.ConfigError, match="calibrate_comm.py --links 250mbit"):
         pm.resolve_hardware(emulated)
     # a fit of synthetic gloo times: 300 us per ring step, 25 MB/s (0.8 of 250 mbit/s)
@@ -400,14 +403,15 @@ def test_emulated_link_is_priced_from_its_calibration_and_shares_the_cores(tmp_p
             "send": {"latency_us": 0.0, "GBps": 0.03}}
     record = {"link": "250mbit", "rate_GBps": cal.rate_Bps("250mbit") / 1e9, "cpu": machine.cpu_model(), "fits": fits}
     (tmp_path / "comm_calibration.jsonl").write_text(json.dumps(record) + "\n")
-    with pytest.raises(config.ConfigError, match="hardware.overlap_slowdown"):   # a calibration without the probe
+    with pytest.raises(config.ConfigError, match="hardware.perfmodel.overlap_slowdown"):   # a calibration without the probe
         pm.resolve_hardware(emulated)
     record["overlap"] = {"overlap_slowdown": 0.25}
     with open(tmp_path / "comm_calibration.jsonl", "a") as f:  # the newest line of a rate wins
         f.write(json.dumps(record) + "\n")
     hw = pm.resolve_hardware(emulated)
-    assert hw.inter_host_efficiency == pytest.approx(0.8) and hw.inter_host_latency_us == pytest.approx(300)
-    assert hw.p2p_efficiency == pytest.approx(0.96) and hw.overlap_slowdown == 0.25
+    p = hw.perfmodel
+    assert p.inter_host_efficiency == pytest.approx(0.8) and p.inter_host_latency_us == pytest.approx(300)
+    assert p.p2p_efficiency == pytest.approx(0.96) and p.overlap_slowdown == 0.25
     cfg = copy.deepcopy(tiny)
     cfg.hardware, cfg.parallel.dp = hw, 2
     net = pm.Network(hw, pm.layout_of(cfg, 2))
@@ -432,14 +436,14 @@ def test_cpu_local_reads_its_cache_and_charges_every_op(tmp_path, monkeypatch, t
     (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(),
                                                           "measured": CPU_MEASURED}))
     hw = pm.resolve_hardware(cli.compose(["hardware=cpu_local"]).hardware)
-    assert hw.peak_tflops == 0.8 and hw.op_overhead_us == 20.0 and hw.inter_host_efficiency == 1.0
-    assert hw.cores == machine.cores()                    # resolved: this machine's
-    hw.cores = 2
+    assert hw.peak_tflops == 0.8 and hw.perfmodel.op_overhead_us == 20.0 and hw.perfmodel.inter_host_efficiency == 1.0
+    assert hw.perfmodel.cores == machine.cores()          # resolved: this machine's
+    hw.perfmodel.cores = 2
     r = pm.Rates.of(hw, "bf16", 2)                      # two ranks share a 2-core host: half each
     assert pm.Rates.of(hw, "bf16", 4).flops == pytest.approx(0.2e12)   # four: a quarter
-    hw.cores = 8
+    hw.perfmodel.cores = 8
     assert pm.Rates.of(hw, "bf16", 2).flops == pytest.approx(0.1e12)   # one thread a rank: a core each
-    hw.cores = 2
+    hw.perfmodel.cores = 2
     assert r.flops == pytest.approx(0.4e12) and r.mem == pytest.approx(10e9 * 0.4 / 2)  # the measured fraction of the copy's
     assert pm.stream_time(r, 2e9, ops=10) == pytest.approx(1.0 + 10 * 20e-6)   # CPU: fixed cost adds
     # fp32 runs take fp32's own shape profile and attention rate; bf16 runs the bf16 ones

@@ -12,6 +12,7 @@ import torch
 import config
 import forked
 from clustermodel import rehearsal
+from clustermodel.schema import rehearsed_world
 from conftest import EIGHT_RANKS, train_env
 
 TINY = ["model=tiny", "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled"]
@@ -21,7 +22,7 @@ def rehearse_here(overrides: list, ranks: list, out: Path, pool=None) -> list:
     """rehearse_rank for each rank, in this process (the fake backend is set up and torn down per
     rank, as train.py's rehearse.rank does in a process of its own), or on `pool`'s processes."""
     cfg = config.compose(TINY + overrides + ["rehearse.ranks=[0]"])
-    return rehearse_ranks(cfg, ranks, rehearsal.world_of(cfg), out, pool)
+    return rehearse_ranks(cfg, ranks, rehearsed_world(cfg), out, pool)
 
 
 def rehearse_ranks(cfg, ranks: list, world: int, out: Path, pool=None) -> list:
@@ -362,7 +363,7 @@ def test_the_fixed_code_keeps_nccl_rules_on_every_layout(name, pool, tmp_path):
     if not any(o.startswith("parallel.dp") for o in overrides):
         overrides.append("parallel.dp=1")
     cfg = config.compose(TINY + overrides)
-    records = rehearse_here(overrides, list(range(rehearsal.world_of(cfg))), tmp_path, pool)
+    records = rehearse_here(overrides, list(range(rehearsed_world(cfg))), tmp_path, pool)
     assert violations(records) == []
     assert any(ev["step"] == "eval" for rec in records for ev in rec["comm"]) or cfg.parallel.tp * cfg.parallel.pp == 1 \
         or name == "dp2_zero1"

@@ -28,7 +28,7 @@ RATES = pm.Rates(flops=1e12, gemm_eff=1.0, half_dim=0.0, flash_eff=1.0, mem=GB, 
 
 class WireOfOneGBps:
     lay = SimpleNamespace(tp=2, pp=2, dp=2)
-    hw = SimpleNamespace(devices_per_host=1, collective_efficiency=None, collective_algo="ring")
+    rates = SimpleNamespace(devices_per_host=1, collective_efficiency=None, collective_algo="ring")
     intra = inter = (GB, 0.0)   # groups beyond tp, pp and dp (bytes/s, latency)
 
     def collective(self, kind, nbytes, dim):
@@ -106,7 +106,7 @@ def test_ranks_that_share_the_cores_compute_faster_while_the_others_wait():
     """Processor sharing: 4 ranks on 2 cores, each at a quarter of the peak while all compute (the
     rates' own share), at half of it while only two do. Ranks 0 and 1 compute 1 s of work and
     ranks 2 and 3 wait for them on a collective first: alone on the cores, 0 and 1 finish in 0.5 s."""
-    share = replay.core_sharing(SimpleNamespace(device="cpu", cores=2), 4)
+    share = replay.core_sharing(SimpleNamespace(device="cpu", perfmodel=SimpleNamespace(cores=2)), 4)
     assert (share(4), share(2), share(1)) == (1.0, 2.0, 2.0)     # one thread a rank: a core at most
     gb = 0.0  # a collective that costs nothing: only its order matters
     first = lambda r: program(("all_reduce", {"group": "x", "comm": "c", "ranks": [0, 1, 2, 3], "bytes": gb, "async": False}, 1.0),
@@ -146,10 +146,11 @@ def test_the_host_cost_is_this_cpus_median_at_the_ranks_it_was_measured_with(tmp
     assert machine.collective_host_s(1) is None
     assert machine.collective_host_s(2) == machine.collective_host_s(3) == pytest.approx(0.002)
     assert machine.collective_host_s(8) == pytest.approx(0.004)
-    cpu_hw = SimpleNamespace(device="cpu", collective_host_us=None)
-    assert replay.host_cost(cpu_hw, 8) == pytest.approx(0.004) and replay.host_cost(cpu_hw, 1) == 0.0
-    assert replay.host_cost(SimpleNamespace(device="cuda", collective_host_us=None), 8) == 0.0
-    assert replay.host_cost(SimpleNamespace(device="cpu", collective_host_us=250.0), 8) == pytest.approx(0.00025)
+    def hw(device, collective_host_us=None):
+        return SimpleNamespace(device=device, perfmodel=SimpleNamespace(collective_host_us=collective_host_us))
+    assert replay.host_cost(hw("cpu"), 8) == pytest.approx(0.004) and replay.host_cost(hw("cpu"), 1) == 0.0
+    assert replay.host_cost(hw("cuda"), 8) == 0.0
+    assert replay.host_cost(hw("cpu", 250.0), 8) == pytest.approx(0.00025)
 
 
 # --- The real code's rehearsals, priced on a fixed machine (no measurement of this one) ---
@@ -181,7 +182,7 @@ def two_hosts_of_one_rank():
                  inter_host_latency_us=200.0, inter_host_efficiency=0.95, p2p_efficiency=1.0, overlap_slowdown=0.2,
                  devices_per_host=1, inter_host_Gbps=1.0, cores=2, collective_host_us=0.0)
     for key, value in fixed.items():
-        setattr(hw, key, value)
+        setattr(pm.owner(hw, key), key, value)
     return pm.resolve_hardware(hw)
 
 
@@ -247,7 +248,7 @@ def test_the_materialized_core_attention_is_priced_as_the_batched_gemms_it_runs(
 
 
 def test_a_measured_gemm_shape_runs_at_its_measured_speed_in_both_models(rehearsed):
-    """hardware.gemm_shapes (machine.gemm_shape_efficiency, measured for a rehearsal's shapes) prices
+    """hardware.perfmodel.gemm_shapes (machine.gemm_shape_efficiency, measured for a rehearsal's shapes) prices
     a listed shape at its own fraction of peak, an unlisted one by the half-dim model; and the
     analytical model asks for the shapes the rehearsal recorded, so one table serves both."""
     r = dataclasses.replace(RATES, mem=1e18, gemm_shapes={"64x32x16": 0.25})  # compute-bound
@@ -257,7 +258,7 @@ def test_a_measured_gemm_shape_runs_at_its_measured_speed_in_both_models(rehears
     cfg, world, records = rehearsed["tp_off"]
     hw = two_hosts_of_one_rank()
     shapes = {pm.gemm_key(M, N, K) for ev in step_events(records[0]) for M, N, K, _, _ in ev["work"]["gemm"]}
-    hw.gemm_shapes = {key: 0.1 + 0.05 * (i % 7) for i, key in enumerate(sorted(shapes))}  # uneven on purpose
+    hw.perfmodel.gemm_shapes = {key: 0.1 + 0.05 * (i % 7) for i, key in enumerate(sorted(shapes))}  # uneven on purpose
     r = pm.Rates.of(hw, "fp32", world)
     gemm = sum(replay.compute_time({"gemm": ev["work"]["gemm"]}, r) for ev in step_events(records[0]))
     assert gemm == pytest.approx(pm.predict(cfg, world, hw).breakdown["gemm"], rel=0.01)
@@ -298,7 +299,7 @@ def test_tp_without_overlap_shows_the_analytical_tp_traffic(rehearsed):
     of it, where the analytical model charges the slowdown as a term of its own.)"""
     cfg, world, records = rehearsed["tp_off"]
     hw = two_hosts_of_one_rank()
-    hw.overlap_slowdown = 0.0
+    hw.perfmodel.overlap_slowdown = 0.0
     replayed_step, analytical = replay.predict(records, cfg, hw, world), pm.predict(cfg, world, hw)
     assert replayed_step["comm_s"] == pytest.approx(analytical.breakdown["tp_comm"], rel=0.05)
     exposed_if_blocking = sum(replay.comm_time(ev, pm.Network(hw, pm.layout_of(cfg, world)))

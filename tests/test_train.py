@@ -42,6 +42,24 @@ def test_compile_is_obeyed_and_its_default_is_the_faster_measured():
     assert "eager on CPU, where compiled steps measured no faster" in train.compile_choice(None, cpu)[1]
 
 
+def test_cuda_graphs_are_asked_of_cuda_only_and_refused_where_no_graph_step_is_compiled():
+    """train.compile_mode=reduce-overhead: torch.compile's mode on CUDA; on a CPU the step compiles
+    as default and the log line says so; refused in one line without a compiled step or with the
+    chunk-by-chunk compiles of pipeline and tensor parallelism."""
+    import config
+    import train
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert train.compile_mode_choice("default", cuda) == ({}, "")
+    assert train.compile_mode_choice("reduce-overhead", cuda)[0] == {"mode": "reduce-overhead"}
+    options, note = train.compile_mode_choice("reduce-overhead", cpu)
+    assert options == {} and "no CUDA graphs on CPU" in note
+    config.validate(config.compose(["train.compile_mode=reduce-overhead"]))  # auto: compiled on CUDA
+    for bad, says in ((["train.compile=false"], "compiles none"), (["parallel=tp2"], "parallel.tp=2"),
+                      (["train.compile=true", "train.compile_mode=max-autotune"], "unknown value")):
+        with pytest.raises(config.ConfigError, match="train.compile_mode: .*" + says):
+            config.validate(config.compose(["train.compile_mode=reduce-overhead"] + bad))
+
+
 ALLOCATION_STEPS = """
 import ctypes, resource, sys, torch
 import machine

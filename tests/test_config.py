@@ -1,0 +1,68 @@
+"""The configuration schema by owner: hardware.* is what training reads, hardware.perfmodel.* what
+only the performance model reads; a misspelt or misplaced key is one line naming it; composing
+registers the resolvers, importing train.py does not."""
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import config
+from clustermodel import cli
+from clustermodel.schema import PerfModelHardware
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("hardware.perfmodel.gemm_eficiency=0.5", "hardware.perfmodel.gemm_eficiency"),  # a typo inside the group
+    ("hardware.devices_per_host=8", "hardware.devices_per_host"),                    # a model key outside it
+])
+def test_a_wrong_hardware_key_is_one_line_naming_it(override, key, capsys):
+    with pytest.raises(SystemExit) as stop:
+        config.preflight([override])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err and "unknown key" in err and "Fix:" in err
+
+
+def test_each_hardware_file_keeps_the_models_keys_in_its_perfmodel_group():
+    """Every conf/hardware file fits the schema; its training part holds no key of the model's group."""
+    for path in sorted((ROOT / "conf" / "hardware").glob("*.yaml")):
+        raw = OmegaConf.load(path)
+        assert not set(raw) & set(PerfModelHardware.__dataclass_fields__), path.name
+        hw = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config.HardwareConfig), raw))
+        assert isinstance(hw.perfmodel, PerfModelHardware) and hw.name == path.stem
+    a100 = config.compose(["hardware=a100_cluster"]).hardware
+    assert (a100.peak_tflops, a100.memory_gib, a100.perfmodel.devices_per_host, a100.perfmodel.inter_host_Gbps) == \
+        (312, 80, 8, 1600)
+
+
+def test_a_run_recorded_with_flat_hardware_keys_reads_into_the_group(tmp_path):
+    """python -m clustermodel validate reads runs' .hydra/config.yaml: one that names the model's
+    keys at hardware's top level has them moved into hardware.perfmodel."""
+    saved = OmegaConf.to_container(OmegaConf.structured(config.compose(["hardware=cpu_local"])))
+    rates = saved["hardware"].pop("perfmodel")
+    saved["hardware"].update(rates, devices_per_host=1, inter_host_Gbps=0.5)
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(OmegaConf.create(saved), tmp_path / ".hydra" / "config.yaml")
+    cfg = cli.run_config(tmp_path)
+    assert cfg.hardware.name == "cpu_local" and cfg.hardware.device == "cpu"
+    assert (cfg.hardware.perfmodel.devices_per_host, cfg.hardware.perfmodel.inter_host_Gbps) == (1, 0.5)
+
+
+RESOLVERS = ("run_id", "ablation", "ablation_study", "pick", "convergence", "scaling_row")
+
+
+def test_importing_train_registers_no_resolver_and_composing_does():
+    """The YAML's resolvers come from whatever composes (config.register), never from an import."""
+    import importlib
+    import train
+    for name in RESOLVERS:
+        OmegaConf.clear_resolver(name)
+    try:
+        importlib.reload(train)
+        assert not any(OmegaConf.has_resolver(name) for name in RESOLVERS)
+        config.compose(["experiment=megascale_ablation", "ablation.step=2"])
+        assert all(OmegaConf.has_resolver(name) for name in RESOLVERS)
+    finally:
+        config.register()

@@ -1,0 +1,134 @@
+"""Stragglers named as culprits (stragglers.py): a rank slowed by slow:RANK@1.3 is the only one
+flagged, its waiting peer and a rank with a one-step spike are not, and a pipeline whose last stage
+does more work flags no one. Two short gloo runs serve every assertion; the scores themselves are
+checked on figures given by hand."""
+import statistics
+
+import pytest
+import torch
+
+import observe
+import stragglers
+from conftest import SMALL, read_metrics, run_train
+
+WINDOW = ["ft.straggler_interval=5", "ft.straggler_windows=3"]
+SPIKE_STEP = 7
+
+
+@pytest.fixture(scope="module")
+def slowed_run(tmp_path_factory, cache_dir):
+    """2 dp ranks: rank 1 computes 1.3x as long every step, rank 0 ten times as long in one step."""
+    run_dir = tmp_path_factory.mktemp("slowed")
+    run_train(run_dir, SMALL + WINDOW + ["parallel.dp=2", "train.max_steps=50"], cache_dir, nproc=2,
+              MEGAREPRO_FAULT=f"slow:1@1.3,spike:0@{SPIKE_STEP}")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, cache_dir):
+    """pp 2 with no fault, the head's vocabulary 16x the tokenizer's: the last stage computes well
+    over 1 + the threshold times the first stage's work (a comparison across stages would flag it)."""
+    run_dir = tmp_path_factory.mktemp("pipeline")
+    run_train(run_dir, SMALL + WINDOW + ["parallel.pp=2", "parallel.microbatches=2", "model.vocab_size=8192",
+                                         "train.max_steps=20"], cache_dir, nproc=2)  # 3 windows read
+    return run_dir
+
+
+def _verdicts(run_dir):
+    return [(v["rank"], v["kind"], v["step"], v["first_step"]) for row in read_metrics(run_dir)
+            for v in row.get("straggler_verdicts", [])]
+
+
+def test_a_slowed_rank_is_the_only_one_flagged_and_its_waiting_peer_and_a_spike_are_not(slowed_run):
+    verdicts = _verdicts(slowed_run)
+    assert {(rank, kind) for rank, kind, *_ in verdicts} == {(1, "compute")}, verdicts
+    first = min(step for *_, step in verdicts)
+    assert first >= 20  # it persisted: 3 windows of 5 steps, read a window late
+    rows = read_metrics(slowed_run)
+    assert max(r["compute_s"] for r in rows if r["step"] == SPIKE_STEP) > 3 * min(r["compute_s"] for r in rows)
+    # over the windows, the victim waits for the culprit, which computes longer and hardly waits
+    windows = stragglers.figures(slowed_run)
+    median = lambda rank, key: statistics.median(w[key] for w in windows[rank])
+    assert median(0, "wait_s") > median(1, "wait_s") and median(1, "compute_s") > median(0, "compute_s")
+    last = [v for row in rows for v in row.get("straggler_verdicts", [])][-1]
+    assert last["slowdown"] > 1.2 and 0 < last["cost_pct"] < 100
+
+
+def test_the_diagnosis_lists_the_culprit_and_draws_the_heat_map(slowed_run):
+    diagnosis = observe.diagnose(slowed_run)
+    assert [(s["rank"], s["kind"]) for s in diagnosis["stragglers"]] == [(1, "compute")]
+    assert set(diagnosis["stragglers"][0]) >= {"rank", "kind", "slowdown", "cost_pct", "post_late_ms"}
+    late = diagnosis["post_late_ms"]  # from the op logs: the culprit posts late, the victim early
+    assert late["1"] > late["0"] and diagnosis["stragglers"][0]["post_late_ms"] == late["1"]
+    assert (slowed_run / "observe" / "heatmap.png").stat().st_size > 0
+    assert "straggler: rank 1, compute" in (slowed_run / "observe" / "report.txt").read_text()
+
+
+def test_a_pipeline_whose_last_stage_does_more_work_flags_no_one(pipeline_run):
+    assert _verdicts(pipeline_run) == []
+    windows = stragglers.figures(pipeline_run)
+    compute = {r: statistics.median(w["compute_s"] for w in windows[r]) for r in (0, 1)}
+    assert compute[1] > 1.2 * compute[0]  # it does more work, and is not flagged for it
+    work = stragglers.stage_work(pipeline_run)
+    assert work[1] > 1.2 * work[0]  # the model predicts the head's extra work
+
+
+# --- the scores, on figures given by hand ---
+
+def _scores(figures, me, pp=1, pp_rank=0, threshold=0.2):
+    out = stragglers.group_scores(torch.tensor(figures, dtype=torch.float64), torch.arange(len(figures)) + 10,
+                                  me, threshold, pp, pp_rank)
+    return [stragglers.unpack(v) if v >= 0 else None for v in out.tolist()]
+
+
+def test_the_culprit_scores_and_the_victims_waiting_for_it_do_not():
+    # compute, input, comm wait, step: rank 12 computes 1.5x and arrives last (waits least)
+    figures = [[1.0, 0.01, 0.6, 2.0], [1.02, 0.01, 0.55, 2.0], [1.5, 0.01, 0.05, 2.0], [0.98, 0.01, 0.6, 2.0]]
+    culprit = _scores(figures, 2)[0]
+    assert culprit[2] == 12 and culprit[0] == pytest.approx(1.5 / 0.98, abs=1e-3)
+    assert culprit[1] == pytest.approx(0.52, abs=1e-3)  # its excess over the reference, per step
+    assert all(_scores(figures, me)[0][0] < 1.1 for me in (0, 1, 3))
+    # a rank computing long while waiting longest is not the one the others wait for
+    assert _scores([[1.0, 0.0, 0.05, 2.0], [1.5, 0.0, 0.6, 2.0]], 1)[0][0] == 1.0
+
+
+def test_a_group_that_computes_normally_reports_its_transfer_floor_for_its_own_stage_only():
+    figures = [[1.0, 0.0, 0.9, 2.0], [1.0, 0.0, 0.7, 2.0]]
+    scores = _scores(figures, 0, pp=2, pp_rank=1)
+    assert scores[2] is None and scores[3] is None  # stage 0's slots: untouched
+    assert scores[4] == (0.7, 0.7, 10)  # stage 1: the floor, by the group's lowest rank
+    assert _scores(figures, 1, pp=2, pp_rank=1)[4] is None  # one member speaks for the group
+    slow = [[1.0, 0.0, 0.9, 2.0], [1.6, 0.0, 0.1, 2.0]]  # a compute straggler's group: no link floor
+    assert _scores(slow, 0)[2] is None
+
+
+def test_a_packed_culprit_is_the_max_of_its_score():
+    a = stragglers.pack(torch.tensor(1.31), torch.tensor(0.2), torch.tensor(12287))
+    b = stragglers.pack(torch.tensor(1.3), torch.tensor(5.0), torch.tensor(3))
+    assert max(a.item(), b.item()) == a.item() and stragglers.unpack(a.item()) == (1.31, 0.2, 12287)
+
+
+def test_a_ranks_bytes_per_window_grow_with_its_dp_group_not_with_the_world():
+    from clustermodel import rank_costs
+    paper = rank_costs.straggler_bytes(12288, dp=192, pp=8)  # Table 2's largest layout
+    small = rank_costs.straggler_bytes(1536, dp=192, pp=1)
+    assert paper["after"] - small["after"] < 300  # the all-reduce's 2 + 2 pp int64 only
+    assert paper["before"] > 7 * small["before"]  # the world all-gather it replaces
+
+
+def test_a_slow_link_persisting_in_three_of_four_windows_is_a_link_verdict_naming_its_group():
+    class Layout:
+        rank, world, dp, pp, pp_rank, mesh = 0, 1, 1, 2, 0, None
+    detector = stragglers.Detector(Layout, interval=5, threshold=0.2, windows=3, device=torch.device("cpu"))
+    low = stragglers.LOW
+
+    def window(floor_s, least_s, step):  # stage 1's dp groups: the highest floor (group of rank 5), the least
+        top = stragglers.pack(torch.tensor(floor_s), torch.tensor(floor_s), torch.tensor(5))
+        detector.pending = (torch.tensor([0, 0, low, low, top.item(), -round(least_s * 1e6)]), 1.0)
+        return detector._read(step)
+    assert window(0.9, 0.1, 5) == [] and window(0.9, 0.1, 10) == []
+    assert window(0.15, 0.1, 15) == []  # a window within LINK_FACTOR: not a suspect
+    (verdict,) = window(0.9, 0.1, 20)  # 3 of the last 4
+    assert (verdict["rank"], verdict["kind"], verdict["ranks"]) == (5, "link", [5])
+    assert verdict["slowdown"] == pytest.approx(9, rel=0.01) and verdict["cost_pct"] == pytest.approx(80)
+    assert window(0.9, 0.1, 25)[0]["first_step"] == 20
