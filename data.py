@@ -47,7 +47,7 @@ class DataConfig:
     tokenizer: str = "bpe"        # bytes | bpe | a Hugging Face tokenizer name or path
     bpe_vocab_size: int = 4096
     # No cap by default: the whole stdlib (31.5 MB of Python 3.11 source, 9.4M tokens) trains its BPE
-    # and tokenizes in ~50 s on a busy 2-core machine (32 s of CPU), inside the first `make demo`'s budget.
+    # and tokenizes within the first `make demo`'s time budget.
     max_bytes: Optional[int] = None
     val_fraction: float = 0.01
     cache_dir: Optional[str] = None  # None: $MEGAREPRO_CACHE, else ~/.cache/megarepro
@@ -308,7 +308,7 @@ class BPETokenizer:
         return cls(Tokenizer.from_file(str(path)))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # encode_batch_fast skips character offsets: ~3x faster here, and we never use them.
+        # encode_batch_fast skips the character offsets, which nothing here reads.
         return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:

@@ -1,6 +1,7 @@
 """How a rank joins its job and leaves it: the device it computes on, the process group (env://
 under torchrun, or filled in from SLURM's variables under srun, so no torchrun is needed inside
-it), the checkpoint's own gloo group, and the orderly end of the groups at exit.
+it), the checkpoint's own gloo group, the orderly end of the groups at exit, and the stop a signal
+asks for (StopFlag: a preemption's warning, Ctrl-C).
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import atexit
 import datetime
 import gc
 import os
+import signal
 from typing import Optional
 
 import torch
@@ -206,3 +208,38 @@ def first_host(nodelist: str) -> str:
         ranges, tail = rest.split("]", 1)
         entry = head + ranges.split(",")[0].split("-")[0] + tail
     return entry
+
+
+class StopFlag:
+    """Ctrl-C, SIGTERM and SLURM's warning before a preemption or the time limit (USR1 or USR2, as
+    sbatch --signal sends it) ask for a stop at the next step that every rank agrees on
+    (parallel.agree), so the run saves a checkpoint there and exits cleanly instead of dying
+    mid-step. A launcher's own handler for USR1/USR2 (submitit's: requeue the job, then exit) is
+    held back and run by hand_back once that checkpoint is written. A second Ctrl-C stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    LAUNCHER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name = ""
+        self._held_back: dict = {}  # signum -> the launcher's handler, run after the stop's save
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        previous = self._previous[signum]
+        if signum in self.LAUNCHER_SIGNALS and callable(previous):
+            self._held_back[signum] = previous
+
+    def restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def hand_back(self) -> None:
+        """Run the launcher handlers held back (submitit's on rank 0 requeues the job and exits)."""
+        for signum, handler in self._held_back.items():
+            handler(signum, None)

@@ -176,6 +176,44 @@ def _start_wandb(cfg, run_dir: Path, record: dict):
         return None
 
 
+# --- A run's figures: each step's breakdown, the final metrics, the last line ---
+
+def breakdown(timing: dict) -> dict:
+    """Where this rank's step went (overlap.WaitClock): the compute stream blocked on collectives
+    and sends (exposed communication), blocked on pipeline receives or on the slowest rank (bubble
+    or idle), and its own work (compute, including the optimizer and the data loader's share)."""
+    return {"exposed_comm_s": timing["comm_s"], "bubble_s": timing["bubble_s"], "compute_s": timing["compute_s"]}
+
+
+def summarize(history: list, step: int) -> dict:
+    """Final metrics: the last loss, and throughput as the median over steps after the first few
+    (the first steps pay for warm-up and allocation, and the median is robust to a noisy machine)."""
+    if not history:
+        return {"steps": step}
+    timed = history[min(3, len(history) - 1):]
+    median = lambda key: sorted(r[key] for r in timed)[len(timed) // 2]
+    final = {"steps": step, "loss": history[-1]["loss"], "first_loss": history[0]["loss"],
+             "tokens_per_s": median("tokens_per_s"), "step_time": median("step_time"),
+             "tflops_per_device": median("tflops_per_device"), "mfu": median("mfu"),
+             "exposed_comm_s": median("exposed_comm_s"), "bubble_s": median("bubble_s"),
+             "compute_s": median("compute_s"),
+             "memory_gib": history[-1]["memory_gib"],
+             "memory_reserved_gib": history[-1].get("memory_reserved_gib", "n/a")}  # n/a: no caching allocator (CPU)
+    vals = [r["val_loss"] for r in history if "val_loss" in r]
+    if vals:
+        final["val_loss"] = vals[-1]
+    return final
+
+
+def final_line(final: dict, cfg) -> str:
+    if "loss" not in final:
+        return f"done: nothing to do (already at step {final['steps']} of {cfg.train.max_steps})"
+    val = f" | val loss {final['val_loss']:.3f}" if "val_loss" in final else ""
+    return (f"done: {final['steps']} steps | loss {final['first_loss']:.3f} -> {final['loss']:.3f}{val} | "
+            f"{final['tokens_per_s']:,.0f} tokens/s | {final['tflops_per_device']:.3f} TFLOP/s per device | "
+            f"MFU {100 * final['mfu']:.1f}%")
+
+
 def _records(value) -> bool:
     """A list of dicts (metrics.jsonl's straggler verdicts): W&B gets their scalars instead."""
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict)

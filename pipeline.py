@@ -232,7 +232,7 @@ def nccl_programs(pp: int, vpp: int, microbatches: int, overlap: bool, backward:
                   channel=Message.channel) -> dict:
     """Every pp rank's plan as NCCL sees it ({pp rank: events} for nccl_rules.check): each receive
     and send an unbatched op on its channel's group, each wait a compute-stream wait. `channel`
-    picks a message's group (tests put the single shared channel of earlier versions back)."""
+    picks a message's group (tests pass one group for every message, to show the deadlocks that has)."""
     from clustermodel.nccl_rules import Op
     programs = {}
     for rank in range(pp):

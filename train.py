@@ -15,10 +15,10 @@ import dataclasses
 import logging
 import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import numpy as np
@@ -78,184 +78,338 @@ def main(dict_cfg) -> float:
 
 
 def train(cfg: config.Config, run_dir: Path) -> dict:
-    """The training run. Returns the final metrics (also written to run.json)."""
-    # --- Processes, devices, mesh ---
+    """The training run, phase by phase: set-up, resume, the loop (each step, with evaluation and
+    checkpoints as they fall due), the last checkpoint, and the finish. Returns the final metrics
+    (also written to run.json)."""
+    run = set_up(cfg, run_dir)
+    start = resume(cfg.resume, run.ckpt_dir, run.engine, run.optimizer, run.scheduler, run.loader, run.saver.group,
+                   cfg.model)
+    open_run_log(run, start)
+    loop = Loop(run, start)
+    try:
+        loop.run_steps()
+        loop.save_last()
+    except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
+        run.log.finish("failed", metrics.summarize(loop.history, loop.step))
+        launch.mark_failed()
+        raise
+    finally:
+        loop.close()
+    return finish(run, loop)
+
+
+@dataclasses.dataclass
+class Run:
+    """What the set-up builds and every later phase reads."""
+    cfg: config.Config
+    run_dir: Path
+    device: torch.device
+    rank: int
+    world: int
+    layout: parallel.Layout
+    precision: str                # "bf16" or "fp32", the same on every rank
+    autocast_dtype: torch.dtype
+    corpus: data.Corpus
+    loader: object                # the training batches (sampling.train_loader)
+    engine: parallel.ParallelModel
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    ckpt_dir: Path
+    saver: checkpoint.Saver
+    compiling: bool
+    n_params: int
+    allocator: str                # the log's words for the host allocator
+    backends: dict                # what computed the run (what_computed; rank 0's, empty elsewhere)
+    log: Optional[metrics.RunLog] = None       # open_run_log's
+    meter: Optional[metrics.StepMeter] = None  # open_run_log's
+
+
+def set_up(cfg: config.Config, run_dir: Path) -> Run:
+    """Processes, devices and mesh; every generator seeded; the data; the model, cut to this rank's
+    share, and its optimizer; the checkpoint saver."""
     device = launch.pick_device(cfg.hardware.device)
     allocator = host_allocator(cfg.hardware, device)
     rank, world = launch.init_distributed(device, cfg.hardware.backend, timeout_s=cfg.ft.collective_timeout)
     layout = parallel.build_layout(cfg.parallel, rank, world, device, timeout_s=cfg.ft.collective_timeout)
-    # Every generator a rank has, so that two runs of one config write identical checkpoints. Each
-    # rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
-    # heads and sequence slices each TP rank holds, and for each pipeline stage's layers (Megatron's
-    # RNG tracker offsets by rank for the same reason). Weights never come from it: init_weights
-    # draws each slice of each parameter from a generator keyed by its name, so every rank draws
-    # its share of the one model a single process would build.
-    torch.manual_seed(cfg.train.seed + rank)
-    random.seed(cfg.train.seed + rank)
-    np.random.seed(cfg.train.seed + rank)
+    seed_generators(cfg.train.seed, rank)
     precision = _agreed_precision(cfg.precision, device, world)
     autocast_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    corpus, loader = set_up_data(cfg, layout, device)
+    engine, compiling, n_params = set_up_model(cfg, layout, device, autocast_dtype, allocator)
+    backends = what_computed(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
+    optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
+                                      norm_group=engine.norm_group, clock=layout.clock)
+    scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.ft.collective_timeout)
+    return Run(cfg, run_dir, device, rank, world, layout, precision, autocast_dtype, corpus, loader, engine, optimizer,
+               scheduler, ckpt_dir, saver, compiling, n_params, allocator, backends)
 
-    # --- Data: rank 0 reads and hashes the corpus (building the cache under a file lock if need
-    # be); the others open the entry it names, from their own cache where that holds it ---
-    corpus = prepare_data(cfg, rank, world)
+
+def seed_generators(seed: int, rank: int) -> None:
+    """Every generator a rank has, so that two runs of one config write identical checkpoints. Each
+    rank gets its own torch stream: dropout (model.dropout) must draw different masks for the
+    heads and sequence slices each TP rank holds, and for each pipeline stage's layers (Megatron's
+    RNG tracker offsets by rank for the same reason). Weights never come from it: init_weights
+    draws each slice of each parameter from a generator keyed by its name, so every rank draws
+    its share of the one model a single process would build."""
+    torch.manual_seed(seed + rank)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+
+
+def set_up_data(cfg: config.Config, layout, device: torch.device) -> tuple:
+    """(the corpus, the training batches). Rank 0 reads and hashes the corpus (building the cache
+    under a file lock if need be); the others open the entry it names, from their own cache where
+    that holds it."""
+    corpus = prepare_data(cfg, layout.rank, layout.world)
     if cfg.model.vocab_size < corpus.vocab_size:
         fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
-              f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
+             f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
     sampler = sampling.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
-                           layout.dp_rank, layout.dp, seed=cfg.train.seed)
-    loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler, layout.group("tp") if layout.tp > 1 else None,
-                               layout.tp_rank, device)
+                               layout.dp_rank, layout.dp, seed=cfg.train.seed)
+    loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler,
+                                   layout.group("tp") if layout.tp > 1 else None, layout.tp_rank, device)
+    return corpus, loader
 
-    # --- Model and optimizer: built on the meta device, cut to this rank's share (PP chunks, TP
-    # slices), and only that materialized and initialized; ZeRO's buffers from outside ---
+
+def set_up_model(cfg: config.Config, layout, device: torch.device, dtype: torch.dtype, allocator: str) -> tuple:
+    """(the engine, whether it is compiled, the model's parameter count). The model is built on the
+    meta device, cut to this rank's share (PP chunks, TP slices), and only that is materialized and
+    initialized; ZeRO's buffers come from outside (parallel.build)."""
     with torch.device("meta"):
         model = GPT(cfg.model, cfg.kernels)
     n_params = count_params(model)
     engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
-                            dtype=autocast_dtype, device=device, seed=cfg.train.seed)
+                            dtype=dtype, device=device, seed=cfg.train.seed)
     compiling, why = compile_choice(cfg.train.compile, device)
     if compiling:
         options, note = compile_mode_choice(cfg.train.compile_mode, device)
         why += f": torch.compile of {engine.compile(**options)}{note}"
     elif cfg.train.compile_mode != "default":
         why += f"; train.compile_mode={cfg.train.compile_mode} unused: the step runs eager"
-    if rank == 0:
+    if layout.rank == 0:
         log.info("%s; %s", why, allocator)
-    ran = what_computed(cfg, device, autocast_dtype, precision, compiling) if rank == 0 else {}
-    optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
-                                      norm_group=engine.norm_group, clock=layout.clock)
-    scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    return engine, compiling, n_params
 
-    # --- Resume ---
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.ft.collective_timeout)
-    start_step = resume(cfg.resume, ckpt_dir, engine, optimizer, scheduler, loader, saver.group, cfg.model)
 
-    # --- Logging ---
+def open_run_log(run: Run, start: int) -> None:
+    """run.json's record of the run and the step meter (throughput and MFU), on run.log and
+    run.meter. MFU is rank 0's to log, and so is the measurement of a CPU's peak: ranks measuring
+    side by side on shared cores would each see a fraction of it (and cost a second of start-up
+    each)."""
+    cfg, layout, rank = run.cfg, run.layout, run.rank
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    # MFU is rank 0's to log, and so is the measurement of a CPU's peak: ranks measuring side by
-    # side on shared cores would each see a fraction of it (and cost a second of start-up each).
-    peak, peak_source = machine.peak_tflops(device, autocast_dtype, cfg.hardware.peak_tflops,
-                                              cfg.hardware.peak_tflops_fp32) if rank == 0 \
-        else (float("nan"), "rank 0's")
-    meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, world, peak)
+    peak, peak_source = machine.peak_tflops(run.device, run.autocast_dtype, cfg.hardware.peak_tflops,
+                                            cfg.hardware.peak_tflops_fp32) if rank == 0 else (float("nan"), "rank 0's")
+    run.meter = metrics.StepMeter(cfg.train.batch_size * cfg.train.seq_len, fpt, run.world, peak)
     record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
               "study": dataclasses.asdict(cfg.study),
-              "versions": metrics.versions(), "device": str(device), "precision": precision, "world_size": world,
+              "versions": metrics.versions(), "device": str(run.device), "precision": run.precision,
+              "world_size": run.world,
               "layout": {**layout.coordinates(), "dp_size": layout.dp, "pp_size": layout.pp, "tp_size": layout.tp,
                          "order": list(cfg.parallel.order), "group_setup_s": layout.setup_seconds,
                          "ranks": layout.all_coordinates()},
-              "params": n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
-              "peak_tflops": peak, "peak_source": peak_source, "allocator": allocator, "data": corpus.meta,
-              "backends": ran}
-    run_log = metrics.RunLog(run_dir, record, cfg.logging.wandb, enabled=rank == 0)
+              "params": run.n_params, "matmul_params": matmul_params(cfg.model), "flops_per_token": fpt,
+              "peak_tflops": peak, "peak_source": peak_source, "allocator": run.allocator, "data": run.corpus.meta,
+              "backends": run.backends}
+    run.log = metrics.RunLog(run.run_dir, record, cfg.logging.wandb, enabled=rank == 0)
     if rank == 0:
         log.info("run dir %s | %s params | %.3g FLOPs/token | world %d (dp %d, pp %d, tp %d) | %s | peak %.3g TFLOP/s (%s)",
-                 run_dir, f"{n_params:,}", fpt, world, layout.dp, layout.pp, layout.tp, precision, peak, peak_source)
+                 run.run_dir, f"{run.n_params:,}", fpt, run.world, layout.dp, layout.pp, layout.tp, run.precision,
+                 peak, peak_source)
 
-    # --- The loop ---
-    stop = _StopFlag()
-    first_step_work = ", ".join(["torch.compile of every chunk"] * compiling + ["the communicators' set-up"] * (world > 1))
-    observer = observe.start(cfg.observe, layout, run_dir, device)  # the op log and spans, written by the heartbeat
-    if observer is not None and cfg.observe.spans:
-        layout.clock.on_wait, layout.clock.describe = observer.wait_span, observer.wait_label
-    beat = ft.Heartbeat(run_dir, rank, world, cfg.ft, first_step_work, observer)
-    faults = ft.Faults(rank, run_dir)
-    if engine.pipeline is not None:  # slow:/spike: faults, in the step's own compute
-        engine.pipeline._compute = faults.slowing(engine.pipeline._compute, lambda: beat.step, layout.clock)
-    else:
-        engine.forward_backward = faults.slowing(engine.forward_backward, lambda: beat.step, layout.clock)
-    collector = ft.CollectGarbage(cfg.train.gc_interval)
-    detector = stragglers.Detector(layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
-                                   cfg.ft.straggler_windows, device, run_dir) if cfg.ft.straggler_interval else None
-    if detector is not None:  # its compute: the forward and backward's own time, slowed ones included
+
+class Step:
+    """One training step, as the loop's body sees it: its batch (on the host), the seconds the
+    loader took to hand it over, and its one read."""
+
+    def __init__(self, batch: tuple, data_s: float, clock, device: torch.device, recorder):
+        self.batch, self.data_s, self.clock, self.device, self.recorder = batch, data_s, clock, device, recorder
+        self.timing: dict = {}  # the wait clock's figures, once read
+
+    def read(self, host_sync):
+        """The step's one host read (`host_sync`: loss, stop flag and grad norm together, once the
+        step has run): it ends the clock's span of the step (self.timing) and is the read the
+        recorder names. Returns what host_sync returns."""
+        with self.recorder.named_read() if self.recorder is not None else contextlib.nullcontext():
+            value, self.timing = self.clock.end_step(self.device, host_sync)
+        return value
+
+
+class StepContext:
+    """What the loop enters for each training step, `with steps.enter(n) as step:`. It holds:
+    - the clock (overlap.WaitClock): the step's span from entry to its one host read, and the
+      compute stream's stalls on communication inside it (the step's metrics: metrics.breakdown);
+    - the heartbeat's phase: "data" while the batch is read, then "compute";
+    - the batch, read inside the clock's span (a slow loader shows in the step's time), and the
+      loader's own seconds (the straggler detector's data time);
+    - with rehearse.record, for the run's first rehearse.steps steps, the recorder
+      (clustermodel/recorder.py): every collective and host read the step makes after its batch is
+      read (where a rehearsal's step starts: it has no loader), written to `record_to` after the
+      last, so that the rehearsal of this run can be compared with it op by op."""
+
+    def __init__(self, clock, device: torch.device, beat, loader, recorder=None, first: int = 0, recorded: int = 0,
+                 record_to: Optional[Path] = None):
+        self.clock, self.device, self.beat, self.loader = clock, device, beat, loader
+        self.recorder, self.first, self.last_recorded, self.record_to = recorder, first, first + recorded, record_to
+
+    @contextlib.contextmanager
+    def enter(self, number: int):
+        self.clock.start_step(self.device)
+        self.beat.progress(number, "data")
+        loading = time.perf_counter()
+        batch = next(self.loader)
+        data_s = time.perf_counter() - loading
+        self.beat.progress(number, "compute")
+        recorder = self.recorder if self.recorder is not None and number <= self.last_recorded else None
+        with recorder if recorder is not None else contextlib.nullcontext():
+            if recorder is not None:
+                recorder.step = number - self.first
+            yield Step(batch, data_s, self.clock, self.device, recorder)
+        if recorder is not None and number == self.last_recorded:
+            recorder.write(self.record_to)
+
+
+def step_recorder(cfg: config.Config, run: Run):
+    """rehearse.record: the recorder of what this real run posts in its first rehearse.steps steps,
+    in the form a rehearsal records it (clustermodel/recorder.py); None without it."""
+    if not cfg.rehearse.record:
+        return None
+    from clustermodel.recorder import Recorder
+    return Recorder(run.layout, run.device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
+
+
+class Loop:
+    """The training loop and what runs beside its steps: the stop flag (signals), the op log and
+    its spans (observe.py), the heartbeat, the planned faults, the synchronised GC, the progress
+    bar, the held-out batches. close() ends every thread it started."""
+
+    def __init__(self, run: Run, start: int):
+        cfg, layout = run.cfg, run.layout
+        self.run, self.start, self.step, self.history, self.status = run, start, start, [], "finished"
+        self.stop = launch.StopFlag()
+        first_step_work = ", ".join(["torch.compile of every chunk"] * run.compiling +
+                                    ["the communicators' set-up"] * (run.world > 1))
+        observer = observe.start(cfg.observe, layout, run.run_dir, run.device)  # the op log and spans, written by the heartbeat
+        if observer is not None and cfg.observe.spans:
+            layout.clock.on_wait, layout.clock.describe = observer.wait_span, observer.wait_label
+        self.beat = ft.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
+        self.faults = ft.Faults(run.rank, run.run_dir)
+        self.collector = ft.CollectGarbage(cfg.train.gc_interval)
+        self.detector = self._time_compute(run)
+        self.steps = StepContext(layout.clock, run.device, self.beat, run.loader, step_recorder(cfg, run), start,
+                                 cfg.rehearse.steps, run.run_dir / "comm" / f"rank{run.rank}.json")
+        self.bar = _progress(cfg, run.rank, start)
+        self.eval_set = sampling.eval_batches(run.corpus, cfg.train.seq_len, cfg.train.eval_batches,
+                                              cfg.train.batch_size, layout.dp_rank, layout.dp,
+                                              pin_memory=run.device.type == "cuda") \
+            if cfg.train.eval_interval > 0 else []
+
+    def _time_compute(self, run: Run):
+        """The slow:/spike: faults, in the step's own compute, and the straggler detector
+        (stragglers.py), timing the forward and backward, slowed ones included. Returns the
+        detector, or None without ft.straggler_interval."""
+        cfg, engine = run.cfg, run.engine
+        if engine.pipeline is not None:
+            engine.pipeline._compute = self.faults.slowing(engine.pipeline._compute, lambda: self.beat.step,
+                                                            run.layout.clock)
+        else:
+            engine.forward_backward = self.faults.slowing(engine.forward_backward, lambda: self.beat.step,
+                                                            run.layout.clock)
+        if not cfg.ft.straggler_interval:
+            return None
+        detector = stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
+                                       cfg.ft.straggler_windows, run.device, run.run_dir)
         engine.forward_backward = detector.timed(engine.forward_backward)
-    step, history, status = start_step, [], "finished"
-    # rehearse.record: what this real run posts in its first rehearse.steps steps, in the form a
-    # rehearsal records it (clustermodel/recorder.py), so that the two can be compared op by op.
-    recorder = None
-    if cfg.rehearse.record:
-        from clustermodel.recorder import Recorder
-        recorder = Recorder(layout, device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
-    bar = _progress(cfg, rank, start_step)
-    eval_set = sampling.eval_batches(corpus, cfg.train.seq_len, cfg.train.eval_batches, cfg.train.batch_size,
-                                 layout.dp_rank, layout.dp, pin_memory=device.type == "cuda") \
-        if cfg.train.eval_interval > 0 else []
-    try:
-        for step in range(start_step + 1, cfg.train.max_steps + 1):
-            layout.clock.start_step(device)
-            beat.progress(step, "data")
-            loading = time.perf_counter()
-            inputs, targets = next(loader)
-            data_s = time.perf_counter() - loading
-            beat.progress(step, "compute")
-            recording = recorder is not None and step <= start_step + cfg.rehearse.steps
-            with recorder if recording else contextlib.nullcontext():
-                if recording:
-                    recorder.step = step - start_step
-                loss, grad_norm = parallel.train_step(engine, optimizer, inputs.to(device, non_blocking=True),
-                                                     targets.to(device, non_blocking=True), cfg, autocast_dtype)
-                scheduler.step()
-                agreed = parallel.agree(loss, stop.requested, layout, grad_norm)
-                # The step's one host read: loss, stop flag and grad norm together, once the step has run.
-                with recorder.named_read() if recording else contextlib.nullcontext():
-                    (loss, stop_now, grad_norm), timing = layout.clock.end_step(device, lambda: parallel.read_agreed(agreed, layout))
-            if recording and step == start_step + cfg.rehearse.steps:
-                recorder.write(run_dir / "comm" / f"rank{rank}.json")
-            row = {"step": step, "loss": loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                   **meter(timing["step_s"]), **breakdown(timing), "memory_gib": metrics.memory_gib(device),
-                   **metrics.memory_reserved(device)}
-            if eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
-                beat.progress(step, "eval")
-                row["val_loss"] = evaluate(engine, eval_set, device, autocast_dtype, layout)
-            row.update(health(step, timing, data_s, collector, detector, rank))
-            run_log.step(row)
-            history.append(row)
-            _report(row, cfg, bar, rank)
+        return detector
+
+    def run_steps(self) -> None:
+        """Steps to train.max_steps, each followed by what falls due (evaluation, the health checks,
+        the row of metrics, a checkpoint), or until the ranks agree to stop (a signal: status
+        "interrupted")."""
+        cfg, run = self.run.cfg, self.run
+        for step in range(self.start + 1, cfg.train.max_steps + 1):
+            self.step = step
+            row, stop_now, current = self.train_step(step)
+            if self.eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
+                self.beat.progress(step, "eval")
+                row["val_loss"] = evaluate(run.engine, self.eval_set, run.device, run.autocast_dtype, run.layout)
+            row.update(health(step, current.timing, current.data_s, self.collector, self.detector, run.rank))
+            run.log.step(row)
+            self.history.append(row)
+            _report(row, cfg, self.bar, run.rank)
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                beat.progress(step, "checkpoint")
-                faults.before_save(step, saver)
-                save(saver, step, engine, optimizer, scheduler, loader, cfg)
-            faults.after_step(step, ckpt_dir, saver)
+                self.save(step)
+            self.faults.after_step(step, run.ckpt_dir, run.saver)
             if stop_now:
-                status = "interrupted"
+                self.status = "interrupted"
                 log.warning("stop requested: saving a checkpoint at step %d and exiting cleanly (%s)",
-                            step, stop.signal_name or "another rank's signal")
-                break
-        if step > start_step and (status == "interrupted" or cfg.checkpoint.interval) and saver.last_step != step:
-            beat.progress(step, "checkpoint")
-            faults.before_save(step, saver)
-            save(saver, step, engine, optimizer, scheduler, loader, cfg)
-        saver.wait()  # an asynchronous save still being written completes before the run ends
-        beat.progress(step, "done")
-    except BaseException:  # a crash or a second Ctrl-C: the tables must say failed, not running
-        run_log.finish("failed", summarize(history, step))
-        launch.mark_failed()
-        raise
-    finally:  # every thread the run started ends here, in this order (launch.shutdown says the rest)
-        loader.close()
-        saver.close()
-        beat.close()
-        layout.clock.on_wait = layout.clock.describe = None
+                            step, self.stop.signal_name or "another rank's signal")
+                return
+
+    def train_step(self, step: int) -> tuple:
+        """One optimizer step in the step context. Returns its row of metrics, whether the ranks
+        agreed to stop, and the step (its timing, its data loader's time)."""
+        run = self.run
+        with self.steps.enter(step) as current:
+            inputs, targets = (t.to(run.device, non_blocking=True) for t in current.batch)
+            loss, grad_norm = parallel.train_step(run.engine, run.optimizer, inputs, targets, run.cfg,
+                                                  run.autocast_dtype)
+            run.scheduler.step()
+            agreed = parallel.agree(loss, self.stop.requested, run.layout, grad_norm)
+            loss, stop_now, grad_norm = current.read(lambda: parallel.read_agreed(agreed, run.layout))
+        timing = current.timing
+        row = {"step": step, "loss": loss, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+               **run.meter(timing["step_s"]), **metrics.breakdown(timing), "memory_gib": metrics.memory_gib(run.device),
+               **metrics.memory_reserved(run.device)}
+        return row, stop_now, current
+
+    def save(self, step: int) -> None:
+        self.beat.progress(step, "checkpoint")
+        self.faults.before_save(step, self.run.saver)
+        save(self.run.saver, step, self.run.engine, self.run.optimizer, self.run.scheduler, self.run.loader,
+             self.run.cfg)
+
+    def save_last(self) -> None:
+        """The stop's checkpoint, or the last step's where checkpoints are on and it was not saved
+        yet; then an asynchronous save still being written completes before the run ends."""
+        run, step = self.run, self.step
+        if step > self.start and (self.status == "interrupted" or run.cfg.checkpoint.interval) \
+                and run.saver.last_step != step:
+            self.save(step)
+        run.saver.wait()
+        self.beat.progress(step, "done")
+
+    def close(self) -> None:
+        """Every thread the run started ends here, in this order (launch.shutdown says the rest)."""
+        self.run.loader.close()
+        self.run.saver.close()
+        self.beat.close()
+        self.run.layout.clock.on_wait = self.run.layout.clock.describe = None
         observe.stop()
-        collector.close()
-        if bar is not None:
-            bar.close()
-        stop.restore()
-    final = summarize(history, step)
-    final["checkpoint_stall_s"] = saver.stall_s  # how long each save held training up
-    final["checkpoint_failed_steps"] = saver.failed
-    if compiling:  # what torch.compile made of the chunks (0: nothing ran compiled)
+        self.collector.close()
+        if self.bar is not None:
+            self.bar.close()
+        self.stop.restore()
+
+
+def finish(run: Run, loop: Loop) -> dict:
+    """The final metrics in run.json and rank 0's last line; after a stop, the launcher's handlers
+    held back (a requeue) run now that the checkpoint is saved. The process group stays up for the
+    next job of a multirun (launch.init_distributed)."""
+    final = metrics.summarize(loop.history, loop.step)
+    final["checkpoint_stall_s"] = run.saver.stall_s  # how long each save held training up
+    final["checkpoint_failed_steps"] = run.saver.failed
+    if run.compiling:  # what torch.compile made of the chunks (0: nothing ran compiled), its breaks and recompiles
         final["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    if compiling:  # graph breaks and recompiles, each with its reason
         final["dynamo"] = metrics.dynamo_counters()
-    run_log.finish(status, final)
-    if rank == 0:
-        print(final_line(final, cfg), flush=True)
-    if status == "interrupted":  # saved: now the launcher may requeue the job (and exit)
-        stop.hand_back()
-    return final  # the process group stays up for the next job of a multirun (launch.init_distributed)
+    run.log.finish(loop.status, final)
+    if run.rank == 0:
+        print(metrics.final_line(final, run.cfg), flush=True)
+    if loop.status == "interrupted":
+        loop.stop.hand_back()
+    return final
 
 
 def prepare_data(cfg: config.Config, rank: int, world: int):
@@ -285,13 +439,6 @@ def health(step: int, timing: dict, data_s: float, collector, detector, rank: in
         if rank == 0:
             out.update(stragglers.log_verdicts(verdicts, step))
     return out
-
-
-def breakdown(timing: dict) -> dict:
-    """Where this rank's step went (overlap.WaitClock): the compute stream blocked on collectives
-    and sends (exposed communication), blocked on pipeline receives or on the slowest rank (bubble
-    or idle), and its own work (compute, including the optimizer and the data loader's share)."""
-    return {"exposed_comm_s": timing["comm_s"], "bubble_s": timing["bubble_s"], "compute_s": timing["compute_s"]}
 
 
 @torch.no_grad()
@@ -357,11 +504,9 @@ def compile_mode_choice(mode: str, device: torch.device) -> tuple:
 
 def compile_choice(setting, device: torch.device) -> tuple:
     """(whether to torch.compile, the log line saying why). train.compile=true or false is obeyed;
-    null, the default, picks the faster of the two where each was measured, with
-    experiments/bench_step.py: on CUDA compiled (an H200 at bench_step's default shape in fp32: 270k tok/s
-    against eager's 191k), on CPU eager (this project's AMD EPYC: compiled steps no faster, 0.87x and
-    1.02x of eager in two measurements, within the noise, and compiling costs start-up time:
-    experiments/results/bench_step.md)."""
+    null, the default, picks the faster of the two as experiments/bench_step.py measures them
+    (experiments/results/bench_step.md): compiled on CUDA, eager on a CPU, where compiled steps are
+    no faster and compiling costs start-up time."""
     if setting is not None:
         return setting, f"train.compile={str(setting).lower()}"
     if device.type == "cuda":
@@ -408,35 +553,6 @@ def resume(how: str, ckpt_dir: Path, engine, optimizer, scheduler, loader, group
 
 # --- Reporting ---
 
-def summarize(history: list, step: int) -> dict:
-    """Final metrics: the last loss, and throughput as the median over steps after the first few
-    (the first steps pay for warm-up and allocation, and the median is robust to a noisy machine)."""
-    if not history:
-        return {"steps": step}
-    timed = history[min(3, len(history) - 1):]
-    median = lambda key: sorted(r[key] for r in timed)[len(timed) // 2]
-    final = {"steps": step, "loss": history[-1]["loss"], "first_loss": history[0]["loss"],
-             "tokens_per_s": median("tokens_per_s"), "step_time": median("step_time"),
-             "tflops_per_device": median("tflops_per_device"), "mfu": median("mfu"),
-             "exposed_comm_s": median("exposed_comm_s"), "bubble_s": median("bubble_s"),
-             "compute_s": median("compute_s"),
-             "memory_gib": history[-1]["memory_gib"],
-             "memory_reserved_gib": history[-1].get("memory_reserved_gib", "n/a")}  # n/a: no caching allocator (CPU)
-    vals = [r["val_loss"] for r in history if "val_loss" in r]
-    if vals:
-        final["val_loss"] = vals[-1]
-    return final
-
-
-def final_line(final: dict, cfg) -> str:
-    if "loss" not in final:
-        return f"done: nothing to do (already at step {final['steps']} of {cfg.train.max_steps})"
-    val = f" | val loss {final['val_loss']:.3f}" if "val_loss" in final else ""
-    return (f"done: {final['steps']} steps | loss {final['first_loss']:.3f} -> {final['loss']:.3f}{val} | "
-            f"{final['tokens_per_s']:,.0f} tokens/s | {final['tflops_per_device']:.3f} TFLOP/s per device | "
-            f"MFU {100 * final['mfu']:.1f}%")
-
-
 def _report(row: dict, cfg, bar, rank: int) -> None:
     if bar is not None:
         bar.update(1)
@@ -454,41 +570,6 @@ def _progress(cfg, rank: int, start: int):
         return None
     from tqdm import tqdm
     return tqdm(total=cfg.train.max_steps, initial=start, desc="train", dynamic_ncols=True, leave=False)
-
-
-class _StopFlag:
-    """Ctrl-C, SIGTERM and SLURM's warning before a preemption or the time limit (USR1 or USR2, as
-    sbatch --signal sends it) ask for a stop at the next step that every rank agrees on
-    (parallel.agree), so the run saves a checkpoint there and exits cleanly instead of dying
-    mid-step. A launcher's own handler for USR1/USR2 (submitit's: requeue the job, then exit) is
-    held back and run by hand_back once that checkpoint is written. A second Ctrl-C stops at once."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    LAUNCHER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-
-    def __init__(self):
-        self.requested = False
-        self.signal_name = ""
-        self._held_back: dict = {}  # signum -> the launcher's handler, run after the stop's save
-        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signal_name = self.signal_name or signal.Signals(signum).name
-        previous = self._previous[signum]
-        if signum in self.LAUNCHER_SIGNALS and callable(previous):
-            self._held_back[signum] = previous
-
-    def restore(self):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-    def hand_back(self) -> None:
-        """Run the launcher handlers held back (submitit's on rank 0 requeues the job and exits)."""
-        for signum, handler in self._held_back.items():
-            handler(signum, None)
 
 
 def record_pending(cfg: config.Config, run_dir: Path) -> float:

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from experiments import tables  # noqa: E402
 
 PARTS = (("compute_s", "compute"), ("exposed_comm_s", "exposed comm"), ("bubble_s", "pipeline bubble"))
-WARMUP_STEPS = 3  # skipped in medians, as train.summarize does: the first steps pay for allocation
+WARMUP_STEPS = 3  # skipped in medians, as metrics.summarize does: the first steps pay for allocation
 
 
 def median(rows: List[dict], key: str) -> Optional[float]:
-    """The same upper median as train.summarize, so the bar's total is the table's step time."""
+    """The same upper median as metrics.summarize, so the bar's total is the table's step time."""
     values = sorted(r[key] for r in rows[min(WARMUP_STEPS, max(len(rows) - 1, 0)):] if r.get(key) is not None)
     return values[len(values) // 2] if values else None
 

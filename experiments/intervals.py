@@ -1,7 +1,7 @@
 """How large a measured change is against a run's own noise: confidence intervals from independent
 windows of each run's steps (the tables' ΔMFU ± and the figures' error bars).
 
-A run's steps after the first few (train.summarize skips them too) are cut into WINDOWS contiguous
+A run's steps after the first few (metrics.summarize skips them too) are cut into WINDOWS contiguous
 windows; each window's median MFU is one sample of the run. The samples' mean has a standard error;
 a change between two runs is the difference of their MFUs (the medians over all steps, the table's
 MFU column), and its 95% interval is Welch's, from the two runs' window samples:
@@ -18,7 +18,7 @@ import math
 import statistics
 from typing import List, Optional, Sequence, Tuple
 
-WARMUP_STEPS = 3   # skipped, as train.summarize skips them: the first steps pay for allocation
+WARMUP_STEPS = 3   # skipped, as metrics.summarize skips them: the first steps pay for allocation
 WINDOWS = 5        # samples per run
 MIN_PER_WINDOW = 3
 

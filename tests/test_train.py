@@ -379,3 +379,52 @@ def test_the_submitit_launcher_can_pickle_train_pys_entry_point():
     namespace = runpy.run_path(str(Path(__file__).resolve().parents[1] / "train.py"), run_name="train_as_main")
     restored = cloudpickle.loads(cloudpickle.dumps(namespace["main"]))
     assert callable(restored)
+
+
+def test_each_step_is_one_context_of_clock_heartbeat_batch_and_recording(tmp_path):
+    """train.StepContext, on a 1-rank gloo group: the heartbeat says "data", then "compute"; the
+    batch is read before the recorder starts (the loader's collectives are not the step's: a
+    rehearsal has no loader); only the first `recorded` steps are recorded, numbered from the
+    resumed step, and written after the last of them; the step's one read is the recorder's named
+    read and ends the clock's span."""
+    import torch.distributed as dist
+    import overlap
+    import parallel
+    import train
+    from clustermodel.recorder import Recorder
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layout = parallel.build_layout(parallel.ParallelConfig(), 0, 1, torch.device("cpu"))
+        recorder = Recorder(layout, torch.device("cpu"), fake=False)
+        phases = []
+
+        class Beat:
+            def progress(self, step, phase):
+                phases.append((step, phase))
+
+        def batches():
+            while True:
+                x = torch.ones(4)
+                dist.broadcast(x, src=0)  # as a TP group's shared loader does
+                yield x, x
+
+        steps = train.StepContext(overlap.WaitClock(), torch.device("cpu"), Beat(), batches(), recorder, first=10,
+                                  recorded=2, record_to=tmp_path / "comm" / "rank0.json")
+        written, timings = [], []
+        for n in (11, 12, 13):
+            with steps.enter(n) as step:
+                x, _ = step.batch
+                dist.all_reduce(x)
+                assert step.read(lambda: x.tolist()) == [1.0] * 4
+            written.append((tmp_path / "comm" / "rank0.json").exists())
+            timings.append(step.timing)
+    finally:
+        dist.destroy_process_group()
+    assert phases == [(n, phase) for n in (11, 12, 13) for phase in ("data", "compute")]
+    assert written == [False, True, True]
+    events = json.loads((tmp_path / "comm" / "rank0.json").read_text())["comm"]
+    assert [(e["step"], e["op"]) for e in events if e["op"] != "wait"] == \
+        [(1, "all_reduce"), (1, "host_read"), (2, "all_reduce"), (2, "host_read")]
+    assert len(recorder.events) == len(events)  # step 13: nothing recorded
+    for timing in timings:
+        assert set(timing) == {"step_s", "comm_s", "bubble_s", "compute_s"} and timing["step_s"] > 0
