@@ -90,6 +90,9 @@ def checkpoint_costs(rank, world, port, out):
     sockets0, reads0 = sockets(), store.reads
     saver = checkpoint.Saver(Path(out) / "ckpt", keep=0)
     found["start"] = {"sockets": sockets() - sockets0, "store_reads": store.reads - reads0}
+    # Every rank counts its start before any save begins: a peer's save connects to this rank
+    # lazily, and a count taken after it would charge that to the checkpoint group's creation.
+    dist.barrier()  # the world group's: its connections exist already
     state = {"model/w": checkpoint.Chunks((world, 4), [((rank, 0), torch.full((1, 4), float(rank)))])}
     with file_system_calls({}) as calls:
         saver.save(1, state)

@@ -7,7 +7,8 @@ import torch
 
 import optim
 import parallel
-from clustermodel import host_syncs, recorder
+from clustermodel import host_syncs
+from clustermodel.recorder import _site
 from test_rehearsal import TINY_3D, rehearse_here, violations
 
 
@@ -21,9 +22,9 @@ def recorder(step=2):
 
 def test_the_rule_names_pageable_and_blocking_copies_to_the_device_from_the_second_step(monkeypatch):
     rec = recorder()
-    monkeypatch.setattr(torch.Tensor, "to", host_syncs.copy(rec, "to", torch.Tensor.to, recorder._site))
-    monkeypatch.setattr(torch.Tensor, "copy_", host_syncs.copy(rec, "copy_", torch.Tensor.copy_, recorder._site))
-    monkeypatch.setattr(torch, "tensor", host_syncs.factory(rec, "tensor", torch.tensor, recorder._site))
+    monkeypatch.setattr(torch.Tensor, "to", host_syncs.copy(rec, "to", torch.Tensor.to, _site))
+    monkeypatch.setattr(torch.Tensor, "copy_", host_syncs.copy(rec, "copy_", torch.Tensor.copy_, _site))
+    monkeypatch.setattr(torch, "tensor", host_syncs.factory(rec, "tensor", torch.tensor, _site))
     batch = torch.zeros(2, 8, dtype=torch.long)
     on_device = batch.to("meta")                        # the loader's old copy: pageable, blocking
     batch.to("meta", non_blocking=True)                 # non_blocking from pageable memory still waits
