@@ -126,7 +126,11 @@ def table(run_dir: Path, sigterm_at: float, reference: dict) -> list:
                     restarted=True, steps_lost=kill["step"] - resumed))
     hang, found = first("injected_hang"), first("hang_detected")
     k, start, resumed = after(found["time"])
+    # idle_s: the detecting rank's time without progress, counted from its last mark, which comes
+    # before the injection by the step's tail (longer on a loaded machine), so detected_s alone
+    # can be under hang_timeout
     out.append(dict(fault="a rank hangs", step=hang["step"], detected_s=found["time"] - hang["time"],
+                    idle_s=found["idle_s"],
                     how=f"heartbeat watchdog (ft.hang_timeout=5): rank {found['behind_rank']} behind in "
                         f"{found['behind_phase']}", restarted=True, steps_lost=hang["step"] - resumed))
     full = first("injected_disk_full")
