@@ -5,8 +5,9 @@ Every step a rank times its own work: compute is its forward and backward less e
 (overlap.WaitClock's: TP, PP, DP), the optimizer left out (the same work on every rank of a group,
 it only dilutes a slowdown; on CUDA, where the host's clock sees launches, not kernels, it is
 WaitClock's compute, the stream's span less its waits, optimizer included); input is the data
-loader's time; wait is the time blocked on collectives and sends (comm: what a slow link
-lengthens). Every ft.straggler_interval steps (a window) it keeps the median of each over the
+loader's time; wait is the time blocked on the dp group's own collectives (what a slow link
+lengthens; group_wait: observe.py labels each wait by its op's mesh dimension, so TP's waits on a
+host's loopback do not blur the floor of a DP link across hosts). Every ft.straggler_interval steps (a window) it keeps the median of each over the
 window, so a one-step spike moves nothing.
 
 Who is compared with whom: only ranks that do the same work, the dp group of a (pp, tp)
@@ -100,6 +101,16 @@ def group_scores(figures: torch.Tensor, ranks: torch.Tensor, me: int, threshold:
     return out
 
 
+def group_wait(timing: dict, labelled: bool) -> float:
+    """The step's wait in the dp group's own collectives (WaitClock's waits labelled "comm dp"): the
+    transfers the group's members are compared on. TP's waits on a host's loopback and PP's on other
+    links are no part of the group's transfer floor. All comm waits where the clock does not label
+    its waits (labelled False: observe.spans=0)."""
+    if not labelled:
+        return timing["comm_s"]
+    return sum(s for label, s in timing.get("waits", {}).items() if label == "comm dp")
+
+
 class Detector:
     """This rank's window of per-step figures, its group's comparison, and (on every rank, logged
     by rank 0) the verdicts that persist."""
@@ -136,7 +147,7 @@ class Detector:
         """Add one step's figures; at a window's end, compare and return the verdicts confirmed or
         updated by the previous window's result (a list of dicts; empty between windows)."""
         compute = timing["compute_s"] if self.device.type == "cuda" else self.compute_s
-        self.rows.append((max(compute, 0.0), data_s, timing["comm_s"], timing["step_s"]))
+        self.rows.append((max(compute, 0.0), data_s, group_wait(timing, self.clock.describe is not None), timing["step_s"]))
         self.compute_s = 0.0
         if step % self.interval:
             return []
