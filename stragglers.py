@@ -20,9 +20,10 @@ Scores, computed on the device from the group's gathered figures (no host read):
 - compute, input: slowdown = own median / the group's reference, the first quartile of its members'
   medians (the faster of two). A compute culprit also arrives late: its wait is at most the group's
   median wait, while its victims wait for it; a rank that waits longer than that is not a culprit.
-- link: a group's transfer floor is the least comm wait among its members (the member that
+- link: a group's transfer floor is the least wait among its members (the member that
   arrives last waits for the transfer alone), compared with the floors of the stage's other groups
-  (other tp coordinates: the same collectives). A group whose members compute normally and whose
+  (other tp coordinates: the same collectives). A group (one whose members compute normally, where
+  the waits are all comm waits, not the group's own: group_scores' dp_waits) whose
   floor is LINK_FACTOR times the stage's lowest, costing more than the threshold of the step, has a
   slow link; one group cannot tell which of its members' links is slow, so the verdict names its
   lowest rank and lists its ranks.
@@ -78,10 +79,14 @@ def unpack(value: int) -> tuple:
 
 
 def group_scores(figures: torch.Tensor, ranks: torch.Tensor, me: int, threshold: float, pp: int,
-                 pp_rank: int) -> torch.Tensor:
+                 pp_rank: int, dp_waits: bool = False) -> torch.Tensor:
     """This rank's contribution to the world's MAX, from its dp group's gathered figures [G, FIGURES]:
     [compute culprit, input culprit, then per stage (link floor, -link floor)], packed. Every member
-    computes the same group figures; only the group's lowest rank contributes the link floor."""
+    computes the same group figures; only the group's lowest rank contributes the link floor.
+    dp_waits: the waits are the group's own collectives' (group_wait). Then the floor is the last
+    arriver's transfer whatever its members compute, and a group reports it even with a compute
+    straggler or noise in it; with all comm waits (TP's, PP's too) only a group computing normally
+    does (a straggler's TP peers wait for it, and would raise their group's floor)."""
     compute, data, wait, step = figures.unbind(1)
     k = max((len(compute) - 1) // 4, 0)  # the first quartile: the faster of 2, the fastest of up to 4
     ref = lambda x: x.sort().values[k].clamp_min(1e-9)
@@ -93,6 +98,7 @@ def group_scores(figures: torch.Tensor, ranks: torch.Tensor, me: int, threshold:
     out[0] = pack(c_score, compute[me] - ref(compute), rank)
     out[1] = pack(i_score, data[me] - ref(data), rank)
     normal = (compute / ref(compute)).max() <= 1 + threshold
+    normal = normal | dp_waits
     if me == 0:  # the group's link floor, where every member computes normally (else none)
         floor = wait.min()
         top, least = pack(floor, floor, ranks.min()), -(floor * 1e6).round().long()  # negated us: MAX is the least
@@ -163,7 +169,7 @@ class Detector:
             gathered = mine
         ranks = torch.tensor(self.members, device=self.device)
         reduced = group_scores(gathered.view(-1, FIGURES), ranks, self.me, self.threshold, self.layout.pp,
-                               self.layout.pp_rank)
+                               self.layout.pp_rank, dp_waits=self.clock.describe is not None)
         if self.layout.world > 1:
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
         self.pending = (reduced, medians[3])
