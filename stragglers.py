@@ -7,8 +7,8 @@ it only dilutes a slowdown; on CUDA, where the host's clock sees launches, not k
 WaitClock's compute, the stream's span less its waits, optimizer included); input is the data
 loader's time; wait is the time blocked on the dp group's own collectives (what a slow link
 lengthens; group_wait: observe.py labels each wait by its op's mesh dimension, so TP's waits on a
-host's loopback do not blur the floor of a DP link across hosts). Every ft.straggler_interval steps (a window) it keeps the median of each over the
-window, so a one-step spike moves nothing.
+host's loopback do not blur the floor of a DP link across hosts). Every ft.straggler_interval
+steps (a window) it keeps the median of each over the window, so a one-step spike moves nothing.
 
 Who is compared with whom: only ranks that do the same work, the dp group of a (pp, tp)
 coordinate (the same stage, the same slice). Their predicted work is identical, so dividing by the
@@ -153,7 +153,8 @@ class Detector:
         """Add one step's figures; at a window's end, compare and return the verdicts confirmed or
         updated by the previous window's result (a list of dicts; empty between windows)."""
         compute = timing["compute_s"] if self.device.type == "cuda" else self.compute_s
-        self.rows.append((max(compute, 0.0), data_s, group_wait(timing, self.clock.describe is not None), timing["step_s"]))
+        wait = group_wait(timing, labelled=self.clock.describe is not None)
+        self.rows.append((max(compute, 0.0), data_s, wait, timing["step_s"]))
         self.compute_s = 0.0
         if step % self.interval:
             return []

@@ -45,8 +45,9 @@ def measure(run_dir: Path) -> dict:
         posts += [e[observe.POST] for e in snap["ops"] if e[observe.GROUP] == root["group"]
                   and e[observe.SEQ] == root["seq"] and e[observe.PEER] is None and e[observe.OP] == root["op"]]
     config = json.loads((run_dir / "run.json").read_text())["config"]
-    settings = {"ft.hang_timeout": config["ft"]["hang_timeout"], "ft.heartbeat_interval": config["ft"]["heartbeat_interval"],
-                "observe.stall_s": config["observe"]["stall_s"]}
+    ft, obs = config["ft"], config["observe"]
+    settings = {"ft.hang_timeout": ft["hang_timeout"], "ft.heartbeat_interval": ft["heartbeat_interval"],
+                "observe.stall_s": obs["stall_s"]}
     return {"settings": settings, "post_to_report_s": round(event["time"] - min(posts), 2), "early": event["early"],
             "idle_s": round(event["idle_s"], 2),
             "post_to_desync_s": next((round(e["time"] - min(posts), 2) for e in events if e["event"] == "desync"

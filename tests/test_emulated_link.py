@@ -34,9 +34,10 @@ LAYOUT = ["parallel.tp=2", "parallel.dp=2", "model.n_layers=2", "model.d_model=5
 @pytest.fixture(scope="module")
 def throttled_run(tmp_path_factory, cache_dir):
     run_dir = tmp_path_factory.mktemp("throttled")
+    small = [a for a in SMALL if not a.startswith("train.batch_size=")]
     cmd = [sys.executable, str(REPO / "experiments" / "emucluster.py"), "--hosts", "4", "--bandwidth", "none",
            "--host-bandwidth", f"{THROTTLED_HOST}=600mbit", "--timeout", "240", "--",
-           str(REPO / "train.py"), *[a for a in SMALL if not a.startswith("train.batch_size=")], *LAYOUT, f"hydra.run.dir={run_dir}"]
+           str(REPO / "train.py"), *small, *LAYOUT, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, env=train_env(cache_dir, OMP_NUM_THREADS=1), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
