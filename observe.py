@@ -128,9 +128,9 @@ class Recorder:
         self.version += 1
 
     def wait_span(self, kind: str, start: float, seconds: float) -> None:
-        """A wait WaitClock timed, at wall time `start`: kind is WaitClock's (comm or bubble), or on
-        a GPU the label wait_label gave it when it was queued."""
-        if " " not in kind:  # on a CPU the wait has just ended: its op is the one waited last
+        """A wait WaitClock timed, at wall time `start`: kind is the label wait_label gave it (as it
+        ended on a CPU, as it was queued on a GPU), or WaitClock's kind (comm or bubble) alone."""
+        if " " not in kind:  # unlabelled: its op, if any, is the one waited last
             kind = self.wait_label(kind)
         self.spans.append(["wait", kind, self.step, start, seconds])
 

@@ -47,6 +47,9 @@ class WaitClock:
     - comm_s / bubble_s: time the compute stream stood still waiting for communication (comm:
       TP and DP collectives, PP sends; bubble: PP receives and the slowest rank).
     - compute_s: the compute stream's own span of the step minus those stalls.
+    - waits: those stalls summed per label, where `describe` labels them by what they wait for
+      ("comm dp", "comm tp", "bubble pp recv": observe.py's), so a group's own collectives can be
+      told from the rest (stragglers.py's link floor: the dp group's, not TP's on the host's loopback).
     On CPU everything blocks, so each is a host clock reading around the wait. On CUDA a wait only
     makes the compute stream wait, so each is a pair of events recorded on that stream (from a
     pool: a 175B step has ~6k TP waits), resolved once at the end of the step, after the sync.
@@ -55,7 +58,7 @@ class WaitClock:
 
     def __init__(self, events=None):
         self.events_class = events
-        self._pool, self._used, self.seconds = [], 0, {}
+        self._pool, self._used, self.seconds, self.labelled = [], 0, {}, {}
         self._pairs, self._span, self._t0, self._wall0 = [], None, 0.0, 0.0
         self.on_wait = None  # f(kind, wall-clock start, seconds) for each wait: observe.py's spans
         self.describe = None  # f(kind) -> the wait's label as it is queued (observe.py: "comm tp", ...)
@@ -72,7 +75,7 @@ class WaitClock:
 
     def start_step(self, device) -> None:
         """Zero the clock; the step's compute-stream span starts here."""
-        self.seconds, self._pairs, self._used = {"comm": 0.0, "bubble": 0.0}, [], 0
+        self.seconds, self._pairs, self._used, self.labelled = {"comm": 0.0, "bubble": 0.0}, [], 0, {}
         self._t0, self._wall0 = time.perf_counter(), time.time()
         self._span = None
         if self._on_stream(device):
@@ -93,8 +96,10 @@ class WaitClock:
         yield
         seconds = time.perf_counter() - t0
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        label = self.describe(kind) if self.describe else kind  # on a CPU the wait has just ended
+        self.labelled[label] = self.labelled.get(label, 0.0) + seconds
         if self.on_wait is not None:
-            self.on_wait(kind, time.time() - seconds, seconds)
+            self.on_wait(label, time.time() - seconds, seconds)
 
     def end_step(self, device, host_sync) -> tuple:
         """Ends the step: records its end on the compute stream, runs `host_sync` (the step's one
@@ -111,10 +116,12 @@ class WaitClock:
             span = self._span.elapsed_time(end) / 1e3
             for kind, a, b, label in self._pairs:
                 self.seconds[kind] = self.seconds.get(kind, 0.0) + a.elapsed_time(b) / 1e3
+                self.labelled[label] = self.labelled.get(label, 0.0) + a.elapsed_time(b) / 1e3
                 if self.on_wait is not None:  # placed on the host's clock from the step's start
                     self.on_wait(label, self._wall0 + self._span.elapsed_time(a) / 1e3, a.elapsed_time(b) / 1e3)
         comm, bubble = self.seconds.get("comm", 0.0), self.seconds.get("bubble", 0.0)
-        figures = {"step_s": step_s, "comm_s": comm, "bubble_s": bubble, "compute_s": max(0.0, span - comm - bubble)}
+        figures = {"step_s": step_s, "comm_s": comm, "bubble_s": bubble, "compute_s": max(0.0, span - comm - bubble),
+                   "waits": self.labelled}
         self.start_step("cpu")  # waits outside a step (evaluation, checkpoints) start from zero
         return value, figures
 

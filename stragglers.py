@@ -5,9 +5,10 @@ Every step a rank times its own work: compute is its forward and backward less e
 (overlap.WaitClock's: TP, PP, DP), the optimizer left out (the same work on every rank of a group,
 it only dilutes a slowdown; on CUDA, where the host's clock sees launches, not kernels, it is
 WaitClock's compute, the stream's span less its waits, optimizer included); input is the data
-loader's time; wait is the time blocked on collectives and sends (comm: what a slow link
-lengthens). Every ft.straggler_interval steps (a window) it keeps the median of each over the
-window, so a one-step spike moves nothing.
+loader's time; wait is the time blocked on the dp group's own collectives (what a slow link
+lengthens; group_wait: observe.py labels each wait by its op's mesh dimension, so TP's waits on a
+host's loopback do not blur the floor of a DP link across hosts). Every ft.straggler_interval
+steps (a window) it keeps the median of each over the window, so a one-step spike moves nothing.
 
 Who is compared with whom: only ranks that do the same work, the dp group of a (pp, tp)
 coordinate (the same stage, the same slice). Their predicted work is identical, so dividing by the
@@ -19,9 +20,10 @@ Scores, computed on the device from the group's gathered figures (no host read):
 - compute, input: slowdown = own median / the group's reference, the first quartile of its members'
   medians (the faster of two). A compute culprit also arrives late: its wait is at most the group's
   median wait, while its victims wait for it; a rank that waits longer than that is not a culprit.
-- link: a group's transfer floor is the least comm wait among its members (the member that
+- link: a group's transfer floor is the least wait among its members (the member that
   arrives last waits for the transfer alone), compared with the floors of the stage's other groups
-  (other tp coordinates: the same collectives). A group whose members compute normally and whose
+  (other tp coordinates: the same collectives). A group (one whose members compute normally, where
+  the waits are all comm waits, not the group's own: group_scores' dp_waits) whose
   floor is LINK_FACTOR times the stage's lowest, costing more than the threshold of the step, has a
   slow link; one group cannot tell which of its members' links is slow, so the verdict names its
   lowest rank and lists its ranks.
@@ -77,10 +79,14 @@ def unpack(value: int) -> tuple:
 
 
 def group_scores(figures: torch.Tensor, ranks: torch.Tensor, me: int, threshold: float, pp: int,
-                 pp_rank: int) -> torch.Tensor:
+                 pp_rank: int, dp_waits: bool = False) -> torch.Tensor:
     """This rank's contribution to the world's MAX, from its dp group's gathered figures [G, FIGURES]:
     [compute culprit, input culprit, then per stage (link floor, -link floor)], packed. Every member
-    computes the same group figures; only the group's lowest rank contributes the link floor."""
+    computes the same group figures; only the group's lowest rank contributes the link floor.
+    dp_waits: the waits are the group's own collectives' (group_wait). Then the floor is the last
+    arriver's transfer whatever its members compute, and a group reports it even with a compute
+    straggler or noise in it; with all comm waits (TP's, PP's too) only a group computing normally
+    does (a straggler's TP peers wait for it, and would raise their group's floor)."""
     compute, data, wait, step = figures.unbind(1)
     k = max((len(compute) - 1) // 4, 0)  # the first quartile: the faster of 2, the fastest of up to 4
     ref = lambda x: x.sort().values[k].clamp_min(1e-9)
@@ -92,12 +98,23 @@ def group_scores(figures: torch.Tensor, ranks: torch.Tensor, me: int, threshold:
     out[0] = pack(c_score, compute[me] - ref(compute), rank)
     out[1] = pack(i_score, data[me] - ref(data), rank)
     normal = (compute / ref(compute)).max() <= 1 + threshold
+    normal = normal | dp_waits
     if me == 0:  # the group's link floor, where every member computes normally (else none)
         floor = wait.min()
         top, least = pack(floor, floor, ranks.min()), -(floor * 1e6).round().long()  # negated us: MAX is the least
         out[2 + 2 * pp_rank] = torch.where(normal, top, out[2 + 2 * pp_rank])
         out[3 + 2 * pp_rank] = torch.where(normal, least, out[3 + 2 * pp_rank])
     return out
+
+
+def group_wait(timing: dict, labelled: bool) -> float:
+    """The step's wait in the dp group's own collectives (WaitClock's waits labelled "comm dp"): the
+    transfers the group's members are compared on. TP's waits on a host's loopback and PP's on other
+    links are no part of the group's transfer floor. All comm waits where the clock does not label
+    its waits (labelled False: observe.spans=0)."""
+    if not labelled:
+        return timing["comm_s"]
+    return sum(s for label, s in timing.get("waits", {}).items() if label == "comm dp")
 
 
 class Detector:
@@ -136,7 +153,8 @@ class Detector:
         """Add one step's figures; at a window's end, compare and return the verdicts confirmed or
         updated by the previous window's result (a list of dicts; empty between windows)."""
         compute = timing["compute_s"] if self.device.type == "cuda" else self.compute_s
-        self.rows.append((max(compute, 0.0), data_s, timing["comm_s"], timing["step_s"]))
+        wait = group_wait(timing, labelled=self.clock.describe is not None)
+        self.rows.append((max(compute, 0.0), data_s, wait, timing["step_s"]))
         self.compute_s = 0.0
         if step % self.interval:
             return []
@@ -152,7 +170,7 @@ class Detector:
             gathered = mine
         ranks = torch.tensor(self.members, device=self.device)
         reduced = group_scores(gathered.view(-1, FIGURES), ranks, self.me, self.threshold, self.layout.pp,
-                               self.layout.pp_rank)
+                               self.layout.pp_rank, dp_waits=self.clock.describe is not None)
         if self.layout.world > 1:
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
         self.pending = (reduced, medians[3])

@@ -393,6 +393,7 @@ def run_config(run: Path) -> config.Config:
     the performance model's hardware keys at hardware's top level (the layout of runs recorded
     before the hardware.perfmodel group) has them moved into the group."""
     from omegaconf import OmegaConf
+    config.register()  # a study's saved config keeps its ${ablation:...} interpolations
     saved = OmegaConf.load(run / ".hydra" / "config.yaml")
     hardware = saved.get("hardware") or {}
     flat = [k for k in list(hardware) if k in PerfModelHardware.__dataclass_fields__]

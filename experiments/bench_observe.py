@@ -13,7 +13,12 @@ each run's median step time after its warm-up, the on/off ratio per round, and t
 and range. --layout single is bench_step's default shape on one rank; --layout demo is make demo's
 8-rank job (tp2 pp2 dp2, every MegaScale switch on) under torchrun on this machine's loopback.
 
-    .venv/bin/python experiments/bench_observe.py --runs --layout single|demo [--rounds 5] [--steps 40]
+    .venv/bin/python experiments/bench_observe.py --runs --layout single|demo [--rounds R] [--steps S] [--warmup W]
+
+R, S, W default to 5, 40, 5 for single and to 3, 10, 2 for demo, whose step takes ~2.6 s on 8 ranks
+sharing 2 cores and whose start-up 30-55 s: its 6 runs then take 6-9 minutes. Its 12 steps hold no
+straggler window (20 steps): the on runs pay for every other default, the windows' one gather and
+one all-reduce per 20 steps not.
 
 Both print the load average (on a shared machine the figures are an upper bound) and append one
 JSON line to experiments/results/bench_observe.jsonl.
@@ -73,6 +78,8 @@ LAYOUTS = {  # name -> (ranks, overrides)
     "demo": (8, ["experiment=megascale_ablation", "ablation.step=8"]),
 }
 
+RUN_DEFAULTS = {"single": (5, 40, 5), "demo": (3, 10, 2)}  # layout -> rounds, timed steps, warm-up steps
+
 
 def run_steps(layout: str, on: bool, steps: int, warmup: int) -> float:
     """One train.py run's median step time (s) after `warmup` steps."""
@@ -109,11 +116,13 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=2000)
     parser.add_argument("--runs", action="store_true", help="per step: paired train.py runs, observability on and off")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="single")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps a run: 40 (single), 10 (demo)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first: 5 (single), 2 (demo)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "bench_observe.jsonl")
     args = parser.parse_args()
-    args.rounds = args.rounds or (5 if args.runs else 30)
+    rounds, steps, warmup = RUN_DEFAULTS[args.layout]
+    args.rounds = args.rounds or (rounds if args.runs else 30)
+    args.steps, args.warmup = args.steps or steps, args.warmup if args.warmup is not None else warmup
     if args.runs:
         result = {"load_before": os.getloadavg(), **per_step(args)}
         record(result, args)

@@ -50,6 +50,23 @@ def test_a_run_recorded_with_flat_hardware_keys_reads_into_the_group(tmp_path):
     assert (cfg.hardware.perfmodel.devices_per_host, cfg.hardware.perfmodel.inter_host_Gbps) == (1, 0.5)
 
 
+
+def test_a_studys_saved_config_reads_with_its_interpolations_where_nothing_composed_first(tmp_path):
+    """python -m clustermodel.predicted RUN_DIR reads a megascale_ablation run's .hydra/config.yaml,
+    which keeps its ${ablation:...} interpolations, in a process that composed nothing."""
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(  # as Hydra saves it: the experiment's lines unresolved
+        "ablation:\n  step: 3\nmodel:\n  block: ${ablation:1,parallel,sequential}\n"
+        "parallel:\n  overlap:\n    tp: ${ablation:4,chunked,off}\n")
+    for name in RESOLVERS:
+        OmegaConf.clear_resolver(name)
+    try:
+        cfg = cli.run_config(tmp_path)
+    finally:
+        config.register()
+    assert (cfg.model.block, cfg.parallel.overlap.tp) == ("parallel", "off")  # step 1 is on at step 3, step 4 not
+
+
 RESOLVERS = ("run_id", "ablation", "ablation_study", "pick", "convergence", "scaling_row")
 
 

@@ -20,8 +20,8 @@ class _Work:
 @pytest.fixture
 def recorder():
     rec = observe.Recorder(observe.ObserveConfig(), 0, {"rank": 0}, {})
-    rec.members.update({"tp": ["range", 0, 2, 1], "pp": ["range", 0, 2, 1]})
-    rec.dims.update({"tp": "tp", "pp": "pp"})
+    rec.members.update({"tp": ["range", 0, 2, 1], "pp": ["range", 0, 2, 1], "dp": ["range", 0, 2, 1]})
+    rec.dims.update({"tp": "tp", "pp": "pp", "dp": "dp"})
     spans.SINK = rec
     yield rec
     spans.SINK, spans.DEVICE = None, None
@@ -43,6 +43,7 @@ def test_each_wait_is_named_by_the_op_it_waits_for_on_both_paths(recorder, devic
     clock.on_wait, clock.describe = recorder.wait_span, recorder.wait_label
     clock.start_step(device)
     waits = [("comm", "all_reduce", "tp", None, "parallel.py:9 forward", "comm tp"),
+             ("comm", "reduce_scatter", "dp", None, "zero.py:9 reduce_gradients", "comm dp"),
              ("bubble", "recv", "pp", 1, "pipeline.py:9 _post", "bubble pp recv"),
              ("comm", "send", "pp", 1, "pipeline.py:9 _post", "comm pp send"),
              ("comm", "all_reduce", "tp", None, "optim.py:9 trust_ratios", "comm optimizer"),
@@ -57,7 +58,11 @@ def test_each_wait_is_named_by_the_op_it_waits_for_on_both_paths(recorder, devic
     labels = [s[1] for s in recorder.spans if s[0] == "wait"]
     assert labels == [w[-1] for w in waits] + ["comm"]
     assert all(0.015 < s[4] < 1.0 for s in recorder.spans if s[0] == "wait" and s[1] != "comm")
-    assert figures["comm_s"] > 4 * 0.015 and figures["bubble_s"] > 2 * 0.015  # the clock's sums are as before
+    assert figures["comm_s"] > 5 * 0.015 and figures["bubble_s"] > 2 * 0.015  # the clock's sums are as before
+    # and per label: the dp group's own waits apart from TP's (stragglers.group_wait's link floor)
+    assert set(figures["waits"]) == {w[-1] for w in waits} | {"comm"}
+    assert 0.015 < figures["waits"]["comm dp"] < figures["comm_s"] - 0.015
+    assert sum(figures["waits"].values()) == pytest.approx(figures["comm_s"] + figures["bubble_s"])
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

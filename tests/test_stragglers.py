@@ -100,6 +100,16 @@ def test_a_group_that_computes_normally_reports_its_transfer_floor_for_its_own_s
     assert _scores(figures, 1, pp=2, pp_rank=1)[4] is None  # one member speaks for the group
     slow = [[1.0, 0.0, 0.9, 2.0], [1.6, 0.0, 0.1, 2.0]]  # a compute straggler's group: no link floor
     assert _scores(slow, 0)[2] is None
+    # unless the waits are the group's own: the straggler, arriving last, waits for the transfer alone
+    dp_only = stragglers.group_scores(torch.tensor(slow, dtype=torch.float64), torch.arange(2) + 10, 0, 0.2, 1, 0,
+                                      dp_waits=True)
+    assert stragglers.unpack(dp_only[2].item()) == (0.1, 0.1, 10)
+
+
+def test_the_group_wait_is_its_own_collectives_where_the_clock_labels_its_waits():
+    timing = {"comm_s": 0.9, "waits": {"comm dp": 0.2, "comm tp": 0.6, "comm optimizer": 0.1, "bubble agree": 0.3}}
+    assert stragglers.group_wait(timing, labelled=True) == 0.2  # TP's loopback waits are no part of a DP link
+    assert stragglers.group_wait(timing, labelled=False) == 0.9
 
 
 def test_a_packed_culprit_is_the_max_of_its_score():
