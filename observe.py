@@ -571,12 +571,13 @@ def diagnose(run_dir: Path) -> dict:
                           "attempt": event["attempt"], "detail": event["root"]["detail"]})
     desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
     import stragglers
+    from clustermodel import predicted as replayed  # the cluster model imports config, which imports this module
     late = stragglers.post_lateness(snaps, offsets)
     signals = {r: s["signals"] for r, s in sorted(snaps.items()) if s.get("signals")}
     fatal = {int(p.name.split(".")[0].removeprefix("rank")): p.read_text().splitlines()[0]
              for p in sorted(folder.glob("rank*.stacks.txt")) if p.stat().st_size}  # faulthandler's first line
     diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "desync": desyncs, "stragglers": stragglers.from_metrics(run_dir, late),
+                 "hangs": hangs, "desync": desyncs, "stragglers": replayed.price_stragglers(run_dir, stragglers.from_metrics(run_dir, late)),
                  "post_late_ms": {str(r): ms for r, ms in late.items()}, "signals": signals, "fatal": fatal,
                  "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
@@ -594,7 +595,7 @@ def diagnose(run_dir: Path) -> dict:
     lines += [f"desync (attempt {d['attempt']}): rank {d['rank']}: {d['detail']}" for d in desyncs] or \
         ["no desync reported"]
     lines += [f"straggler: rank {s['rank']}, {s['kind']}, {s['slowdown']:.2f}x its peers, {s['cost_pct']:.1f}% of "
-              f"the step (first at step {s['first_step']}); posts its collectives {s.get('post_late_ms', '?')} ms "
+              f"the step (priced by {s['priced_by']}; first at step {s['first_step']}); posts its collectives {s.get('post_late_ms', '?')} ms "
               "after the first member (median)" for s in diagnosis["stragglers"]] or ["no straggler reported"]
     lines += [f"rank {r} received {', '.join(s['name'] for s in got)}" for r, got in signals.items()]
     lines += [f"rank {r}: {first} (every thread's stack in {folder.name}/rank{r}.stacks.txt)" for r, first in fatal.items()]

@@ -320,7 +320,8 @@ class Loop:
         if not cfg.ft.straggler_interval:
             return None
         detector = stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
-                                       cfg.ft.straggler_windows, run.device, run.run_dir)
+                                       cfg.ft.straggler_windows, run.device, run.run_dir,
+                                       stragglers.predicted_compute(cfg, run.layout.world))
         engine.forward_backward = detector.timed(engine.forward_backward)
         return detector
 
