@@ -33,6 +33,7 @@ while it runs, and on a hang the rank it started from.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -74,7 +75,7 @@ POINT_TO_POINT = {"isend": "send", "irecv": "recv", "send": "send", "recv": "rec
 class ObserveConfig:
     ops: bool = True         # the op log: every collective and send/receive, in a ring per rank
     ring: int = 4096         # op-log entries kept per rank (a 175B rank 0 posts ~51k ops in a step at batch 768)
-    spans: int = 2048        # phase and wait spans kept per rank; 0: none
+    spans: int = -1          # spans kept per rank; -1: one step's of the layout (span_capacity); 0: none
     localize: bool = True    # on a hang, rank 0 reads every rank's snapshot and names the root rank
     # On a stop signal, the snapshot at once (LastWords); on a fatal one, every thread's stack
     signals: bool = True
@@ -499,9 +500,29 @@ def _attempt() -> int:
 RECORDER: Optional[Recorder] = None  # this process's, while a run records
 
 
-def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=None) -> Optional[Recorder]:
-    """Install this rank's recorder (cfg.ops), its segments (cfg.spans) and, with a run dir, its
-    last words on a signal (cfg.signals; from the main thread); or none."""
+SPANS_BOUNDS = (2048, 32768)  # the spans ring's least and most entries: ~4 MB of a snapshot at the most
+SPANS_PER_STEP_FIXED = 256  # phases, DP and optimizer waits, GC, checkpoint, agreed read: at most, a step
+
+
+def span_capacity(cfg) -> int:
+    """The spans ring's size for a run's config (observe.spans=-1): one step of this rank's spans,
+    within SPANS_BOUNDS. A step has, per model chunk and microbatch, a forward and a backward
+    segment, each with a pipeline receive wait before it and a send wait after it, and with tp > 1
+    four TP waits per layer of the chunk (the sequence-parallel gather and scatter each way), plus
+    SPANS_PER_STEP_FIXED. At the paper's 175B layout (Table 2: TP8 PP8, 6 chunks, ~190
+    microbatches, 2 layers a chunk) that is ~16k, which the ring holds; smaller layouts keep the
+    least, several steps."""
+    p = cfg.parallel
+    chunks, layers = p.vpp * p.microbatches, cfg.model.n_layers // (p.pp * p.vpp)
+    per_chunk = 2 * 3 + (4 * layers if p.tp > 1 else 0)
+    return min(max(chunks * per_chunk + SPANS_PER_STEP_FIXED, SPANS_BOUNDS[0]), SPANS_BOUNDS[1])
+
+
+def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=None,
+          spans_capacity: int = SPANS_BOUNDS[0]) -> Optional[Recorder]:
+    """Install this rank's recorder (cfg.ops), its segments (cfg.spans; spans_capacity entries where
+    it is -1: span_capacity's) and, with a run dir, its last words on a signal (cfg.signals; from
+    the main thread); or none."""
     global RECORDER, LAST_WORDS
     if not cfg.ops:
         return None
@@ -509,6 +530,8 @@ def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=Non
     faults = ft.planned_faults()
     skip = [int(v) for k, r, v in faults if k == "skip" and r == layout.rank]
     swap = [int(v) for k, r, v in faults if k == "swap" and r == layout.rank]
+    if cfg.spans < 0:
+        cfg = dataclasses.replace(cfg, spans=spans_capacity)
     RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None,
                         swap[0] if swap else None)
     RECORDER.install()

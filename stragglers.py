@@ -9,16 +9,21 @@ loader's time; wait is the time blocked on collectives and sends (comm: what a s
 lengthens). Every ft.straggler_interval steps (a window) it keeps the median of each over the
 window, so a one-step spike moves nothing.
 
-Who is compared with whom: only ranks that do the same work, the dp group of a (pp, tp)
-coordinate (the same stage, the same slice). Their predicted work is identical, so dividing by the
-performance model's prediction would cancel: the last stage's head and loss and the first stage's
-embedding are never set against a middle stage's layers. (The heat map of `python observe.py RUN_DIR`
-divides by the model's per-stage work instead, to compare across stages on one figure.)
+Who is compared with whom: where a dp group has other members, only ranks that do the same work,
+the dp group of a (pp, tp) coordinate (the same stage, the same slice): their predicted work is
+identical, so the performance model's prediction, and its error, would cancel. Where the dp group
+is the rank alone (dp=1), its compute over what the model predicts for its stage (predicted_compute,
+once at start-up: the last stage's head and loss, the first's embedding) is compared with the
+job's. The heat map of `python observe.py RUN_DIR` divides by the same prediction.
 
 Scores, computed on the device from the group's gathered figures (no host read):
 - compute, input: slowdown = own median / the group's reference, the first quartile of its members'
   medians (the faster of two). A compute culprit also arrives late: its wait is at most the group's
   median wait, while its victims wait for it; a rank that waits longer than that is not a culprit.
+- compute, a group of one rank: slowdown = own median / (its stage's prediction x the job's first
+  quartile of compute over prediction), late where its idle time (the step less compute and input:
+  pipeline receives included) is at most the job's median; both from a world histogram (one
+  all-reduce SUM of 2 x BINS int32, log-spaced bins), read on the device.
 - link: a group's transfer floor is the least comm wait among its members (the member that
   arrives last waits for the transfer alone), compared with the floors of the stage's other groups
   (other tp coordinates: the same collectives). A group whose members compute normally and whose
@@ -28,16 +33,18 @@ Scores, computed on the device from the group's gathered figures (no host read):
 
 Cost per window and rank: one all-gather of FIGURES floats over its dp group and one all-reduce
 (MAX) of 2 + 2 * pp int64 over the world (the culprit of each kind packed with its score and
-excess; each stage's highest and, negated, lowest link floor). Both take device tensors; the result
+excess; each stage's highest and, negated, lowest link floor); with dp=1, the histogram's
+all-reduce first (16 KiB at any world size). All take device tensors; the result
 is read on the host one window later, when the collectives have long completed. A verdict
 needs ft.straggler_windows windows over 1 + ft.straggler_threshold among the last that many plus
 one (one noisy window does not reset it; a one-step spike moves no median), and an excess of at
 least a quarter of the threshold of the step (a ratio of two tiny times is noise); with the
 defaults (20-step windows, 3 of 4, read one window late) it comes within 100 steps of a
 slowdown's start. One culprit per kind a window: the worst (the MAX).
-Priced: the step time without the culprit's slowness is the measured step less its excess on the
-critical path (own median less the reference: a synchronous step waits for it); cost_pct is that
-excess over the measured step.
+Priced online: the step time without the culprit's slowness is the measured step less its excess
+(own median less the reference: a synchronous step waits for all of it); cost_pct is that excess
+over the measured step. Offline, `python observe.py RUN_DIR` re-prices compute stragglers by a
+what-if replay (clustermodel.predicted.price_stragglers), which sees what a pipeline absorbs.
 """
 from __future__ import annotations
 

@@ -19,10 +19,9 @@ PIPELINE = ["parallel.pp=2", "parallel.microbatches=2"]
 
 @pytest.fixture(scope="module")
 def slowed_run(tmp_path_factory, cache_dir):
-    """2 dp ranks: rank 1 computes 1.3x as long every step, rank 0 ten times as long in one step
-    (windows read at steps 10 to 30: a verdict needs 3 of the last 4, from step 20)."""
+    """2 dp ranks: rank 1 computes 1.3x as long every step, rank 0 ten times as long in one step."""
     run_dir = tmp_path_factory.mktemp("slowed")
-    run_train(run_dir, SMALL + WINDOW + ["parallel.dp=2", "train.max_steps=30"], cache_dir, nproc=2,
+    run_train(run_dir, SMALL + WINDOW + ["parallel.dp=2", "train.max_steps=50"], cache_dir, nproc=2,
               MEGAREPRO_FAULT=f"slow:1@1.3,spike:0@{SPIKE_STEP}")
     return run_dir
 
@@ -178,6 +177,9 @@ def test_a_ranks_bytes_per_window_grow_with_its_dp_group_not_with_the_world():
     small = rank_costs.straggler_bytes(1536, dp=192, pp=1)
     assert paper["after"] - small["after"] < 300  # the all-reduce's 2 + 2 pp int64 only
     assert paper["before"] > 7 * small["before"]  # the world all-gather it replaces
+    # one-rank dp groups: the world histogram's fixed 16 KiB, at 16 ranks as at 12,288
+    wide, narrow = rank_costs.straggler_bytes(12288, dp=1, pp=8), rank_costs.straggler_bytes(16, dp=1, pp=8)
+    assert 2 * 16384 * 15 / 16 < narrow["after"] < wide["after"] < 2 * 16384 + 300
 
 
 def test_a_slow_link_persisting_in_three_of_four_windows_is_a_link_verdict_naming_its_group():
