@@ -103,7 +103,7 @@ class Recorder:
                  swap_step: Optional[int] = None):
         self.cfg, self.rank, self.coords, self.dims = cfg, rank, coords, dims  # dims: group name -> mesh dim
         self.ops = collections.deque(maxlen=cfg.ring)
-        self.spans = collections.deque(maxlen=max(cfg.spans, 1))
+        self.spans = collections.deque(maxlen=SPANS_BOUNDS[0] if cfg.spans < 0 else max(cfg.spans, 1))
         self.seq, self.hash, self.pairs, self.members = {}, {}, {}, {}
         self.step, self.phase, self.version = 0, "start", 0
         self.skip_step, self.skipped = skip_step, None

@@ -28,10 +28,10 @@ def slowed_run(tmp_path_factory, cache_dir):
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, cache_dir):
-    """pp 2 with no fault, the head's vocabulary 64x the tokenizer's: the last stage computes well
+    """pp 2 with no fault, the head's vocabulary 32x the tokenizer's: the last stage computes well
     over 1 + the threshold times the first stage's work (a comparison across stages would flag it)."""
     run_dir = tmp_path_factory.mktemp("pipeline")
-    run_train(run_dir, SMALL + WINDOW + PIPELINE + ["model.vocab_size=32768", "train.max_steps=20"], cache_dir,
+    run_train(run_dir, SMALL + WINDOW + PIPELINE + ["model.vocab_size=16384", "train.max_steps=20"], cache_dir,
               nproc=2)  # 3 windows read
     return run_dir
 
