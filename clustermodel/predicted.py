@@ -28,7 +28,8 @@ from clustermodel.schema import PerfModelHardware
 from errors import ConfigError
 
 
-# A server core's numbers (this project's CI machine, measured), where a CPU's own are neither given nor cached.
+# A 2-core Xeon VM's numbers as machine.local_measurements measured them, for a CPU whose own are neither
+# given nor cached (only the stages' ratios are read from them)
 NOMINAL_CPU = {"peak_tflops": 0.1, "peak_tflops_fp32": 0.15, "memory_gib": 16.0, "memory_GBps": 15.0,
                "memory_efficiency": 0.4, "op_overhead_us": 4.0, "gemm_half_dim": 36.0, "gemm_efficiency": 1.0,
                "flash_efficiency": 0.34, "intra_host_GBps": 0.7, "inter_host_Gbps": 11.0}
@@ -74,8 +75,13 @@ def _unmeasured(hw):
     for key in rates.MEASURED + rates.MEASURED_FP32:
         if getattr(rates.owner(hw, key), key) is None:
             setattr(rates.owner(hw, key), key, known.get(key))
-    if hw.perfmodel.inter_host_efficiency is None:  # a link's calibration: no part of compute
-        hw.perfmodel.inter_host_efficiency = 1.0
+    link = hw.perfmodel
+    if link.inter_host_efficiency is None:  # an emulated link: its calibration where cached, else placeholders
+        try:
+            rates.calibrated_link(link)
+        except ConfigError:  # the link's figures are no part of compute
+            link.inter_host_efficiency, link.p2p_efficiency, link.overlap_slowdown = 1.0, 1.0, 0.0
+            link.inter_host_latency_us = link.inter_host_latency_us or link.intra_host_latency_us
     return pm.resolve_hardware(hw)
 
 
