@@ -342,10 +342,13 @@ def predicted_compute(cfg, world: int) -> Optional[list]:
 
 
 def run_stage_compute(run_dir: Path) -> Optional[list]:
-    """predicted_compute of a run dir's config (its .hydra/config.yaml) and world (run.json)."""
+    """predicted_compute of a run dir's config (its .hydra/config.yaml) and world (run.json); None
+    without them."""
     from clustermodel import cli
-    world = json.loads((Path(run_dir) / "run.json").read_text())["world_size"]
-    return predicted_compute(cli.run_config(Path(run_dir)), world)
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").exists() or not (run_dir / ".hydra" / "config.yaml").exists():
+        return None
+    return predicted_compute(cli.run_config(run_dir), json.loads((run_dir / "run.json").read_text())["world_size"])
 
 
 def heat_map(run_dir: Path, out: Path) -> Optional[Path]:
