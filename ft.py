@@ -16,7 +16,8 @@ restarts comes from detecting a broken rank fast and restarting from the newest 
   its first collective), minutes at the paper's scale, and rank 0 logs how long it took and why.
   Collectives themselves time out after ft.collective_timeout seconds (the process group's timeout).
 - Stragglers (stragglers.py): every ft.straggler_interval steps a rank compares its own work with
-  its dp group's; a rank ft.straggler_threshold slower in ft.straggler_windows of the last that many
+  its dp group's (alone in it, its compute over the performance model's for its stage with the
+  job's); a rank ft.straggler_threshold slower in ft.straggler_windows of the last that many
   plus one windows is logged as the culprit, with its kind (compute, input, link) and its cost.
 - GC: Python's collector is off during steps and runs on every rank at the same step, every
   train.gc_interval steps (MegaScale traced decaying MFU to ranks collecting at different times).

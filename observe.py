@@ -33,6 +33,7 @@ while it runs, and on a hang the rank it started from.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -74,7 +75,7 @@ POINT_TO_POINT = {"isend": "send", "irecv": "recv", "send": "send", "recv": "rec
 class ObserveConfig:
     ops: bool = True         # the op log: every collective and send/receive, in a ring per rank
     ring: int = 4096         # op-log entries kept per rank (a 175B rank 0 posts ~51k ops in a step at batch 768)
-    spans: int = 2048        # phase and wait spans kept per rank; 0: none
+    spans: int = -1          # spans kept per rank; -1: one step's of the layout (span_capacity); 0: none
     localize: bool = True    # on a hang, rank 0 reads every rank's snapshot and names the root rank
     # On a stop signal, the snapshot at once (LastWords); on a fatal one, every thread's stack
     signals: bool = True
@@ -102,7 +103,7 @@ class Recorder:
                  swap_step: Optional[int] = None):
         self.cfg, self.rank, self.coords, self.dims = cfg, rank, coords, dims  # dims: group name -> mesh dim
         self.ops = collections.deque(maxlen=cfg.ring)
-        self.spans = collections.deque(maxlen=max(cfg.spans, 1))
+        self.spans = collections.deque(maxlen=SPANS_BOUNDS[0] if cfg.spans < 0 else max(cfg.spans, 1))
         self.seq, self.hash, self.pairs, self.members = {}, {}, {}, {}
         self.step, self.phase, self.version = 0, "start", 0
         self.skip_step, self.skipped = skip_step, None
@@ -499,9 +500,29 @@ def _attempt() -> int:
 RECORDER: Optional[Recorder] = None  # this process's, while a run records
 
 
-def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=None) -> Optional[Recorder]:
-    """Install this rank's recorder (cfg.ops), its segments (cfg.spans) and, with a run dir, its
-    last words on a signal (cfg.signals; from the main thread); or none."""
+SPANS_BOUNDS = (2048, 32768)  # the spans ring's least and most entries: ~4 MB of a snapshot at the most
+SPANS_PER_STEP_FIXED = 256  # phases, DP and optimizer waits, GC, checkpoint, agreed read: at most, a step
+
+
+def span_capacity(cfg) -> int:
+    """The spans ring's size for a run's config (observe.spans=-1): one step of this rank's spans,
+    within SPANS_BOUNDS. A step has, per model chunk and microbatch, a forward and a backward
+    segment, each with a pipeline receive wait before it and a send wait after it, and with tp > 1
+    four TP waits per layer of the chunk (the sequence-parallel gather and scatter each way), plus
+    SPANS_PER_STEP_FIXED. At the paper's 175B layout (Table 2: TP8 PP8, 6 chunks, ~190
+    microbatches, 2 layers a chunk) that is ~16k, which the ring holds; smaller layouts keep the
+    least, several steps."""
+    p = cfg.parallel
+    chunks, layers = p.vpp * p.microbatches, cfg.model.n_layers // (p.pp * p.vpp)
+    per_chunk = 2 * 3 + (4 * layers if p.tp > 1 else 0)
+    return min(max(chunks * per_chunk + SPANS_PER_STEP_FIXED, SPANS_BOUNDS[0]), SPANS_BOUNDS[1])
+
+
+def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=None,
+          spans_capacity: int = SPANS_BOUNDS[0]) -> Optional[Recorder]:
+    """Install this rank's recorder (cfg.ops), its segments (cfg.spans; spans_capacity entries where
+    it is -1: span_capacity's) and, with a run dir, its last words on a signal (cfg.signals; from
+    the main thread); or none."""
     global RECORDER, LAST_WORDS
     if not cfg.ops:
         return None
@@ -509,6 +530,8 @@ def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=Non
     faults = ft.planned_faults()
     skip = [int(v) for k, r, v in faults if k == "skip" and r == layout.rank]
     swap = [int(v) for k, r, v in faults if k == "swap" and r == layout.rank]
+    if cfg.spans < 0:
+        cfg = dataclasses.replace(cfg, spans=spans_capacity)
     RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None,
                         swap[0] if swap else None)
     RECORDER.install()
@@ -571,12 +594,13 @@ def diagnose(run_dir: Path) -> dict:
                           "attempt": event["attempt"], "detail": event["root"]["detail"]})
     desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
     import stragglers
+    from clustermodel import predicted as replayed  # the cluster model imports config, which imports this module
     late = stragglers.post_lateness(snaps, offsets)
     signals = {r: s["signals"] for r, s in sorted(snaps.items()) if s.get("signals")}
     fatal = {int(p.name.split(".")[0].removeprefix("rank")): p.read_text().splitlines()[0]
              for p in sorted(folder.glob("rank*.stacks.txt")) if p.stat().st_size}  # faulthandler's first line
     diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "desync": desyncs, "stragglers": stragglers.from_metrics(run_dir, late),
+                 "hangs": hangs, "desync": desyncs, "stragglers": replayed.price_stragglers(run_dir, stragglers.from_metrics(run_dir, late)),
                  "post_late_ms": {str(r): ms for r, ms in late.items()}, "signals": signals, "fatal": fatal,
                  "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
@@ -594,7 +618,7 @@ def diagnose(run_dir: Path) -> dict:
     lines += [f"desync (attempt {d['attempt']}): rank {d['rank']}: {d['detail']}" for d in desyncs] or \
         ["no desync reported"]
     lines += [f"straggler: rank {s['rank']}, {s['kind']}, {s['slowdown']:.2f}x its peers, {s['cost_pct']:.1f}% of "
-              f"the step (first at step {s['first_step']}); posts its collectives {s.get('post_late_ms', '?')} ms "
+              f"the step (priced by {s['priced_by']}; first at step {s['first_step']}); posts its collectives {s.get('post_late_ms', '?')} ms "
               "after the first member (median)" for s in diagnosis["stragglers"]] or ["no straggler reported"]
     lines += [f"rank {r} received {', '.join(s['name'] for s in got)}" for r, got in signals.items()]
     lines += [f"rank {r}: {first} (every thread's stack in {folder.name}/rank{r}.stacks.txt)" for r, first in fatal.items()]

@@ -10,16 +10,21 @@ lengthens; group_wait: observe.py labels each wait by its op's mesh dimension, s
 host's loopback do not blur the floor of a DP link across hosts). Every ft.straggler_interval
 steps (a window) it keeps the median of each over the window, so a one-step spike moves nothing.
 
-Who is compared with whom: only ranks that do the same work, the dp group of a (pp, tp)
-coordinate (the same stage, the same slice). Their predicted work is identical, so dividing by the
-performance model's prediction would cancel: the last stage's head and loss and the first stage's
-embedding are never set against a middle stage's layers. (The heat map of `python observe.py RUN_DIR`
-divides by the model's per-stage work instead, to compare across stages on one figure.)
+Who is compared with whom: where a dp group has other members, only ranks that do the same work,
+the dp group of a (pp, tp) coordinate (the same stage, the same slice): their predicted work is
+identical, so the performance model's prediction, and its error, would cancel. Where the dp group
+is the rank alone (dp=1), its compute over what the model predicts for its stage (predicted_compute,
+once at start-up: the last stage's head and loss, the first's embedding) is compared with the
+job's. The heat map of `python observe.py RUN_DIR` divides by the same prediction.
 
 Scores, computed on the device from the group's gathered figures (no host read):
 - compute, input: slowdown = own median / the group's reference, the first quartile of its members'
   medians (the faster of two). A compute culprit also arrives late: its wait is at most the group's
   median wait, while its victims wait for it; a rank that waits longer than that is not a culprit.
+- compute, a group of one rank: slowdown = own median / (its stage's prediction x the job's first
+  quartile of compute over prediction), late where its idle time (the step less compute and input:
+  pipeline receives included) is at most the job's median; both from a world histogram (one
+  all-reduce SUM of 2 x BINS int32, log-spaced bins), read on the device.
 - link: a group's transfer floor is the least wait among its members (the member that
   arrives last waits for the transfer alone), compared with the floors of the stage's other groups
   (other tp coordinates: the same collectives). A group (one whose members compute normally, where
@@ -30,16 +35,18 @@ Scores, computed on the device from the group's gathered figures (no host read):
 
 Cost per window and rank: one all-gather of FIGURES floats over its dp group and one all-reduce
 (MAX) of 2 + 2 * pp int64 over the world (the culprit of each kind packed with its score and
-excess; each stage's highest and, negated, lowest link floor). Both take device tensors; the result
+excess; each stage's highest and, negated, lowest link floor); with dp=1, the histogram's
+all-reduce first (16 KiB at any world size). All take device tensors; the result
 is read on the host one window later, when the collectives have long completed. A verdict
 needs ft.straggler_windows windows over 1 + ft.straggler_threshold among the last that many plus
 one (one noisy window does not reset it; a one-step spike moves no median), and an excess of at
 least a quarter of the threshold of the step (a ratio of two tiny times is noise); with the
 defaults (20-step windows, 3 of 4, read one window late) it comes within 100 steps of a
 slowdown's start. One culprit per kind a window: the worst (the MAX).
-Priced: the step time without the culprit's slowness is the measured step less its excess on the
-critical path (own median less the reference: a synchronous step waits for it); cost_pct is that
-excess over the measured step.
+Priced online: the step time without the culprit's slowness is the measured step less its excess
+(own median less the reference: a synchronous step waits for all of it); cost_pct is that excess
+over the measured step. Offline, `python observe.py RUN_DIR` re-prices compute stragglers by a
+what-if replay (clustermodel.predicted.price_stragglers), which sees what a pipeline absorbs.
 """
 from __future__ import annotations
 
@@ -62,6 +69,9 @@ FIGURES = 4  # per rank and window: compute, input, comm wait, step (seconds, me
 SCORE_BITS, EXCESS_BITS, RANK_BITS = 20, 20, 20  # the packed culprit: score in 1/1000, excess in ms, rank
 LOW = torch.iinfo(torch.int64).min  # no contribution to the MAX
 LINK_FACTOR = 2.0  # a link verdict: a group's transfer floor this many times its stage's lowest
+# The world's histogram of normalised compute and of idle time (a dp group of one rank): log2 bins of
+# 1/64 octave (1.1%) from 2^-16 to 2^16, 16 KiB of int32 per rank and window at any world size
+BINS_PER_OCTAVE, LOG2_LOW, BINS = 64, -16, 64 * 32
 
 
 def pack(score: torch.Tensor, excess_s: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
@@ -78,24 +88,55 @@ def unpack(value: int) -> tuple:
             value & (2 ** RANK_BITS - 1))
 
 
+def bins(x: torch.Tensor) -> torch.Tensor:
+    """The histogram bin of positive figures x: log2-spaced, BINS_PER_OCTAVE an octave from 2^LOG2_LOW."""
+    return ((x.clamp_min(1e-30).log2() - LOG2_LOW) * BINS_PER_OCTAVE).floor().clamp(0, BINS - 1).long()
+
+
+def world_histogram(normalised: torch.Tensor, idle: torch.Tensor) -> torch.Tensor:
+    """This rank's [2, BINS] int32 counts (a one in its bin of each row): its compute over its
+    stage's prediction, and its idle time; summed over the world, the job's distributions."""
+    out = torch.zeros(2, BINS, dtype=torch.int32, device=normalised.device)
+    out[0, bins(normalised)] = 1
+    out[1, bins(idle)] = 1
+    return out
+
+
+def world_reference(histogram: torch.Tensor) -> tuple:
+    """From the world's summed histogram: (the first quartile of normalised compute, as a figure;
+    the lower median's bin of idle time), on the device, as group_scores takes them."""
+    def kth(row, k):  # the bin of the k-th smallest (0-based)
+        return torch.searchsorted(row.cumsum(0), (k + 1).to(torch.int64).unsqueeze(0), right=False)[0]
+    n = histogram[0].sum().to(torch.int64)
+    quartile = kth(histogram[0].to(torch.int64), (n - 1) // 4)
+    return 2.0 ** ((quartile.double() + 0.5) / BINS_PER_OCTAVE + LOG2_LOW), kth(histogram[1].to(torch.int64), (n - 1) // 2)
+
+
 def group_scores(figures: torch.Tensor, ranks: torch.Tensor, me: int, threshold: float, pp: int,
-                 pp_rank: int, dp_waits: bool = False) -> torch.Tensor:
+                 pp_rank: int, dp_waits: bool = False, world: Optional[tuple] = None) -> torch.Tensor:
     """This rank's contribution to the world's MAX, from its dp group's gathered figures [G, FIGURES]:
     [compute culprit, input culprit, then per stage (link floor, -link floor)], packed. Every member
     computes the same group figures; only the group's lowest rank contributes the link floor.
     dp_waits: the waits are the group's own collectives' (group_wait). Then the floor is the last
     arriver's transfer whatever its members compute, and a group reports it even with a compute
     straggler or noise in it; with all comm waits (TP's, PP's too) only a group computing normally
-    does (a straggler's TP peers wait for it, and would raise their group's floor)."""
+    does (a straggler's TP peers wait for it, and would raise their group's floor).
+    world: (this stage's predicted compute, world_reference's quartile and idle median) where the
+    group is one rank: its compute is then scored on the job's normalised figures."""
     compute, data, wait, step = figures.unbind(1)
     k = max((len(compute) - 1) // 4, 0)  # the first quartile: the faster of 2, the fastest of up to 4
     ref = lambda x: x.sort().values[k].clamp_min(1e-9)
-    late = wait[me] <= wait.median()
-    c_score = torch.where(late, compute[me] / ref(compute), torch.ones_like(compute[me]))
+    if world is None:
+        late, reference = wait[me] <= wait.median(), ref(compute)
+    else:  # late: it idles (waits on its peers, of any kind) no longer than the job's median rank
+        predicted, quartile, idle_median = world
+        late = bins(step[me] - compute[me] - data[me]) <= idle_median
+        reference = (quartile * predicted).clamp_min(1e-9)  # what its stage takes at the reference's speed
+    c_score = torch.where(late, compute[me] / reference, torch.ones_like(compute[me]))
     i_score = data[me] / ref(data)
     rank = ranks[me]
     out = torch.full((2 + 2 * pp,), LOW, dtype=torch.int64, device=figures.device)
-    out[0] = pack(c_score, compute[me] - ref(compute), rank)
+    out[0] = pack(c_score, compute[me] - reference, rank)
     out[1] = pack(i_score, data[me] - ref(data), rank)
     normal = (compute / ref(compute)).max() <= 1 + threshold
     normal = normal | dp_waits
@@ -122,10 +163,13 @@ class Detector:
     by rank 0) the verdicts that persist."""
 
     def __init__(self, layout, interval: int, threshold: float, windows: int, device: torch.device,
-                 run_dir: Optional[Path] = None):
+                 run_dir: Optional[Path] = None, stage_s: Optional[list] = None):
         self.layout, self.interval, self.threshold, self.windows = layout, interval, threshold, windows
         self.device, self.rank, self.clock = device, layout.rank, layout.clock
         self.group = layout.group("dp") if layout.world > 1 and layout.dp > 1 else None
+        # a group of one rank (dp=1): its compute over its stage's predicted (stage_s: predicted_compute's)
+        # is compared with the job's (a world histogram); none where the model gave no figures
+        self.predicted = stage_s[layout.pp_rank] if stage_s and layout.world > 1 and layout.dp == 1 else None
         self.members = dist.get_process_group_ranks(self.group) if self.group is not None else [layout.rank]
         self.me = self.members.index(layout.rank)
         self.rows: list = []       # (compute, input, wait, step) of each step of the window
@@ -169,8 +213,13 @@ class Detector:
         else:
             gathered = mine
         ranks = torch.tensor(self.members, device=self.device)
+        world = None
+        if self.predicted is not None:  # one all-reduce of a fixed size, no host read
+            histogram = world_histogram(mine[0] / self.predicted, (mine[3] - mine[0] - mine[1]).clamp_min(0))
+            dist.all_reduce(histogram)
+            world = (self.predicted, *world_reference(histogram))
         reduced = group_scores(gathered.view(-1, FIGURES), ranks, self.me, self.threshold, self.layout.pp,
-                               self.layout.pp_rank, dp_waits=self.clock.describe is not None)
+                               self.layout.pp_rank, dp_waits=self.clock.describe is not None, world=world)
         if self.layout.world > 1:
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
         self.pending = (reduced, medians[3])
@@ -297,22 +346,33 @@ def post_lateness(snaps: dict, offsets: dict) -> dict:
     return {r: round(1e3 * statistics.median(late[r].values()), 3) for r in sorted(late)}
 
 
-def stage_work(run_dir: Path) -> dict:
-    """{pp stage: predicted compute, relative}: each stage's layers, the first's embedding, the
-    last's head and loss, in matmul FLOPs (perfmodel's shapes: 6 FLOPs per parameter per token)."""
-    config = json.loads((Path(run_dir) / "run.json").read_text())["config"]
-    m, pp = config["model"], config["parallel"]["pp"]
-    h, seq = m["d_model"], config["train"]["seq_len"]
-    layer = 12 * h * h * m.get("mlp_ratio", 4) / 4 * 6 + 12 * seq * h  # matmuls + attention, per token
-    work = {s: layer * m["n_layers"] / pp for s in range(pp)}
-    work[pp - 1] += 6 * h * m["vocab_size"]  # the head's GEMMs and the loss
-    work[0] += 2 * h  # the embedding's gather and scatter-add
-    return work
+def predicted_compute(cfg, world: int) -> Optional[list]:
+    """Each pipeline stage's compute a step as the performance model predicts it
+    (clustermodel.predicted.stage_compute_s), at start-up: what the detector and the heat map divide
+    a rank's measured compute by. None, logged, where the model cannot price the config."""
+    from clustermodel import predicted
+    try:
+        return predicted.stage_compute_s(cfg, world)
+    except Exception as e:  # a config the model does not price: the dp groups' comparison still runs
+        log.warning("no predicted compute per stage (%s: %s): compute is compared within dp groups only",
+                    type(e).__name__, e)
+        return None
+
+
+def run_stage_compute(run_dir: Path) -> Optional[list]:
+    """predicted_compute of a run dir's config (its .hydra/config.yaml) and world (run.json); None
+    without them."""
+    from clustermodel import cli
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").exists() or not (run_dir / ".hydra" / "config.yaml").exists():
+        return None
+    return predicted_compute(cli.run_config(run_dir), json.loads((run_dir / "run.json").read_text())["world_size"])
 
 
 def heat_map(run_dir: Path, out: Path) -> Optional[Path]:
     """A figure: ranks laid out dp x (pp, tp), one panel per kind, colour = measured / predicted
-    (compute: over the stage's predicted work scaled to the job's median rank; input and wait: over
+    (compute: over its stage's predicted compute, run_stage_compute's, scaled to the job's median
+    rank; input and wait: over
     the median of the ranks of the same stage, which the model predicts alike), each rank's last
     window. None without figures."""
     ranks = [rows[-1] for _, rows in sorted(figures(run_dir).items())]  # each rank's last window
@@ -321,7 +381,7 @@ def heat_map(run_dir: Path, out: Path) -> Optional[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    work = stage_work(run_dir)
+    work = run_stage_compute(run_dir) or [1.0] * (1 + max(r["coords"]["pp"] for r in ranks))
     per_work = statistics.median(r["compute_s"] / work[r["coords"]["pp"]] for r in ranks) or 1e-9
     dp = 1 + max(r["coords"]["dp"] for r in ranks)
     pp = 1 + max(r["coords"]["pp"] for r in ranks)

@@ -291,7 +291,7 @@ class Loop:
         self.stop = launch.StopFlag()
         first_step_work = ", ".join(["torch.compile of every chunk"] * run.compiling +
                                     ["the communicators' set-up"] * (run.world > 1))
-        observer = observe.start(cfg.observe, layout, run.run_dir, run.device)  # the op log and spans, written by the heartbeat
+        observer = observe.start(cfg.observe, layout, run.run_dir, run.device, observe.span_capacity(cfg))  # the op log and spans, written by the heartbeat
         if observer is not None and cfg.observe.spans:
             layout.clock.on_wait, layout.clock.describe = observer.wait_span, observer.wait_label
         self.beat = ft.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
@@ -320,7 +320,8 @@ class Loop:
         if not cfg.ft.straggler_interval:
             return None
         detector = stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
-                                       cfg.ft.straggler_windows, run.device, run.run_dir)
+                                       cfg.ft.straggler_windows, run.device, run.run_dir,
+                                       stragglers.predicted_compute(cfg, run.layout.world))
         engine.forward_backward = detector.timed(engine.forward_backward)
         return detector
 

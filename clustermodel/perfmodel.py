@@ -563,6 +563,25 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     return Memory(e * params / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)
 
 
+def stage_microbatch(cfg: config.Config, lay: JobLayout, r: Rates, net: Network) -> Tuple[dict, dict]:
+    """One microbatch's forward and backward (recomputation included) on the first and on the last
+    pipeline rank, by part: its layers, the first's embedding, the last's head and loss (one rank
+    holds all of them at pp=1); a middle rank is the first less its embedding."""
+    fwd, bwd, attn_recompute = layer_time(cfg, lay, r, net)
+    layer = _add(_add({}, fwd), bwd)
+    if cfg.train.recompute == "full":
+        _add(layer, fwd)
+    elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
+        layer["attention"] += attn_recompute
+    body = _add({}, layer, cfg.model.n_layers // lay.pp)
+    (emb_f, emb_b), (head_f, head_b) = ends_time(cfg, lay, r, net)
+    first = _add(_add(dict(body), emb_f), emb_b)
+    last = _add(_add(dict(body), head_f), head_b)
+    if lay.pp == 1:
+        first = _add(_add(first, head_f), head_b)
+    return first, last
+
+
 @dataclass
 class Prediction:
     step_s: float
@@ -583,18 +602,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     r, net = Rates.of(hw, precision(cfg), lay.gpus), Network(hw, lay)
     m, ov = cfg.model, cfg.parallel.overlap
 
-    fwd, bwd, attn_recompute = layer_time(cfg, lay, r, net)
-    layer = _add(_add({}, fwd), bwd)
-    if cfg.train.recompute == "full":
-        _add(layer, fwd)
-    elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
-        layer["attention"] += attn_recompute
-    body = _add({}, layer, m.n_layers // lay.pp)
-    (emb_f, emb_b), (head_f, head_b) = ends_time(cfg, lay, r, net)
-    first = _add(_add(dict(body), emb_f), emb_b)
-    last = _add(_add(dict(body), head_f), head_b)
-    if lay.pp == 1:
-        first = _add(_add(first, head_f), head_b)
+    fwd, (first, last) = layer_time(cfg, lay, r, net)[0], stage_microbatch(cfg, lay, r, net)
     busy = lambda c: sum(v for k, v in c.items() if k != "hidden")
     mb = max(first, last, key=busy)
     fwd_s = busy(fwd) * (m.n_layers // lay.pp)  # one microbatch's forward; recomputation runs in the backward

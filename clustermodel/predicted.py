@@ -17,12 +17,72 @@ stage's program. This is apart from observe.py because the cluster model imports
 which imports observe.py."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from clustermodel import perfmodel as pm
-from clustermodel import replay
+from clustermodel import rates, replay
+from clustermodel.schema import PerfModelHardware
+from errors import ConfigError
+
+
+# A 2-core Xeon VM's numbers as machine.local_measurements measured them, for a CPU whose own are neither
+# given nor cached (only the stages' ratios are read from them)
+NOMINAL_CPU = {"peak_tflops": 0.1, "peak_tflops_fp32": 0.15, "memory_gib": 16.0, "memory_GBps": 15.0,
+               "memory_efficiency": 0.4, "op_overhead_us": 4.0, "gemm_half_dim": 36.0, "gemm_efficiency": 1.0,
+               "flash_efficiency": 0.34, "intra_host_GBps": 0.7, "inter_host_Gbps": 11.0}
+COMM = ("tp_comm", "pp_comm", "hidden")  # a microbatch's parts that are waits (timed apart), not compute
+
+
+def stage_compute_s(cfg, world: int) -> List[float]:
+    """Seconds the performance model predicts each pipeline stage computes in a step: its layers'
+    forward and backward (recomputation included) over its microbatches, the first stage's
+    embedding, the last stage's head and loss, waits left out. The straggler detector divides a
+    rank's measured compute by its stage's figure, and so does the heat map; both compare that
+    ratio across ranks, so only the stages' ratios to one another must be right. It measures
+    nothing (a training rank calls it at start-up): a CPU's unknown rates are this machine's cached
+    measurements (machine.local_measurements'), else NOMINAL_CPU's."""
+    hw = _unmeasured(cfg.hardware)
+    lay = pm.layout_of(cfg, world)
+    cfg = pm.resolve_config(cfg, hw)
+    r, net = pm.Rates.of(hw, pm.precision(cfg), lay.gpus), pm.Network(hw, lay)
+    first, last = pm.stage_microbatch(cfg, lay, r, net)
+    (emb_f, emb_b), _ = pm.ends_time(cfg, lay, r, net)
+    busy = lambda part: sum(v for k, v in part.items() if k not in COMM)
+    middle = busy(first) - busy(emb_f) - busy(emb_b)
+    stages = [busy(first)] + [middle] * (lay.pp - 2) + ([busy(last)] if lay.pp > 1 else [])
+    return [lay.microbatches * s for s in stages]
+
+
+def _unmeasured(hw):
+    """hw resolved as rates.resolve_hardware resolves it, what it would measure on a CPU taken from
+    the cache or NOMINAL_CPU; a machine that cannot be resolved so (a GPU cluster without its fit)
+    is priced as a nominal CPU."""
+    import machine
+    hw = copy.deepcopy(hw)
+    on_cpu = hw.device == "cpu" or (hw.device == "auto" and not rates._cuda_available())
+    if not on_cpu:
+        try:
+            return pm.resolve_hardware(hw)
+        except ConfigError:
+            hw.device, hw.perfmodel = "cpu", PerfModelHardware()
+    if hw.perfmodel == PerfModelHardware():
+        hw.perfmodel = rates.this_cpu()
+    cached = machine.cache_dir() / "cpu_local.json"
+    known = {**NOMINAL_CPU, **(json.loads(cached.read_text())["measured"] if cached.exists() else {})}
+    for key in rates.MEASURED + rates.MEASURED_FP32:
+        if getattr(rates.owner(hw, key), key) is None:
+            setattr(rates.owner(hw, key), key, known.get(key))
+    link = hw.perfmodel
+    if link.inter_host_efficiency is None:  # an emulated link: its calibration where cached, else placeholders
+        try:
+            rates.calibrated_link(link)
+        except ConfigError:  # the link's figures are no part of compute
+            link.inter_host_efficiency, link.p2p_efficiency, link.overlap_slowdown = 1.0, 1.0, 0.0
+            link.inter_host_latency_us = link.inter_host_latency_us or link.intra_host_latency_us
+    return pm.resolve_hardware(hw)
 
 
 class _Traced(replay.Replay):
@@ -66,16 +126,6 @@ def _wait_name(parts: list) -> str:
     return f"{kind} {group} {part['op']}" if part["op"] in ("send", "recv") else f"{kind} {group}"
 
 
-def run_config(run_dir: Path):
-    """The run's config (its .hydra/config.yaml), on the hardware its replay prices it on: its own,
-    or this CPU's calibration (hardware=cpu_local) where it left the machine to `auto`."""
-    from clustermodel import cli
-    cfg = cli.run_config(Path(run_dir))
-    if cfg.hardware.name == "auto":
-        cfg.hardware = cli.compose(["hardware=cpu_local"]).hardware
-    return cfg
-
-
 def step_segments(run_dir: Path, world: int, rehearse: bool = False) -> Optional[Dict[int, List[tuple]]]:
     """{pp stage: [(kind, name, start, seconds)] of the replay's steady step, from its start}, or
     None where the run dir has no rehearsal (and `rehearse` is not asked)."""
@@ -83,7 +133,8 @@ def step_segments(run_dir: Path, world: int, rehearse: bool = False) -> Optional
     folder = run_dir / "rehearsal"
     if not rehearse and not any(folder.glob("rank*.json")):
         return None
-    cfg = run_config(run_dir)
+    from clustermodel import cli
+    cfg = cli.run_config(run_dir)
     hw = pm.resolve_hardware(cfg.hardware)
     records = replay.rehearse(cfg, hw, world, folder)
     lay = pm.layout_of(cfg, world)
@@ -99,6 +150,35 @@ def step_segments(run_dir: Path, world: int, rehearse: bool = False) -> Optional
         out[stage] = [(kind, name, start - begin, end - start) for kind, name, step, start, end
                       in traced.segments[rank] if step == last]
     return out
+
+
+def price_stragglers(run_dir: Path, found: list) -> list:
+    """diagnosis.json's stragglers (stragglers.from_metrics'), each compute straggler's cost_pct
+    re-priced by a what-if replay (replay.what_if) of the run's rehearsal, its own rank rehearsed
+    beside its stage's (RUN_DIR/rehearsal/, made here once): `priced_by` "replay", the detector's
+    online estimate kept as `excess_pct`. Input and link verdicts, and any the model cannot replay,
+    keep the estimate: `priced_by` "excess"."""
+    import logging
+    from clustermodel import cli
+    run_dir = Path(run_dir)
+    for verdict in found:
+        verdict["priced_by"] = "excess"
+    compute = [v for v in found if v["kind"] == "compute" and v["slowdown"] > 1]
+    if not compute:
+        return found
+    try:
+        world = json.loads((run_dir / "run.json").read_text())["world_size"]
+        cfg = cli.run_config(run_dir)
+        hw = _unmeasured(cfg.hardware)  # the detector's rates: a ratio of two replayed steps is the price
+        records = replay.rehearse(cfg, hw, world, run_dir / "rehearsal", also=tuple(v["rank"] for v in compute))
+        for verdict in compute:
+            price = replay.what_if(records, cfg, hw, world, verdict["rank"], verdict["slowdown"])
+            verdict.update(excess_pct=verdict["cost_pct"], cost_pct=round(price["cost_pct"], 1), priced_by="replay",
+                           replayed={k: round(v, 6) for k, v in price.items()})
+    except Exception as e:  # noqa: BLE001 - the online estimate stands; the report says which
+        logging.getLogger("predicted").warning("stragglers not replayed (%s: %s): priced by their excess",
+                                               type(e).__name__, e)
+    return found
 
 
 def write(run_dir: Path) -> Path:

@@ -52,9 +52,11 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     """A copy of hw with every number the model needs filled in, and device=auto decided (cuda or
     cpu, as train.py decides it on this machine); ConfigError if a number can't be filled in."""
     hw = copy.deepcopy(hw)  # its perfmodel group too: filled in below
-    rates = hw.perfmodel
     on_cpu = hw.device == "cpu" or (hw.device == "auto" and not _cuda_available())
     hw.device = "cpu" if on_cpu else "cuda"
+    if on_cpu and hw.perfmodel == PerfModelHardware():
+        hw.perfmodel = this_cpu()  # a CPU that names no rates of its own (hardware=auto or cpu) is this one
+    rates = hw.perfmodel
     if on_cpu and rates.cores is None:
         rates.cores = machine.cores()
     if not on_cpu:
@@ -73,6 +75,13 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
         raise ConfigError(config_key(missing[0]), f"unknown for hardware={hw.name}",
                           "set it, or use hardware=a100_cluster, h100_cluster or cpu_local")
     return hw
+
+
+def this_cpu() -> PerfModelHardware:
+    """conf/hardware/cpu_local.yaml's rates: this machine, its nulls measured (or cached) on first use."""
+    from omegaconf import OmegaConf
+    local = OmegaConf.load(ROOT / "conf" / "hardware" / "cpu_local.yaml").perfmodel
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PerfModelHardware), local))
 
 
 CALIBRATED_KIND = "all_reduce"  # the link's efficiency is gloo's all-reduce bus bandwidth over its rate

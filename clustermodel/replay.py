@@ -105,8 +105,10 @@ class Replay:
     collective or send costs beside compute; weight: the ranks each rehearsed one stands for."""
 
     def __init__(self, records: List[dict], r: pm.Rates, net: pm.Network, slowdown: float, host_s: float = 0.0,
-                 speed: Optional[Callable[[float], float]] = None, weight: float = 1.0):
+                 speed: Optional[Callable[[float], float]] = None, weight: float = 1.0,
+                 scale: Optional[Dict[int, float]] = None):
         self.ranks = {rec["rank"]: _Rank(rec, weight) for rec in records}
+        self.scale = scale or {}             # rank -> how many times as long its compute takes (what_if)
         self.r, self.net, self.slowdown, self.host_s, self.speed = r, net, slowdown, host_s, speed
         self.p2p: Dict[tuple, deque] = {}    # (src, dst, "send"|"recv") -> posted, not yet paired
         self.joint: Dict[tuple, dict] = {}   # (comm, k-th) -> {rank: post time} of a shared collective
@@ -142,7 +144,7 @@ class Replay:
             return False
         ev = rank.events[rank.pos]
         if not rank.computed:
-            rank.work, rank.computed = compute_time(ev.get("work", {}), self.r), True
+            rank.work, rank.computed = compute_time(ev.get("work", {}), self.r) * self.scale.get(rank.rank, 1.0), True
         if rank.work > EPS:
             return False
         rank.t, op = now, ev["op"]
@@ -238,14 +240,18 @@ class Replay:
 
     def step(self, step: int) -> dict:
         """The slowest rank's step `step`: its time and how much of it stood waiting."""
-        rows = []
+        return max(self.step_of_ranks(step).values(), key=lambda row: row["step_s"])
+
+    def step_of_ranks(self, step: int) -> Dict[int, dict]:
+        """{rank: its step `step`: its time and how much of it stood waiting}."""
+        rows = {}
         for rank in self.ranks.values():
             before, after = rank.step_ends.get(step - 1, 0.0), rank.step_ends[step]
             s0, s1 = rank.stalls_at.get(step - 1, {"comm": 0.0, "bubble": 0.0}), rank.stalls_at[step]
             comm, bubble = s1["comm"] - s0["comm"], s1["bubble"] - s0["bubble"]
-            rows.append({"step_s": after - before, "comm_s": comm, "bubble_s": bubble,
-                         "compute_s": after - before - comm - bubble})
-        return max(rows, key=lambda row: row["step_s"])
+            rows[rank.rank] = {"step_s": after - before, "comm_s": comm, "bubble_s": bubble,
+                               "compute_s": after - before - comm - bubble}
+        return rows
 
 
 def predict(records: List[dict], cfg, hw, gpus: int) -> dict:
@@ -262,6 +268,29 @@ def predict(records: List[dict], cfg, hw, gpus: int) -> dict:
     out["step_s"] += data
     out["host_s"] = host
     return out
+
+
+def what_if(records: List[dict], cfg, hw, gpus: int, rank: int, slowdown: float) -> dict:
+    """A straggler priced by replay (ByteDance's what-if analysis): the steady step with `rank`'s
+    compute `slowdown` times as long (as measured), and without (every rank at the model's speed).
+    cost_pct: what its slowness adds to the step, over the slowed step; excess_pct: its own added
+    compute over the same step, the price a synchronous step would pay for all of it. The two differ
+    where the rest of the step (a pipeline's bubble, a faster stage's wait) absorbs part of it."""
+    lay = pm.layout_of(cfg, gpus)
+    cfg = pm.resolve_config(cfg, hw)
+    r, net = pm.Rates.of(hw, pm.precision(cfg), lay.gpus), pm.Network(hw, lay)
+    last = max(rec["steps"] for rec in records)
+    rows = []
+    for scale in ({rank: slowdown}, {}):
+        replay = Replay(records, r, net, hw.perfmodel.overlap_slowdown or 0.0, host_cost(hw, lay.gpus),
+                        core_sharing(hw, lay.gpus), weight=lay.gpus / len(records), scale=scale)
+        replay.run()
+        rows.append(replay.step_of_ranks(last))
+    slowed = max(row["step_s"] for row in rows[0].values())
+    without = max(row["step_s"] for row in rows[1].values())
+    excess = rows[0][rank]["compute_s"] * (1 - 1 / slowdown)
+    return {"step_s": slowed, "without_s": without, "cost_pct": 100 * (slowed - without) / slowed,
+            "excess_pct": 100 * excess / slowed}
 
 
 def host_cost(hw, world: int) -> float:
@@ -297,13 +326,13 @@ def stage_ranks(cfg, gpus: int) -> List[int]:
     return [s * stride["pp"] for s in range(lay.pp)]
 
 
-def rehearse(cfg, hw, gpus: int, out: Path) -> List[dict]:
-    """The records of stage_ranks, rehearsed in this process (once: kept in `out`), with what
-    `auto` leaves to the machine decided as a run on hw (resolved) decides it: an fp32 run's
-    rehearsal moves fp32 bytes."""
+def rehearse(cfg, hw, gpus: int, out: Path, also: tuple = ()) -> List[dict]:
+    """The records of stage_ranks (and of the ranks `also`, which then no longer mirror their
+    stage's), rehearsed in this process (once: kept in `out`), with what `auto` leaves to the
+    machine decided as a run on hw (resolved) decides it: an fp32 run's rehearsal moves fp32 bytes."""
     from clustermodel import rehearsal
     cfg, records = pm.resolve_config(cfg, hw), []
-    for rank in stage_ranks(cfg, gpus):
+    for rank in sorted(set(stage_ranks(cfg, gpus)) | set(also)):
         path = out / f"rank{rank}.json"
         record = json.loads(path.read_text()) if path.exists() else rehearsal.rehearse_rank(cfg, rank, gpus, out)
         if record.get("crash"):

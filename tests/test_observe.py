@@ -210,12 +210,12 @@ def test_the_replays_predicted_track_lies_beside_each_rank_and_the_trace_stays_v
     laid at each measured step of each rank, in the trace and the figure."""
     from clustermodel import predicted
     import timeline
-    from clustermodel import perfmodel as pm, replay
+    from clustermodel import cli, perfmodel as pm, replay
     _, run_dir, _ = faulty_run
     predicted.main([str(run_dir)])
     assert "rank 1, skipped" in capsys.readouterr().out  # observe.py's report, redrawn with the track
     stages = json.loads((run_dir / "observe" / "predicted.json").read_text())["stages"]
-    cfg = predicted.run_config(run_dir)
+    cfg = cli.run_config(run_dir)  # hardware=auto: this CPU
     hw = pm.resolve_hardware(cfg.hardware)
     step_s = replay.predict(replay.rehearse(cfg, hw, 2, run_dir / "rehearsal"), cfg, hw, 2)["step_s"]
     assert sorted(stages) == ["0", "1"]

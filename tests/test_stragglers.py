@@ -1,7 +1,8 @@
 """Stragglers named as culprits (stragglers.py): a rank slowed by slow:RANK@1.3 is the only one
-flagged, its waiting peer and a rank with a one-step spike are not, and a pipeline whose last stage
-does more work flags no one. Two short gloo runs serve every assertion; the scores themselves are
-checked on figures given by hand."""
+flagged, its waiting peer and a rank with a one-step spike are not, a pipeline whose last stage
+does more work flags no one, and in a pipeline of single-rank dp groups the slowed stage is named
+from its compute over the performance model's prediction; offline, a replay prices it. Three short
+gloo runs serve every assertion; the scores themselves are checked on figures given by hand."""
 import statistics
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import SMALL, read_metrics, run_train
 
 WINDOW = ["ft.straggler_interval=5", "ft.straggler_windows=3"]
 SPIKE_STEP = 7
+PIPELINE = ["parallel.pp=2", "parallel.microbatches=2"]
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +28,21 @@ def slowed_run(tmp_path_factory, cache_dir):
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, cache_dir):
-    """pp 2 with no fault, the head's vocabulary 64x the tokenizer's: the last stage computes well
+    """pp 2 with no fault, the head's vocabulary 32x the tokenizer's: the last stage computes well
     over 1 + the threshold times the first stage's work (a comparison across stages would flag it)."""
     run_dir = tmp_path_factory.mktemp("pipeline")
-    run_train(run_dir, SMALL + WINDOW + ["parallel.pp=2", "parallel.microbatches=2", "model.vocab_size=32768",
-                                         "train.max_steps=20"], cache_dir, nproc=2)  # 3 windows read
+    run_train(run_dir, SMALL + WINDOW + PIPELINE + ["model.vocab_size=16384", "train.max_steps=20"], cache_dir,
+              nproc=2)  # 3 windows read
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def slowed_pipeline_run(tmp_path_factory, cache_dir):
+    """pp 2, dp 1 (every dp group one rank): the first stage, which the model predicts the lighter,
+    computes 1.3x as long every step."""
+    run_dir = tmp_path_factory.mktemp("slowed_pipeline")
+    run_train(run_dir, SMALL + WINDOW + PIPELINE + ["train.max_steps=30"], cache_dir, nproc=2,
+              MEGAREPRO_FAULT="slow:0@1.3")
     return run_dir
 
 
@@ -60,6 +72,10 @@ def test_the_diagnosis_lists_the_culprit_and_draws_the_heat_map(slowed_run):
     assert set(diagnosis["stragglers"][0]) >= {"rank", "kind", "slowdown", "cost_pct", "post_late_ms"}
     late = diagnosis["post_late_ms"]  # from the op logs: the culprit posts late, the victim early
     assert late["1"] > late["0"] and diagnosis["stragglers"][0]["post_late_ms"] == late["1"]
+    # priced by replay: one dp group's synchronous step pays all of its culprit's extra compute
+    (culprit,) = diagnosis["stragglers"]
+    assert culprit["priced_by"] == "replay" and culprit["cost_pct"] == round(culprit["replayed"]["cost_pct"], 1)
+    assert culprit["replayed"]["cost_pct"] == pytest.approx(culprit["replayed"]["excess_pct"], rel=0.1)
     assert (slowed_run / "observe" / "heatmap.png").stat().st_size > 0
     assert "straggler: rank 1, compute" in (slowed_run / "observe" / "report.txt").read_text()
 
@@ -69,8 +85,36 @@ def test_a_pipeline_whose_last_stage_does_more_work_flags_no_one(pipeline_run):
     windows = stragglers.figures(pipeline_run)
     compute = {r: statistics.median(w["compute_s"] for w in windows[r]) for r in (0, 1)}
     assert compute[1] > 1.2 * compute[0]  # it does more work, and is not flagged for it
-    work = stragglers.stage_work(pipeline_run)
+    work = stragglers.run_stage_compute(pipeline_run)  # what the detector divided by
     assert work[1] > 1.2 * work[0]  # the model predicts the head's extra work
+
+
+def _idle(windows, rank):
+    return statistics.median(w["step_s"] - w["compute_s"] - w["input_s"] for w in windows[rank])
+
+
+def test_a_slowed_stage_whose_dp_group_is_one_rank_is_named_from_its_normalised_compute(slowed_pipeline_run):
+    assert {(rank, kind) for rank, kind, *_ in _verdicts(slowed_pipeline_run)} == {(0, "compute")}
+    windows = stragglers.figures(slowed_pipeline_run)
+    assert _idle(windows, 0) < _idle(windows, 1)  # it arrives late: the other stage waits for it
+    work = stragglers.run_stage_compute(slowed_pipeline_run)
+    assert work[0] < work[1]  # the model predicts it the lighter stage: its measured compute alone would not tell
+
+
+def test_a_replay_prices_a_pipeline_straggler_below_its_excess_where_the_bubble_absorbs_part(slowed_pipeline_run):
+    from clustermodel import cli, predicted, replay
+    diagnosis = observe.diagnose(slowed_pipeline_run)
+    (culprit,) = diagnosis["stragglers"]
+    assert (culprit["rank"], culprit["priced_by"]) == (0, "replay") and culprit["excess_pct"] > 0
+    priced = culprit["replayed"]  # the lighter stage slowed: the other's wait absorbs part of it
+    assert 0 < priced["cost_pct"] < 0.9 * priced["excess_pct"] and priced["without_s"] < priced["step_s"]
+    # the heavier stage, on the critical path, slowed as much: the step pays all of its excess
+    cfg = cli.run_config(slowed_pipeline_run)
+    hw = predicted._unmeasured(cfg.hardware)
+    records = replay.rehearse(cfg, hw, 2, slowed_pipeline_run / "rehearsal")
+    heavier = replay.what_if(records, cfg, hw, 2, 1, culprit["slowdown"])
+    assert heavier["cost_pct"] == pytest.approx(heavier["excess_pct"], rel=0.05)
+    assert priced["excess_pct"] - priced["cost_pct"] > heavier["excess_pct"] - heavier["cost_pct"]
 
 
 # --- the scores, on figures given by hand ---
@@ -90,6 +134,25 @@ def test_the_culprit_scores_and_the_victims_waiting_for_it_do_not():
     assert all(_scores(figures, me)[0][0] < 1.1 for me in (0, 1, 3))
     # a rank computing long while waiting longest is not the one the others wait for
     assert _scores([[1.0, 0.0, 0.05, 2.0], [1.5, 0.0, 0.6, 2.0]], 1)[0][0] == 1.0
+
+
+def test_a_single_rank_group_is_scored_against_the_worlds_normalised_quartile_and_idle_median():
+    # 4 ranks of one-rank groups: compute / its stage's predicted, idle (step - compute - input)
+    normalised, idle = [1.0, 1.02, 0.98, 1.4], [0.5, 0.45, 0.55, 0.05]
+    histogram = sum(stragglers.world_histogram(torch.tensor(n, dtype=torch.float64), torch.tensor(i, dtype=torch.float64))
+                    for n, i in zip(normalised, idle))
+    quartile, idle_median = stragglers.world_reference(histogram)
+    assert quartile.item() == pytest.approx(0.98, rel=0.012)  # the fastest of 4, within a bin
+    predicted = 2.0  # seconds its stage computes at the model's speed
+
+    def score(n, i):  # one rank's figures: compute, input, comm wait, step
+        figures = torch.tensor([[n * predicted, 0.0, 0.0, n * predicted + i]], dtype=torch.float64)
+        out = stragglers.group_scores(figures, torch.tensor([7]), 0, 0.2, 1, 0, (predicted, quartile, idle_median))
+        return stragglers.unpack(out[0].item())
+    slowdown, excess, rank = score(1.4, 0.05)
+    assert rank == 7 and slowdown == pytest.approx(1.4 / 0.98, rel=0.012)
+    assert excess == pytest.approx(predicted * (1.4 - 0.98), abs=0.03)
+    assert score(1.4, 0.6)[0] == 1.0  # as slow, but idling longest: a victim, not the culprit
 
 
 def test_a_group_that_computes_normally_reports_its_transfer_floor_for_its_own_stage_only():
@@ -124,6 +187,9 @@ def test_a_ranks_bytes_per_window_grow_with_its_dp_group_not_with_the_world():
     small = rank_costs.straggler_bytes(1536, dp=192, pp=1)
     assert paper["after"] - small["after"] < 300  # the all-reduce's 2 + 2 pp int64 only
     assert paper["before"] > 7 * small["before"]  # the world all-gather it replaces
+    # one-rank dp groups: the world histogram's fixed 16 KiB, at 16 ranks as at 12,288
+    wide, narrow = rank_costs.straggler_bytes(12288, dp=1, pp=8), rank_costs.straggler_bytes(16, dp=1, pp=8)
+    assert 2 * 16384 * 15 / 16 < narrow["after"] < wide["after"] < 2 * 16384 + 300
 
 
 def test_a_slow_link_persisting_in_three_of_four_windows_is_a_link_verdict_naming_its_group():
