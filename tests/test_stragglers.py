@@ -147,7 +147,7 @@ def test_a_single_rank_group_is_scored_against_the_worlds_normalised_quartile_an
 
     def score(n, i):  # one rank's figures: compute, input, comm wait, step
         figures = torch.tensor([[n * predicted, 0.0, 0.0, n * predicted + i]], dtype=torch.float64)
-        out = stragglers.group_scores(figures, torch.tensor([7]), 0, 0.2, 1, 0, (predicted, quartile, idle_median))
+        out = stragglers.group_scores(figures, torch.tensor([7]), 0, 0.2, 1, 0, world=(predicted, quartile, idle_median))
         return stragglers.unpack(out[0].item())
     slowdown, excess, rank = score(1.4, 0.05)
     assert rank == 7 and slowdown == pytest.approx(1.4 / 0.98, rel=0.012)
