@@ -574,11 +574,14 @@ def dim_names(layout) -> dict:
 
 # --- python observe.py RUN_DIR: the diagnosis, the timeline and a short report ---
 
-def diagnose(run_dir: Path) -> dict:
+def diagnose(run_dir: Path, price=None) -> dict:
     """Write RUN_DIR/observe/diagnosis.json, trace.json, timeline.png, heatmap.png and report.txt
     from the newest attempt's snapshots and faults.jsonl; works while the run still runs (the
     snapshots are renamed into place). The timeline gains the replay's predicted track where
-    clustermodel/predicted.py has written observe/predicted.json."""
+    clustermodel/predicted.py has written observe/predicted.json. price(run_dir, stragglers) ->
+    stragglers re-prices the verdicts (`python -m clustermodel.predicted RUN_DIR` passes the
+    what-if replay's: the cluster model imports the config, which imports this module); without
+    it each keeps the detector's estimate (`priced_by` "excess")."""
     run_dir = Path(run_dir)
     attempts = sorted(int(p.name.removeprefix("attempt")) for p in (run_dir / "observe").glob("attempt*"))
     if not attempts:
@@ -594,13 +597,13 @@ def diagnose(run_dir: Path) -> dict:
                           "attempt": event["attempt"], "detail": event["root"]["detail"]})
     desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
     import stragglers
-    from clustermodel import predicted as replayed  # the cluster model imports config, which imports this module
     late = stragglers.post_lateness(snaps, offsets)
+    found = [{**v, "priced_by": "excess"} for v in stragglers.from_metrics(run_dir, late)]
     signals = {r: s["signals"] for r, s in sorted(snaps.items()) if s.get("signals")}
     fatal = {int(p.name.split(".")[0].removeprefix("rank")): p.read_text().splitlines()[0]
              for p in sorted(folder.glob("rank*.stacks.txt")) if p.stat().st_size}  # faulthandler's first line
     diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "desync": desyncs, "stragglers": replayed.price_stragglers(run_dir, stragglers.from_metrics(run_dir, late)),
+                 "hangs": hangs, "desync": desyncs, "stragglers": price(run_dir, found) if price else found,
                  "post_late_ms": {str(r): ms for r, ms in late.items()}, "signals": signals, "fatal": fatal,
                  "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
                  "clock_residual_s": residual}
@@ -639,7 +642,8 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: Optional[list] = None) -> None:
+def main(argv: Optional[list] = None, price=None) -> None:
+    """`python observe.py RUN_DIR`; price: as diagnose takes it."""
     import argparse
     parser = argparse.ArgumentParser(prog="observe.py", description="A run dir's diagnosis, timeline and report.")
     parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir), or a folder of PyTorch "
@@ -649,7 +653,7 @@ def main(argv: Optional[list] = None) -> None:
         import flightrec  # another job's collectives, from its Flight Recorder
         flightrec.diagnose(run_dir)
     else:
-        diagnose(run_dir)
+        diagnose(run_dir, price)
     print((run_dir / "observe" / "report.txt").read_text(), end="")
 
 

@@ -45,8 +45,14 @@ defaults (20-step windows, 3 of 4, read one window late) it comes within 100 ste
 slowdown's start. One culprit per kind a window: the worst (the MAX).
 Priced online: the step time without the culprit's slowness is the measured step less its excess
 (own median less the reference: a synchronous step waits for all of it); cost_pct is that excess
-over the measured step. Offline, `python observe.py RUN_DIR` re-prices compute stragglers by a
-what-if replay (clustermodel.predicted.price_stragglers), which sees what a pipeline absorbs.
+over the measured step. Offline, `python -m clustermodel.predicted RUN_DIR` re-prices compute
+stragglers by a what-if replay (clustermodel.predicted.price_stragglers), which sees what a
+pipeline absorbs.
+
+The performance model's per-stage compute (clustermodel.predicted.stage_compute_s) comes in as
+`stage_s`, computed by train.py at start-up, and is written beside each window's figures: this
+module imports nothing of the cluster model, which imports the config, which imports observe.py,
+whose diagnosis reads this module.
 """
 from __future__ import annotations
 
@@ -167,9 +173,10 @@ class Detector:
         self.layout, self.interval, self.threshold, self.windows = layout, interval, threshold, windows
         self.device, self.rank, self.clock = device, layout.rank, layout.clock
         self.group = layout.group("dp") if layout.world > 1 and layout.dp > 1 else None
-        # a group of one rank (dp=1): its compute over its stage's predicted (stage_s: predicted_compute's)
-        # is compared with the job's (a world histogram); none where the model gave no figures
-        self.predicted = stage_s[layout.pp_rank] if stage_s and layout.world > 1 and layout.dp == 1 else None
+        # a group of one rank (dp=1): its compute over its stage's predicted (stage_s: the model's
+        # compute a step per stage) is compared with the job's (a world histogram); none without figures
+        self.stage_predicted = stage_s[layout.pp_rank] if stage_s else None  # written with the figures
+        self.predicted = self.stage_predicted if layout.world > 1 and layout.dp == 1 else None
         self.members = dist.get_process_group_ranks(self.group) if self.group is not None else [layout.rank]
         self.me = self.members.index(layout.rank)
         self.rows: list = []       # (compute, input, wait, step) of each step of the window
@@ -275,7 +282,7 @@ class Detector:
         self.figures_dir.mkdir(parents=True, exist_ok=True)
         with open(self.figures_dir / f"rank{self.rank}.jsonl", "a") as f:
             f.write(json.dumps({"rank": self.rank, "host": socket.gethostname(), "step": step,
-                                "coords": self.layout.coordinates(),
+                                "coords": self.layout.coordinates(), "predicted_s": self.stage_predicted,
                                 **dict(zip(("compute_s", "input_s", "wait_s", "step_s"), medians))}) + "\n")
 
 
@@ -346,42 +353,25 @@ def post_lateness(snaps: dict, offsets: dict) -> dict:
     return {r: round(1e3 * statistics.median(late[r].values()), 3) for r in sorted(late)}
 
 
-def predicted_compute(cfg, world: int) -> Optional[list]:
-    """Each pipeline stage's compute a step as the performance model predicts it
-    (clustermodel.predicted.stage_compute_s), at start-up: what the detector and the heat map divide
-    a rank's measured compute by. None, logged, where the model cannot price the config."""
-    from clustermodel import predicted
-    try:
-        return predicted.stage_compute_s(cfg, world)
-    except Exception as e:  # a config the model does not price: the dp groups' comparison still runs
-        log.warning("no predicted compute per stage (%s: %s): compute is compared within dp groups only",
-                    type(e).__name__, e)
-        return None
-
-
-def run_stage_compute(run_dir: Path) -> Optional[list]:
-    """predicted_compute of a run dir's config (its .hydra/config.yaml) and world (run.json); None
-    without them."""
-    from clustermodel import cli
-    run_dir = Path(run_dir)
-    if not (run_dir / "run.json").exists() or not (run_dir / ".hydra" / "config.yaml").exists():
-        return None
-    return predicted_compute(cli.run_config(run_dir), json.loads((run_dir / "run.json").read_text())["world_size"])
+def stage_predictions(run_dir: Path) -> Optional[dict]:
+    """{pp stage: the performance model's compute a step} as the run's detector divided by (written
+    with each window's figures); None where the run had none."""
+    found = {rows[-1]["coords"]["pp"]: rows[-1].get("predicted_s") for rows in figures(run_dir).values()}
+    return found if found and all(v for v in found.values()) else None
 
 
 def heat_map(run_dir: Path, out: Path) -> Optional[Path]:
     """A figure: ranks laid out dp x (pp, tp), one panel per kind, colour = measured / predicted
-    (compute: over its stage's predicted compute, run_stage_compute's, scaled to the job's median
-    rank; input and wait: over
-    the median of the ranks of the same stage, which the model predicts alike), each rank's last
-    window. None without figures."""
+    (compute: over its stage's predicted compute, stage_predictions', scaled to the job's median
+    rank; input and wait: over the median of the ranks of the same stage, which the model predicts
+    alike), each rank's last window. None without figures."""
     ranks = [rows[-1] for _, rows in sorted(figures(run_dir).items())]  # each rank's last window
     if not ranks:
         return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    work = run_stage_compute(run_dir) or [1.0] * (1 + max(r["coords"]["pp"] for r in ranks))
+    work = stage_predictions(run_dir) or {s: 1.0 for s in range(1 + max(r["coords"]["pp"] for r in ranks))}
     per_work = statistics.median(r["compute_s"] / work[r["coords"]["pp"]] for r in ranks) or 1e-9
     dp = 1 + max(r["coords"]["dp"] for r in ranks)
     pp = 1 + max(r["coords"]["pp"] for r in ranks)

@@ -321,7 +321,7 @@ class Loop:
             return None
         detector = stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
                                        cfg.ft.straggler_windows, run.device, run.run_dir,
-                                       stragglers.predicted_compute(cfg, run.layout.world))
+                                       predicted_stage_compute(cfg, run.layout.world))
         engine.forward_backward = detector.timed(engine.forward_backward)
         return detector
 
@@ -429,6 +429,19 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
     if isinstance(found[0], tuple):
         fail(found[0][1])
     return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
+
+
+def predicted_stage_compute(cfg: config.Config, world: int) -> Optional[list]:
+    """Each pipeline stage's compute a step as the performance model predicts it, at start-up: what
+    the straggler detector divides a rank's measured compute by. None, logged, where the model
+    cannot price the config (the dp groups' comparison still runs)."""
+    from clustermodel import predicted
+    try:
+        return predicted.stage_compute_s(cfg, world)
+    except Exception as e:  # noqa: BLE001 - a config the model does not price
+        log.warning("no predicted compute per stage (%s: %s): compute is compared within dp groups only",
+                    type(e).__name__, e)
+        return None
 
 
 def health(step: int, timing: dict, data_s: float, collector, detector, rank: int) -> dict:

@@ -1,7 +1,8 @@
 """What the performance model predicts each rank's step looks like, laid beside what it measured:
 the replay (clustermodel/replay.py) of the run's rehearsal, segment by segment.
 
-    python -m clustermodel.predicted RUN_DIR   # RUN_DIR/observe/predicted.json, then python observe.py RUN_DIR with it
+    python -m clustermodel.predicted RUN_DIR   # RUN_DIR/observe/predicted.json, then python observe.py RUN_DIR with it,
+                                               # compute stragglers priced by a what-if replay
 
 The rehearsal is the one `python -m clustermodel validate RUN_DIR` keeps in RUN_DIR/rehearsal/
 (each pipeline stage's first rank, its collectives, sends, receives and waits stamped with the
@@ -204,11 +205,12 @@ def main(argv: Optional[list] = None) -> None:
     import observe
     parser = argparse.ArgumentParser(prog="python -m clustermodel.predicted", description="The replay's predicted track beside each "
                                      "rank's measured one: writes RUN_DIR/observe/predicted.json, then the "
-                                     "diagnosis, trace and timeline figure with it (python observe.py RUN_DIR).")
+                                     "diagnosis, trace and timeline figure with it (python observe.py RUN_DIR), "
+                                     "compute stragglers priced by a what-if replay.")
     parser.add_argument("run_dir", type=Path)
     run_dir = parser.parse_args(argv).run_dir
     print(f"wrote {write(run_dir)}")
-    observe.main([str(run_dir)])
+    observe.main([str(run_dir)], price=price_stragglers)
 
 
 if __name__ == "__main__":

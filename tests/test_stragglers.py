@@ -10,6 +10,7 @@ import torch
 
 import observe
 import stragglers
+from clustermodel import predicted
 from conftest import SMALL, read_metrics, run_train
 
 WINDOW = ["ft.straggler_interval=5", "ft.straggler_windows=3"]
@@ -67,7 +68,7 @@ def test_a_slowed_rank_is_the_only_one_flagged_and_its_waiting_peer_and_a_spike_
 
 
 def test_the_diagnosis_lists_the_culprit_and_draws_the_heat_map(slowed_run):
-    diagnosis = observe.diagnose(slowed_run)
+    diagnosis = observe.diagnose(slowed_run, price=predicted.price_stragglers)
     assert [(s["rank"], s["kind"]) for s in diagnosis["stragglers"]] == [(1, "compute")]
     assert set(diagnosis["stragglers"][0]) >= {"rank", "kind", "slowdown", "cost_pct", "post_late_ms"}
     late = diagnosis["post_late_ms"]  # from the op logs: the culprit posts late, the victim early
@@ -85,7 +86,7 @@ def test_a_pipeline_whose_last_stage_does_more_work_flags_no_one(pipeline_run):
     windows = stragglers.figures(pipeline_run)
     compute = {r: statistics.median(w["compute_s"] for w in windows[r]) for r in (0, 1)}
     assert compute[1] > 1.2 * compute[0]  # it does more work, and is not flagged for it
-    work = stragglers.run_stage_compute(pipeline_run)  # what the detector divided by
+    work = stragglers.stage_predictions(pipeline_run)  # what the detector divided by
     assert work[1] > 1.2 * work[0]  # the model predicts the head's extra work
 
 
@@ -97,13 +98,13 @@ def test_a_slowed_stage_whose_dp_group_is_one_rank_is_named_from_its_normalised_
     assert {(rank, kind) for rank, kind, *_ in _verdicts(slowed_pipeline_run)} == {(0, "compute")}
     windows = stragglers.figures(slowed_pipeline_run)
     assert _idle(windows, 0) < _idle(windows, 1)  # it arrives late: the other stage waits for it
-    work = stragglers.run_stage_compute(slowed_pipeline_run)
+    work = stragglers.stage_predictions(slowed_pipeline_run)
     assert work[0] < work[1]  # the model predicts it the lighter stage: its measured compute alone would not tell
 
 
 def test_a_replay_prices_a_pipeline_straggler_below_its_excess_where_the_bubble_absorbs_part(slowed_pipeline_run):
-    from clustermodel import cli, predicted, replay
-    diagnosis = observe.diagnose(slowed_pipeline_run)
+    from clustermodel import cli, replay
+    diagnosis = observe.diagnose(slowed_pipeline_run, price=predicted.price_stragglers)
     (culprit,) = diagnosis["stragglers"]
     assert (culprit["rank"], culprit["priced_by"]) == (0, "replay") and culprit["excess_pct"] > 0
     priced = culprit["replayed"]  # the lighter stage slowed: the other's wait absorbs part of it
