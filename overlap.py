@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from sharding import shard_info
 
 class WaitClock:
     """Where a rank's step goes, measured the same way on CPU and GPU.
@@ -410,8 +411,28 @@ class GatheredLinears(torch.autograd.Function):
         rows = full.reshape(-1, full.shape[-1])
         param_grads = []
         for g, w, has_bias in zip(grads, weights, ctx.has_bias):
-            param_grads += [(g.t() @ rows.to(g.dtype)).to(w.dtype), g.sum(0).to(w.dtype) if has_bias else None]
+            param_grads += [weight_gradient(w, g, rows.to(g.dtype)), g.sum(0).to(w.dtype) if has_bias else None]
         return reduce_scatter.wait(), None, None, *param_grads
+
+
+def weight_gradient(weight: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor):
+    """A linear layer's weight gradient, grad^T @ rows ([tokens, out]^T @ [tokens, in]). Where ZeRO
+    gives the weight a view of its gradient buffer (sharding's ShardInfo.grad_sink) the GEMM
+    accumulates into it, Megatron-LM's gradient-accumulation fusion: no gradient in the weight's
+    dtype is written, read back and added. It returns None then (autograd gets no .grad), else
+    the gradient in the weight's dtype. Not while dynamo traces: a compiled backward returns its
+    gradients."""
+    sink = None if torch.compiler.is_compiling() else shard_info(weight).grad_sink
+    view = None if sink is None else sink.take()
+    if view is None:
+        return (grad.t() @ rows).to(weight.dtype)
+    if view.dtype == grad.dtype:  # fp32 parameters (or a bf16 buffer for bf16 ones): C += A @ B
+        view.addmm_(grad.t(), rows)
+    elif view.dtype == torch.float32 and view.device.type != "cpu":  # bf16 GEMM, fp32 accumulator (CUDA; meta stands in)
+        torch.addmm(view, grad.t(), rows, out_dtype=torch.float32, out=view)
+    else:  # a CPU has no kernel for a bf16 GEMM accumulating in fp32: the product, then an add, as unfused
+        view.add_((grad.t() @ rows).to(weight.dtype))
+    return None
 
 
 # --- MegaScale's chunked overlap: pieces of the sequence through the token-wise GEMMs ---
