@@ -57,7 +57,7 @@ class Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         x = x.to(overlap.compute_dtype(x))  # what F.linear would keep under autocast
         ctx.save_for_backward(x, weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.sink, ctx.bias_dtype = overlap.gradient_sink(weight), None if bias is None else bias.dtype
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -65,7 +65,7 @@ class Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])  # [tokens, out features]
         input_grad = (g @ weight.to(g.dtype)).view(*grad.shape[:-1], -1)
-        w_grad = overlap.weight_gradient(weight, g, x.reshape(-1, x.shape[-1]).to(g.dtype))
+        w_grad = overlap.weight_gradient(ctx.sink, weight.dtype, g, x.reshape(-1, x.shape[-1]).to(g.dtype))
         return input_grad, w_grad, None if ctx.bias_dtype is None else g.sum(0).to(ctx.bias_dtype)
 
 

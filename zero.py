@@ -230,12 +230,11 @@ class ZeroDataParallel:
             self.wait_gather(b)
         self.launch_gather(buckets[-1] + 1)
 
-    def fused_view(self, i: int):
+    def fused_view(self, i: int) -> torch.Tensor:
         """Parameter i's view of its gradient buffer, for its backward's weight-gradient GEMM to
-        accumulate into (GradientSink.take); it counts as arrived at its module's end. None under a
-        compiled forward, whose traced hooks mark no module's end: autograd's .grad then."""
-        if self.hooks_traced:
-            return None
+        accumulate into (GradientSink.take); it counts as arrived at its module's end (under a
+        compiled forward, whose hooks mark none, at backward_done). A GEMM that dynamo traces
+        returns its gradient instead (overlap.weight_gradient)."""
         b, k = self.where[i]
         self.fused.add(i)
         return self._grad_views(self.buckets[b])[k]
