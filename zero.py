@@ -23,8 +23,8 @@ shards. Megatron-LM's distributed optimizer is the model. Its words, used throug
   embedding, any weight at tp=1) is added when its module's backward ends, in one foreach add a
   bucket, and freed (so it waits at most that long), not one Python hook and one add a
   parameter. ZeRO-0 all-reduces the buffer; ZeRO-1 and 2 reduce-scatter it, each rank receiving
-  the sum of its shard; ZeRO-2 allocates it when the bucket's first gradient arrives and frees it once
-  reduced.
+  the sum of its shard; ZeRO-2 allocates it when the bucket's first gradient arrives and frees
+  it once reduced.
 - master: with precision=bf16 the model's parameters are bf16 and the optimizer's shards are
   fp32 master copies; after the step each rank casts its shards into its range of the bf16
   buffer, and the all-gather moves bf16. With fp32 parameters the shards are views into the
@@ -33,10 +33,10 @@ shards. Megatron-LM's distributed optimizer is the model. Its words, used throug
 The schedule (ZeroDataParallel's methods after attach(), in this order) runs each step: before each module's
 forward, wait for its buckets' all-gather and launch the next bucket's; after each module's
 backward, add its gradients into their buckets (one foreach add a module and bucket; the fused
-weights' are there already) and, with DP overlap, launch a bucket's reduction once its last gradient of the last microbatch is in; after
-backward, reduce what has not been launched and hand the optimizer its shards' gradients; after
-the optimizer, zero the buffers and launch the first bucket's all-gather (DP overlap) or gather
-them all.
+weights' are there already) and, with DP overlap, launch a bucket's reduction once its last
+gradient of the last microbatch is in; after backward, reduce what has not been launched and
+hand the optimizer its shards' gradients; after the optimizer, zero the buffers and launch the
+first bucket's all-gather (DP overlap) or gather them all.
 
 One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the gradients
 stay where autograd puts them (param.grad, which the optimizer reads), as in plain PyTorch.
@@ -72,6 +72,8 @@ class Bucket:
         self.grad_views: list = None        # each parameter's view of `grads`, shaped as the parameter
         self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1/2) or everything (ZeRO-0)
         self.arrived = 0                    # gradients added this step (DP overlap launches at the last)
+        replicated = [k for k, i in enumerate(indices) if shard_info(params[i]).tp_replicated]
+        self.replicated_start = self.offsets[replicated[0]] if replicated else None  # the TP-summed tail
 
     def param_shard(self, k: int, n: int) -> tuple:
         """(lo, hi): which of the k-th parameter's n flat elements fall in this rank's shard (lo == hi
@@ -305,11 +307,9 @@ class ZeroDataParallel:
         bucket = self.buckets[b]
         self._grad_views(bucket)
         grads = bucket.grads
-        replicated = [i for i in bucket.indices if shard_info(self.params[i]).tp_replicated]
-        if self.layout.tp > 1 and replicated:
-            start = bucket.offsets[bucket.indices.index(replicated[0])]
+        if self.layout.tp > 1 and bucket.replicated_start is not None:
             with self.clock.waiting("comm", grads.device):
-                dist.all_reduce(grads[start:], group=self.layout.group("tp"))
+                dist.all_reduce(grads[bucket.replicated_start:], group=self.layout.group("tp"))
         work, out = None, grads
         if self.stage > 0:  # in place: this rank's shard of the buffer receives its sum
             out = grads[bucket.shard_start:bucket.shard_end]
