@@ -651,24 +651,16 @@ def fuses_weight_gradients(lay: JobLayout) -> bool:
 def fused_weight_params(cfg: config.Config, lay: JobLayout, last: bool = False) -> Tuple[int, int]:
     """(weights of the first (or last) pipeline rank whose gradient GEMM accumulates into ZeRO's
     buffer itself, elements those GEMMs accumulate a microbatch): every block's four matrices
-    and the head's, where fuses_weight_gradients; under TP overlap a block's GEMMs run once a
-    piece (tp_pieces), each accumulating."""
+    and the head's, where fuses_weight_gradients. Under TP overlap a block's GEMMs run once a
+    piece, each accumulating: the sequence's pieces (chunked) or the batch rows' (domino)."""
     if not fuses_weight_gradients(lay):
         return 0, 0
-    m = cfg.model
+    m, ov = cfg.model, cfg.parallel.overlap
     h, ff = m.d_model, m.mlp_ratio * m.d_model
     head = m.vocab_size * h // lay.tp if last or lay.pp == 1 else 0
     blocks = m.n_layers // lay.pp * (4 * h * h + 2 * ff * h) // lay.tp
-    return blocks + head, blocks * tp_pieces(cfg, lay) + head
-
-
-def tp_pieces(cfg: config.Config, lay: JobLayout) -> int:
-    """How many pieces a block's token-wise GEMMs run in: TP overlap's sequence pieces (chunked) or
-    batch-row pieces (domino, at most one a row), else one."""
-    ov = cfg.parallel.overlap
-    if lay.tp == 1 or ov.tp not in ("chunked", "domino"):
-        return 1
-    return ov.tp_chunks if ov.tp == "chunked" else min(ov.tp_chunks, lay.micro_batch)
+    pieces = {"chunked": ov.tp_chunks, "domino": min(ov.tp_chunks, lay.micro_batch)}.get(ov.tp, 1)
+    return blocks + head, blocks * pieces + head
 
 
 def grad_accumulation_bytes(cfg: config.Config, lay: JobLayout, params: int, e: int, grad_bytes: int,
