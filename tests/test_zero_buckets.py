@@ -74,11 +74,13 @@ def _buckets_against_reference(rank, world, port, out):
             fused, take = [], zero.fused_view
             zero.fused_view = lambda i: fused.append(i) or take(i)
             worst_grad = worst_param = 0.0
+            launched = []  # buckets whose reduction backward launched (DP overlap: all, fused arrivals counted)
             for step in range(STEPS):
                 for k in range(MICROBATCHES):
                     x, y = batch(rank, step, k)
                     (torch.nn.functional.mse_loss(model(x), y) / MICROBATCHES).backward()
                     zero.backward_done()
+                launched.append(len(zero.reducing))
                 zero.reduce_gradients()
                 want = reference_step(reference, step, world)
                 for i, shard in enumerate(zero.shards):
@@ -98,7 +100,7 @@ def _buckets_against_reference(rank, world, port, out):
             errors[f"zero{stage}{'_overlap' if overlap else ''}"] = {
                 "grad": worst_grad, "param": worst_param, "buckets": len(zero.buckets),
                 "split": sum(0 < hi - lo < p.numel() for p, (lo, hi) in zip(params, zero.shard_ranges)) if stage else 0,
-                "fused": fused}
+                "fused": fused, "launched": launched}
     Path(out, f"rank{rank}.json").write_text(json.dumps(errors))
     dist.destroy_process_group()
 
@@ -112,5 +114,6 @@ def test_buckets_average_gradients_and_rebuild_parameters_like_one_process(tmp_p
             assert e["grad"] < 1e-6 and e["param"] < 1e-6, (rank, name, e)
             assert e["buckets"] >= 2
             assert e["fused"] == [2] * (STEPS * MICROBATCHES), (name, e)  # b.weight, into the buffer each microbatch
+            assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
             if name.startswith(("zero1", "zero2")):
                 assert e["split"] > 0, (name, e)  # some parameter straddles the ranks' shards
