@@ -3,7 +3,8 @@ in one registry that every file reads.
 
 tensor_parallel.py's plan slices parameters and zero.py cuts them into the optimizer's flat
 pieces; ZeRO's TP sum, the optimizer's weight decay and its norms summed over ranks each need to
-know what a tensor is a part of (parallel.py describes the TP slices, zero.py the pieces). A tensor with
+know what a tensor is a part of (parallel.py describes the TP slices, zero.py the pieces), and the
+TP layers' backward where a weight's gradient accumulates (zero.py describes its buckets' views). A tensor with
 no entry is a whole parameter, counted once.
 
 Keyed by the tensor object, weakly (torch's WeakIdKeyDictionary): an entry goes when its tensor
@@ -34,6 +35,11 @@ class ShardInfo:
     # Whether this tensor's elements count in a norm summed over ranks: False on a copy whose
     # elements another rank of the sum also holds (a TP-replicated LayerNorm off tp-rank 0).
     norm_owner: bool = True
+    # Where a backward that computes this parameter's gradient itself (the TP layers' weight GEMMs,
+    # overlap.weight_gradient) accumulates it instead of handing autograd a .grad: ZeRO's
+    # zero.GradientSink, whose take() gives the parameter's view of its gradient buffer (None:
+    # autograd's .grad, as for any other tensor).
+    grad_sink: Optional[object] = None
 
 
 WHOLE = ShardInfo()

@@ -47,6 +47,32 @@ class TPSettings:
 # --- Collectives as autograd functions (Megatron's "mappings"; the gather before the
 # column-parallel GEMMs, with Megatron-LM's async backward, is overlap.GatheredLinears) ---
 
+class Linear(torch.autograd.Function):
+    """F.linear(x, weight, bias) whose backward computes the weight gradient itself, so that it
+    accumulates into ZeRO's gradient buffer (overlap.weight_gradient). The TP layers' GEMMs that
+    do not go through overlap.GatheredLinears (the row-parallel projections; the column-parallel
+    ones on TP overlap's pieces) run through it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x = x.to(overlap.compute_dtype(x))  # what F.linear would keep under autocast
+        ctx.save_for_backward(x, weight)
+        ctx.sink, ctx.bias_dtype = overlap.gradient_sink(weight), None if bias is None else bias.dtype
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])  # [tokens, out features]
+        input_grad = (g @ weight.to(g.dtype)).view(*grad.shape[:-1], -1)
+        w_grad = overlap.weight_gradient(ctx.sink, weight.dtype, g, x.reshape(-1, x.shape[-1]).to(g.dtype))
+        return input_grad, w_grad, None if ctx.bias_dtype is None else g.sum(0).to(ctx.bias_dtype)
+
+
+def linear(x, weight, bias=None):
+    return Linear.apply(x, weight, bias)
+
+
 class ReduceScatterSeq(torch.autograd.Function):
     """Partial sums over the full sequence -> summed, sequence-sharded; backward all-gathers."""
 
@@ -109,7 +135,7 @@ class RowParallelLinear(torch.nn.Module):
         self.weight, self.bias = weight, bias
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     @classmethod
     def from_plain(cls, linear: torch.nn.Linear, tp: TPSettings) -> "RowParallelLinear":
@@ -209,13 +235,13 @@ def _domino_block_steps(block: SequenceParallelBlock, x):
     gather = overlap.gather_async(kernels.layer_norm(x, block.ln_1, fused=block.fused), g)
     full = yield gather
     if block.parallel:
-        y = yield overlap.reduce_scatter_async(block.attn(full) + block.mlp(full), g, after=(gather,))
+        y = yield overlap.reduce_scatter_async(_attention(block.attn, full) + _mlp(block.mlp, full), g, after=(gather,))
         return x + block.drop(_add_bias(_add_bias(y, attn_bias), mlp_bias))
-    a = yield overlap.reduce_scatter_async(block.attn(full), g, after=(gather,))
+    a = yield overlap.reduce_scatter_async(_attention(block.attn, full), g, after=(gather,))
     x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn_bias)), block.ln_2, fused=block.fused)
     gather = overlap.gather_async(h, g)
     full = yield gather
-    m = yield overlap.reduce_scatter_async(block.mlp(full), g, after=(gather,))
+    m = yield overlap.reduce_scatter_async(_mlp(block.mlp, full), g, after=(gather,))
     return x + block.drop(_add_bias(m, mlp_bias))
 
 
@@ -225,12 +251,27 @@ def _chunked_block(block: SequenceParallelBlock, x):
     g, k, attn, mlp = block.group, block.pieces, block.attn, block.mlp
     h = kernels.layer_norm(x, block.ln_1, fused=block.fused)
     if block.parallel:  # PTB: one region; the MLP's partial sums join attention's before the shared reduce-scatter
-        y = overlap.chunked_region(h, g, k, pre=lambda f: (attn.qkv(f), mlp(f)), mix=attn.mix,
+        y = overlap.chunked_region(h, g, k, pre=lambda f: (_qkv(attn, f), _mlp(mlp, f)), mix=attn.mix,
                                    post=lambda a, m: attn.out(a) + m)
         return x + block.drop(_add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias))
-    a = overlap.chunked_region(h, g, k, pre=lambda f: (attn.qkv(f),), mix=attn.mix, post=attn.out)
+    a = overlap.chunked_region(h, g, k, pre=lambda f: (_qkv(attn, f),), mix=attn.mix, post=attn.out)
     x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn.out.bias)), block.ln_2, fused=block.fused)
-    return x + block.drop(_add_bias(overlap.chunked_region(h, g, k, pre=mlp), mlp.fc_out.bias))
+    return x + block.drop(_add_bias(overlap.chunked_region(h, g, k, pre=lambda f: _mlp(mlp, f)), mlp.fc_out.bias))
+
+
+def _qkv(attn, x):
+    return linear(x, attn.qkv.weight, attn.qkv.bias)
+
+
+def _attention(attn, x):
+    """model.Attention's forward, its QKV GEMM through Linear (the output projection is a
+    RowParallelLinear)."""
+    return attn.out(attn.mix(_qkv(attn, x)))
+
+
+def _mlp(mlp, x):
+    """model.MLP's forward, its input GEMM through Linear (fc_out is a RowParallelLinear)."""
+    return mlp.activate_and_project(linear(x, mlp.fc_in.weight))
 
 
 def _add_bias(x, bias):

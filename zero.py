@@ -16,11 +16,15 @@ shards. Megatron-LM's distributed optimizer is the model. Its words, used throug
   stay exact (optim.py). The optimizer updates the parameters' shards (`shards`; at ZeRO-0 the
   whole parameters).
 - gradient buffer: the bucket's gradients in the reduction dtype, accumulated microbatch after
-  microbatch: when a module's backward ends, its parameters' fresh gradients are added in one
-  foreach add a bucket and freed (so a module's gradients, in the parameters' dtype, wait at
-  most that long), not one Python hook and one add a parameter. ZeRO-0 all-reduces it; ZeRO-1 and 2 reduce-scatter it, each rank receiving the sum
-  of its shard; ZeRO-2 allocates it when the bucket's first gradient arrives and frees it once
-  reduced.
+  microbatch. Where the code owns a weight's backward (the TP layers' GEMMs,
+  overlap.weight_gradient) the weight-gradient GEMM accumulates straight into the weight's view
+  of it, as Megatron-LM's gradient-accumulation fusion does (GradientSink): no gradient in the
+  parameters' dtype is written and read again. Every other gradient (biases, norms, the
+  embedding, any weight at tp=1) is added when its module's backward ends, in one foreach add a
+  bucket, and freed (so it waits at most that long), not one Python hook and one add a
+  parameter. ZeRO-0 all-reduces the buffer; ZeRO-1 and 2 reduce-scatter it, each rank receiving
+  the sum of its shard; ZeRO-2 allocates it when the bucket's first gradient arrives and frees
+  it once reduced.
 - master: with precision=bf16 the model's parameters are bf16 and the optimizer's shards are
   fp32 master copies; after the step each rank casts its shards into its range of the bf16
   buffer, and the all-gather moves bf16. With fp32 parameters the shards are views into the
@@ -28,17 +32,19 @@ shards. Megatron-LM's distributed optimizer is the model. Its words, used throug
 
 The schedule (ZeroDataParallel's methods after attach(), in this order) runs each step: before each module's
 forward, wait for its buckets' all-gather and launch the next bucket's; after each module's
-backward, add its gradients into their buckets (one foreach add a module and bucket) and, with DP
-overlap, launch a bucket's reduction once its last gradient of the last microbatch is in; after
-backward, reduce what has not been launched and hand the optimizer its shards' gradients; after
-the optimizer, zero the buffers and launch the first bucket's all-gather (DP overlap) or gather
-them all.
+backward, add its gradients into their buckets (one foreach add a module and bucket; the fused
+weights' are there already) and, with DP overlap, launch a bucket's reduction once its last
+gradient of the last microbatch is in; after backward, reduce what has not been launched and
+hand the optimizer its shards' gradients; after the optimizer, zero the buffers and launch the
+first bucket's all-gather (DP overlap) or gather them all.
 
 One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the gradients
 stay where autograd puts them (param.grad, which the optimizer reads), as in plain PyTorch.
 Nothing here holds a full-size copy of the gradients or parameters besides the buffers.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -66,6 +72,8 @@ class Bucket:
         self.grad_views: list = None        # each parameter's view of `grads`, shaped as the parameter
         self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1/2) or everything (ZeRO-0)
         self.arrived = 0                    # gradients added this step (DP overlap launches at the last)
+        replicated = [k for k, i in enumerate(indices) if shard_info(params[i]).tp_replicated]
+        self.replicated_start = self.offsets[replicated[0]] if replicated else None  # the TP-summed tail
 
     def param_shard(self, k: int, n: int) -> tuple:
         """(lo, hi): which of the k-th parameter's n flat elements fall in this rank's shard (lo == hi
@@ -90,6 +98,20 @@ class _BackwardDone(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.schedule.add_gradients(ctx.module)
         return grad, None, None
+
+
+class GradientSink:
+    """Where a backward that computes parameter i's gradient itself accumulates it (sharding's
+    ShardInfo.grad_sink): take() gives the parameter's view of its bucket's gradient buffer and
+    counts the gradient as arrived when the module's backward ends. Holds the schedule weakly, so
+    that the registry's entry keeps no model alive."""
+
+    def __init__(self, schedule: "ZeroDataParallel", i: int):
+        self.schedule, self.i = weakref.ref(schedule), i
+
+    def take(self):
+        schedule = self.schedule()
+        return None if schedule is None else schedule.fused_view(self.i)
 
 
 class ZeroDataParallel:
@@ -119,6 +141,7 @@ class ZeroDataParallel:
         self.modules: list = []    # each hooked module's parameter indices (attach)
         self.unmarked = set()      # modules whose backward no _BackwardDone marks (their input needs no gradient)
         self.hooks_traced = False  # the forward is compiled: its hooks are traced and mark nothing
+        self.fused = set()         # parameters whose backward accumulated into the buffer since their module's end
         self.autograd_keeps_grads = layout.dp == 1 and layout.tp == 1 and stage == 0 and not self.mixed
 
     # --- The buckets: each parameter a view of its bucket, each shard a view for the optimizer ---
@@ -183,6 +206,8 @@ class ZeroDataParallel:
         for m, (indices, register) in enumerate(modules):
             self.modules.append(indices)
             register(self._hook(m, sorted({self.where[i][0] for i in indices})))
+        for i, p in enumerate(self.params):
+            describe(p, grad_sink=GradientSink(self, i))
 
     def _hook(self, m: int, buckets: list):
         def before_module(module, args, *output):  # a forward pre-hook, or (the tail's) a forward hook
@@ -207,18 +232,34 @@ class ZeroDataParallel:
             self.wait_gather(b)
         self.launch_gather(buckets[-1] + 1)
 
+    def fused_view(self, i: int) -> torch.Tensor:
+        """Parameter i's view of its gradient buffer, for its backward's weight-gradient GEMM to
+        accumulate into (GradientSink.take); it counts as arrived at its module's end (under a
+        compiled forward, whose hooks mark none, at backward_done). A GEMM that dynamo traces
+        returns its gradient instead (overlap.weight_gradient)."""
+        b, k = self.where[i]
+        self.fused.add(i)
+        return self._grad_views(self.buckets[b])[k]
+
     @torch.no_grad()
     def add_gradients(self, m: int) -> None:
         """Step 2, after module m's backward: add its parameters' fresh gradients into their buckets'
-        gradient buffers, one foreach add a bucket, and free them; with DP overlap, launch a bucket's
-        reduction once every gradient of every microbatch is in."""
-        by_bucket = {}
+        gradient buffers, one foreach add a bucket, and free them; count them and the gradients
+        its backward accumulated there itself (fused_view) as arrived; with DP overlap, launch a
+        bucket's reduction once every gradient of every microbatch is in."""
+        fresh, arrived = {}, {}
         for i in self.modules[m]:
-            if self.params[i].grad is not None:
-                by_bucket.setdefault(self.where[i][0], []).append(i)
-        for b, indices in by_bucket.items():
-            self._add(b, indices)
-            self.buckets[b].arrived += len(indices)
+            has_grad = self.params[i].grad is not None
+            if has_grad or i in self.fused:
+                b = self.where[i][0]
+                arrived[b] = arrived.get(b, 0) + 1
+                if has_grad:
+                    fresh.setdefault(b, []).append(i)
+        self.fused.difference_update(self.modules[m])
+        for b, n in arrived.items():
+            if b in fresh:
+                self._add(b, fresh[b])
+            self.buckets[b].arrived += n
             if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.microbatches:
                 self._launch_reduction(b)
 
@@ -251,6 +292,7 @@ class ZeroDataParallel:
             self._finish_reduction(b)
         for bucket in self.buckets:
             bucket.arrived = 0
+        self.fused.clear()
 
     @torch.no_grad()
     def _add_stragglers(self, b: int) -> None:
@@ -265,11 +307,9 @@ class ZeroDataParallel:
         bucket = self.buckets[b]
         self._grad_views(bucket)
         grads = bucket.grads
-        replicated = [i for i in bucket.indices if shard_info(self.params[i]).tp_replicated]
-        if self.layout.tp > 1 and replicated:
-            start = bucket.offsets[bucket.indices.index(replicated[0])]
+        if self.layout.tp > 1 and bucket.replicated_start is not None:
             with self.clock.waiting("comm", grads.device):
-                dist.all_reduce(grads[start:], group=self.layout.group("tp"))
+                dist.all_reduce(grads[bucket.replicated_start:], group=self.layout.group("tp"))
         work, out = None, grads
         if self.stage > 0:  # in place: this rank's shard of the buffer receives its sum
             out = grads[bucket.shard_start:bucket.shard_end]

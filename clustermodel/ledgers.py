@@ -21,6 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 BATCHED = (torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 ACCUMULATING = (torch.ops.aten.add_.Tensor, torch.ops.aten._foreach_add_.List)  # the gradient accumulation's ops
+# A weight-gradient GEMM accumulating into its gradient buffer (overlap.weight_gradient): C += A @ B,
+# in C's dtype or (bf16 operands, CUDA's and meta's) into fp32.
+GEMM_ACCUMULATING = (torch.ops.aten.addmm_.default, torch.ops.aten.addmm.dtype_out)
 
 
 class FlopLedger(TorchDispatchMode):
@@ -60,7 +63,8 @@ class FlopLedger(TorchDispatchMode):
         """Count apart the bytes of the gradient accumulation, microbatch by microbatch: the in-place
         adds into zero's (zero.py's ZeroDataParallel) gradient buffers (one foreach add a module and
         bucket) or, where autograd keeps the gradients, into the parameters' .grad (each add reads
-        the fresh gradient and the sum, and writes the sum)."""
+        the fresh gradient and the sum, and writes the sum); and the weight-gradient GEMMs that
+        accumulate into a buffer themselves (they read the sum and write it: no fresh gradient)."""
         def storages():
             kept = [p.grad for p in zero.params] if zero.autograd_keeps_grads else []
             return {id(t.untyped_storage()) for t in [b.grads for b in zero.buckets] + kept if t is not None}
@@ -75,6 +79,10 @@ class FlopLedger(TorchDispatchMode):
             if sums and id(sums[0].untyped_storage()) in self._gradient_storages():
                 self.accumulation_bytes += sum(2 * s.numel() * s.element_size() + f.numel() * f.element_size()
                                                for s, f in zip(sums, fresh))
+        elif func in GEMM_ACCUMULATING:
+            if id(args[0].untyped_storage()) in self._gradient_storages():
+                self.accumulation_bytes += 2 * args[0].numel() * args[0].element_size()
+            packet, args, kwargs = torch.ops.aten.addmm, args[:3], {}  # addmm's FLOPs (its formula takes no out_dtype)
         if packet in self.registry:
             n = self.registry[packet](*args, **kwargs, out_val=out)
             attention = self.in_attention or packet in BATCHED or "attention" in str(packet)
@@ -96,7 +104,7 @@ class Segment:
     the GEMMs they are, as perfmodel.attention_time prices them), the fused attention kernels'
     FLOPs and kernel count, and the bytes every other kernel reads and writes (views and
     allocations move none) with their count."""
-    GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm)
+    GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
     FREE = (torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
             torch.ops.aten.new_empty_strided, torch.ops.aten.detach, torch.ops.aten.lift_fresh)
 

@@ -457,18 +457,40 @@ def square_bytes(cfg: config.Config) -> int:
 
 def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
     """Bytes a layer's backward has in flight on top of what is kept, where the peak falls (in the
-    MLP's backward): its weight gradients so far, which zero.py adds to the fp32 buffer when the
-    layer's backward ends, there the largest one (one per piece under TP overlap), the gradient through the
-    MLP's wide activation, the pipeline's message in and out, and with materialized attention one
-    [T, T] square of gradient. (Measured against the rehearsal's ledger: tests/test_rehearsal.py.)"""
+    MLP's backward): at tp=1 its weight gradients so far, which zero.py adds to the fp32 buffer
+    when the layer's backward ends, there the largest one (under TP the GEMMs accumulate into the
+    buffer themselves: none), the gradient through the MLP's wide activation, the pipeline's
+    message in and out, and with materialized attention one [T, T] square of gradient. (Measured
+    against the rehearsal's ledger: tests/test_rehearsal.py.)"""
     m, e, t, M = cfg.model, _elem(cfg), lay.tp, lay.micro_batch * lay.seq
     ff = m.mlp_ratio * m.d_model
-    # TP overlap computes a weight's gradient piece by piece; autograd sums the pieces' at the end
-    pieces = cfg.parallel.overlap.tp_chunks if t > 1 and cfg.parallel.overlap.tp in ("chunked", "domino") else 1
-    work = pieces * e * m.d_model * ff / t + e * M * ff / t + (2 * e * M * m.d_model / t if lay.pp > 1 else 0)
+    weight_grad = 0.0 if fuses_weight_gradients(lay) else e * m.d_model * ff
+    work = weight_grad + e * M * ff / t + (2 * e * M * m.d_model / t if lay.pp > 1 else 0)
     if cfg.kernels.attention in MATERIALIZED:
         work += e * lay.micro_batch * m.n_heads / t * lay.seq ** 2
     return work
+
+
+def rebuilds_squares(cfg: config.Config) -> bool:
+    """Selective recomputation of a materialized attention core: its squares are rebuilt in backward."""
+    return cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED
+
+
+def rebuilt_core_bytes(cfg: config.Config, lay: JobLayout) -> float:
+    """Where rebuilds_squares: bytes a layer's backward has in flight beyond the kept layers as it
+    rebuilds its attention core, where the peak falls: the core's softmax (the scores in the
+    compute dtype and two fp32 squares, kernels.attention_unfused), the attention output's
+    gradient, the pipeline's message in and out, and where the weight gradients wait for the
+    layer's end (tp=1) the MLP's and the output projection's; less what the layer's MLP backward
+    has freed by then (its wide activations, its dropout mask and, in the sequential block, its
+    norm's input and output). (Measured against the rehearsal's ledger: tests/test_rehearsal.py.)"""
+    m, e, t, M = cfg.model, _elem(cfg), lay.tp, lay.micro_batch * lay.seq
+    h, ff = m.d_model, m.mlp_ratio * m.d_model
+    softmax = lay.micro_batch * m.n_heads / t * lay.seq ** 2 * (e + 8)
+    held = 0.0 if fuses_weight_gradients(lay) else e * (2 * h * ff + h * h)
+    messages = 2 * e * M * h / t if lay.pp > 1 else 0.0
+    freed = M * (2 * e * ff + (2 * e * h if m.block != "parallel" else 0) + (h if m.dropout else 0)) / t
+    return softmax + e * M * h / t + messages + held - freed
 
 
 def in_flight_layers(lay: JobLayout, n_layers: int, rank: int) -> float:
@@ -537,24 +559,20 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
         # (the rebuilt layer's first norm input is its kept input: counted once)
         acts = layers * M * e * m.d_model / lay.tp + per_layer - M * e * m.d_model / lay.tp
-    elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
-        # the squares rebuilt for one layer at a time; they stand in the working set for the
-        # square gradient the backward would otherwise hold beside them. They are rebuilt once the
-        # MLP and the output projection have their weight gradients, which zero.py adds to the
-        # buckets when the layer's backward ends: held beside them.
-        squares = M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq
-        held = e * (2 * m.d_model * m.mlp_ratio * m.d_model + m.d_model ** 2) / lay.tp
-        acts = layers * (per_layer - squares) + squares - e * lay.micro_batch * m.n_heads / lay.tp * lay.seq ** 2 + held
+    elif rebuilds_squares(cfg):  # no layer keeps its squares: one layer at a time rebuilds them
+        acts = layers * (per_layer - M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq)
     else:
         acts = layers * per_layer
-    # On top of what is kept: a layer's backward in flight, or, on the last rank, the head's: the
-    # loss's probabilities over the vocabulary slice (fp32; fused: the logits), their gradient and
-    # the head's weight gradient, whichever is larger.
+    # On top of what is kept: a layer's backward in flight (or its attention core rebuilt), or, on
+    # the last rank, the head's: the loss's probabilities over the vocabulary slice (fp32; fused:
+    # the logits), their gradient and the head's weight gradient (unless its GEMM accumulates into
+    # the buffer), whichever is larger.
     head = 0.0
     if rank == lay.pp - 1:
         vocab = m.vocab_size / lay.tp
-        head = M * vocab * (e if cfg.kernels.fused else 4) + e * M * vocab + e * vocab * m.d_model
-    acts += max(backward_working_set(cfg, lay), head)
+        head = M * vocab * (e if cfg.kernels.fused else 4) + e * M * vocab
+        head += 0.0 if fuses_weight_gradients(lay) else e * vocab * m.d_model
+    acts += max(backward_working_set(cfg, lay), head, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
     if lay.zero >= 2 and lay.pp > 1 and rank < lay.pp - 1:
         # ZeRO-2 allocates the gradient buffer at the first gradient of the step, by when the
         # first backward has freed about one layer's activations (ZeRO-1 holds it all along; on
@@ -631,14 +649,39 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
 
 # --- What a rank moves, computes and holds per step: checked against the code's rehearsal ---
 
-def grad_accumulation_bytes(cfg: config.Config, lay: JobLayout, params: int, e: int, grad_bytes: int) -> float:
+def fuses_weight_gradients(lay: JobLayout) -> bool:
+    """Whether the weight-gradient GEMMs accumulate into ZeRO's buffer themselves
+    (overlap.weight_gradient): under TP, whose layers own their backward; at tp=1 nn.Linear's
+    backward is autograd's, which hands zero.py a gradient to add."""
+    return lay.tp > 1
+
+
+def fused_weight_params(cfg: config.Config, lay: JobLayout, last: bool = False) -> Tuple[int, int]:
+    """(weights of the first (or last) pipeline rank whose gradient GEMM accumulates into ZeRO's
+    buffer itself, elements those GEMMs accumulate a microbatch): every block's four matrices
+    and the head's, where fuses_weight_gradients. Under TP overlap a block's GEMMs run once a
+    piece, each accumulating: the sequence's pieces (chunked) or the batch rows' (domino)."""
+    if not fuses_weight_gradients(lay):
+        return 0, 0
+    m, ov = cfg.model, cfg.parallel.overlap
+    h, ff = m.d_model, m.mlp_ratio * m.d_model
+    head = m.vocab_size * h // lay.tp if last or lay.pp == 1 else 0
+    blocks = m.n_layers // lay.pp * (4 * h * h + 2 * ff * h) // lay.tp
+    pieces = {"chunked": ov.tp_chunks, "domino": min(ov.tp_chunks, lay.micro_batch)}.get(ov.tp, 1)
+    return blocks + head, blocks * pieces + head
+
+
+def grad_accumulation_bytes(cfg: config.Config, lay: JobLayout, params: int, e: int, grad_bytes: int,
+                            fused: Tuple[int, int] = (0, 0)) -> float:
     """Bytes the gradient accumulation reads and writes a step (zero.py): every microbatch adds each
-    fresh gradient (the parameters' dtype) into the reduction buffer (read and written). One rank at
-    ZeRO-0 in fp32 leaves the gradients to autograd, whose first microbatch's gradient is kept as it
-    is and each later one added in place."""
+    fresh gradient (the parameters' dtype) into the reduction buffer (read and written), except the
+    fused weights' (fused_weight_params), whose GEMMs read and write the buffer and write no
+    gradient of their own. One rank at ZeRO-0 in fp32 leaves the gradients to autograd, whose
+    first microbatch's gradient is kept as it is and each later one added in place."""
     if lay.dp == 1 and lay.tp == 1 and lay.zero == 0 and e == 4:
         return (lay.microbatches - 1) * params * 12
-    return lay.microbatches * params * (e + 2 * grad_bytes)
+    weights, accumulated = fused
+    return lay.microbatches * ((params - weights) * (e + 2 * grad_bytes) + accumulated * 2 * grad_bytes)
 
 
 def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = False) -> Dict[str, float]:
@@ -683,7 +726,8 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
         attn_fwd = 4 * n * T * keys * hd
         attn = attn_fwd * (3.5 + (cfg.train.recompute == "full"))
     mem = memory_of_rank(cfg, lay, last)
-    return {"grad_accumulation_bytes": grad_accumulation_bytes(cfg, lay, params, e, grad_bytes),
+    fused = fused_weight_params(cfg, lay, last)
+    return {"grad_accumulation_bytes": grad_accumulation_bytes(cfg, lay, params, e, grad_bytes, fused),
             "tp_bytes_per_layer": tp_layer, "tp_bytes": mbs * (tp_layer * layers + tp_ends),
             "pp_bytes": mbs * sends * M * h * e / t, "dp_bytes": dp,
             "gemm_flops": mbs * gemm, "attention_flops": mbs * attn * layers,

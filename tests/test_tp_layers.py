@@ -4,7 +4,10 @@ parallelism (the sequence sharded around them, as the blocks run them) and witho
 whole on every rank), the vocab-parallel embedding, and the vocab-parallel head with its loss.
 Every rank's output and gradients must be its slice of the reference's (fp32, within 1e-5
 relative). The layout matrix (tests/test_parallel.py) checks the same layers inside whole runs;
-these check one at a time, in a few seconds, on one spawn of two ranks."""
+these check one at a time, in a few seconds, on one spawn of two ranks. Where ZeRO gives a weight
+a view of its gradient buffer, the layers' weight-gradient GEMM accumulates into it: over two
+microbatches that equals the unfused accumulation (each gradient in the weight's dtype, added).
+"""
 import json
 import os
 
@@ -128,6 +131,50 @@ def vocab_head_and_loss(tp) -> float:
                relative_error(head.weight.grad, ref.weight.grad[rows]))
 
 
+class BufferSink:
+    """zero.GradientSink as the layers' backward sees it: take() gives a gradient buffer's view."""
+
+    def __init__(self, view: torch.Tensor):
+        self.view = view
+
+    def take(self) -> torch.Tensor:
+        return self.view
+
+
+FUSED = {"column_sp_fp32": ("column_sp", torch.float32), "column_sp_bf16": ("column_sp", torch.bfloat16),
+         "row_sp_fp32": ("row_sp", torch.float32), "row_sp_bf16": ("row_sp", torch.bfloat16)}
+
+
+def fused_accumulation(tp, layer: str, dtype: torch.dtype) -> float:
+    """A column-parallel (overlap.GatheredLinears) or row-parallel (RowParallelLinear) layer's weight
+    gradient accumulated by its own GEMM into an fp32 buffer over two microbatches, against the
+    same layer unfused: each microbatch's gradient left on .grad in the weight's dtype and added
+    into a buffer, as zero.py adds the other gradients. fp32: the GEMM's C += A @ B; bf16 on a CPU:
+    the product, then the add, so exactly the unfused sums. inf if the fused weight got a .grad."""
+    import overlap
+    from sharding import describe
+    from tensor_parallel import RowParallelLinear
+    torch.manual_seed(1)
+    column = layer == "column_sp"
+    shape = (OUT // tp.size, D) if column else (D, OUT // tp.size)
+    weight = torch.randn(shape).to(dtype)
+    fused, plain = leaf(weight), leaf(weight)
+    sums = {"fused": torch.zeros(shape), "plain": torch.zeros(shape)}
+    describe(fused, grad_sink=BufferSink(sums["fused"]))
+    for _ in range(2):
+        x = torch.randn(B, T // tp.size if column else T, shape[1]).to(dtype)
+        gy = torch.randn(B, T, shape[0]).to(dtype)
+        for name, w in (("fused", fused), ("plain", plain)):
+            y = overlap.GatheredLinears.apply(x, tp.group, False, w, None)[0] if column else RowParallelLinear(w, None)(x)
+            (y * gy).sum().backward()
+            if w.grad is not None:
+                if name == "fused":
+                    return float("inf")
+                sums[name].add_(w.grad)
+                w.grad = None
+    return relative_error(sums["fused"], sums["plain"])
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from overlap import TPGroup, WaitClock
@@ -138,7 +185,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     tp = TPSettings(group=TPGroup(dist.group.WORLD, world, WaitClock()), rank=rank, size=world)
     errors = {"column_sp": column_parallel(tp, True), "column_sp_keep_full": column_parallel(tp, True, True),
               "column": column_parallel(tp, False), "row_sp": row_parallel(tp, True), "row": row_parallel(tp, False),
-              "vocab_embedding": vocab_embedding(tp), "vocab_head_and_loss": vocab_head_and_loss(tp)}
+              "vocab_embedding": vocab_embedding(tp), "vocab_head_and_loss": vocab_head_and_loss(tp),
+              **{name: fused_accumulation(tp, *how) for name, how in FUSED.items()}}
     with open(os.path.join(out_dir, f"errors_{rank}.json"), "w") as f:
         json.dump(errors, f)
     dist.destroy_process_group()
@@ -155,6 +203,13 @@ def errors(tmp_path_factory):
 def test_tp_primitive_equals_its_unsharded_reference(primitive, errors):
     for rank, found in enumerate(errors):
         assert found[primitive] < TOL, f"{primitive} on rank {rank}: relative error {found[primitive]:.2e}"
+
+
+@pytest.mark.parametrize("primitive", list(FUSED))
+def test_fused_weight_gradient_equals_the_unfused_accumulation(primitive, errors):
+    exact = FUSED[primitive][1] == torch.bfloat16  # a CPU's bf16 path runs the unfused ops
+    for rank, found in enumerate(errors):
+        assert found[primitive] == 0.0 if exact else found[primitive] < 1e-6, (primitive, rank, found[primitive])
 
 
 def test_apply_tp_walks_the_plan_and_keeps_every_name():

@@ -2,7 +2,9 @@
 each rank's shards receive the average of both ranks' gradients (reduce-scatter, or all-reduce at
 ZeRO-0), and the all-gather rebuilds every parameter from the updated shards, with and without DP
 overlap, ZeRO stages 0, 1 and 2. Buckets are small enough that shards cut parameters in two and
-the last is padded."""
+the last is padded. The second layer's GEMM is a TP layer's (tensor_parallel.Linear), whose
+backward accumulates the weight gradient straight into its bucket: DP overlap launches a bucket
+only once those arrivals are in too."""
 import copy
 import json
 import os
@@ -16,10 +18,18 @@ from conftest import spawn
 MICROBATCHES, LR, STEPS = 2, 0.5, 2
 
 
+class AccumulatingLinear(torch.nn.Linear):
+    """nn.Linear through tensor_parallel's Linear, as the TP layers run their GEMMs."""
+
+    def forward(self, x):
+        from tensor_parallel import linear
+        return linear(x, self.weight, self.bias)
+
+
 class TwoLinears(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.a, self.b = torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)  # 42 and 24 parameters
+        self.a, self.b = torch.nn.Linear(5, 7), AccumulatingLinear(7, 3)  # 42 and 24 parameters
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x)))
@@ -61,12 +71,16 @@ def _buckets_against_reference(rank, world, port, out):
             buckets = plan_buckets([m for m, _ in modules], params, bucket_size=40, per_module=overlap)
             zero = ZeroDataParallel(params, layout, stage, torch.float32, buckets, MICROBATCHES, overlap=overlap)
             zero.attach(modules)
+            fused, take = [], zero.fused_view
+            zero.fused_view = lambda i: fused.append(i) or take(i)
             worst_grad = worst_param = 0.0
+            launched = []  # buckets whose reduction backward launched (DP overlap: all, fused arrivals counted)
             for step in range(STEPS):
                 for k in range(MICROBATCHES):
                     x, y = batch(rank, step, k)
                     (torch.nn.functional.mse_loss(model(x), y) / MICROBATCHES).backward()
                     zero.backward_done()
+                launched.append(len(zero.reducing))
                 zero.reduce_gradients()
                 want = reference_step(reference, step, world)
                 for i, shard in enumerate(zero.shards):
@@ -85,7 +99,8 @@ def _buckets_against_reference(rank, world, port, out):
                                                    for p, q in zip(params, reference.parameters())))
             errors[f"zero{stage}{'_overlap' if overlap else ''}"] = {
                 "grad": worst_grad, "param": worst_param, "buckets": len(zero.buckets),
-                "split": sum(0 < hi - lo < p.numel() for p, (lo, hi) in zip(params, zero.shard_ranges)) if stage else 0}
+                "split": sum(0 < hi - lo < p.numel() for p, (lo, hi) in zip(params, zero.shard_ranges)) if stage else 0,
+                "fused": fused, "launched": launched}
     Path(out, f"rank{rank}.json").write_text(json.dumps(errors))
     dist.destroy_process_group()
 
@@ -98,5 +113,7 @@ def test_buckets_average_gradients_and_rebuild_parameters_like_one_process(tmp_p
         for name, e in errors.items():
             assert e["grad"] < 1e-6 and e["param"] < 1e-6, (rank, name, e)
             assert e["buckets"] >= 2
+            assert e["fused"] == [2] * (STEPS * MICROBATCHES), (name, e)  # b.weight, into the buffer each microbatch
+            assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
             if name.startswith(("zero1", "zero2")):
                 assert e["split"] > 0, (name, e)  # some parameter straddles the ranks' shards
