@@ -427,4 +427,4 @@ def test_each_step_is_one_context_of_clock_heartbeat_batch_and_recording(tmp_pat
         [(1, "all_reduce"), (1, "host_read"), (2, "all_reduce"), (2, "host_read")]
     assert len(recorder.events) == len(events)  # step 13: nothing recorded
     for timing in timings:
-        assert set(timing) == {"step_s", "comm_s", "bubble_s", "compute_s"} and timing["step_s"] > 0
+        assert set(timing) == {"step_s", "comm_s", "bubble_s", "compute_s", "waits"} and timing["step_s"] > 0
