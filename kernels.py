@@ -150,6 +150,28 @@ def mean_keys(T: int, window: Optional[int]) -> float:
     return (W * T - W * (W - 1) / 2) / T
 
 
+def banded_keys(window: Optional[int], block: int, T: int) -> Optional[float]:
+    """Keys per query the banded kernel scores (kernels.attention_banded), averaged over queries:
+    the middle query blocks of `block` rows each score a window of block + window - 1 keys rounded up
+    to 16, the extra ones masked; the first blocks (whose window would start before key 0) are one
+    SDPA call of their own (kernels.attention_sdpa): with an explicit [head, head] mask, every
+    score, where the window is shorter than they are, else causal; and a last partial block its
+    window's tail. None where it falls back to SDPA (no window, one that covers the sequence, or
+    no middle block)."""
+    if window is None or window >= T:
+        return None
+    window_len = -(-(block + window - 1) // 16) * 16
+    lead = window_len - block
+    head = min(T, -(-lead // block) * block)
+    n_mid = (T - head) // block
+    if n_mid == 0:
+        return None
+    tail = T - head - n_mid * block
+    head_keys = head if window < head else mean_keys(head, None)
+    scored = head * head_keys + n_mid * block * window_len + tail * (lead + tail)
+    return scored / T
+
+
 def attention_flash(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
     """flash-attn (Dao et al.). Its layout is [B, T, H, D]; its window is (left, right) keys."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):

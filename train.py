@@ -603,8 +603,8 @@ def record_pending(cfg: config.Config, run_dir: Path) -> float:
 def dry_run(cfg: config.Config) -> float:
     """Size, FLOPs and memory per GPU of a config, with no hardware: the first and last pipeline
     rank's memory as rehearsed (rehearse.ranks=[...] measures it; remembered per config), else as
-    clustermodel/perfmodel.py models it (weights, gradients, optimizer and activations)."""
-    from clustermodel import perfmodel
+    clustermodel/memory.py models it (weights, gradients, optimizer and activations)."""
+    from clustermodel import memory, perfmodel
     from clustermodel import rehearsal
     with torch.device("meta"):
         model = GPT(cfg.model)
@@ -624,7 +624,7 @@ def dry_run(cfg: config.Config) -> float:
             parts = {k: m[f"{k}_bytes"] / 2**30 for k in ("weights", "gradients", "optimizer")}
             parts["activations"] = (m["activations_bytes"] + m["communication_bytes"]) / 2**30
         else:
-            mem = perfmodel.memory_of_rank(cfg, lay, last)
+            mem = memory.memory_of_rank(cfg, lay, last)
             how = f"modelled (rehearse.ranks=[{','.join(map(str, sorted({0, world - 1})))}] measures it)"
             parts = {"weights": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer, "activations": mem.activations}
         split = ", ".join(f"{k} {v:,.1f}" for k, v in parts.items())

@@ -1,7 +1,8 @@
 """The model of a cluster job, beside the training code it models.
 
 - perfmodel.py: step time, MFU and memory per GPU of a config on a cluster you don't have
-  (rates.py: the machine's rates and the primitive costs it prices with); cli.py: its studies,
+  (rates.py: the machine's rates and the primitive costs it prices with; memory.py: the memory
+  per GPU); cli.py: its studies,
   tables and command line (`python -m clustermodel ...`).
 - rehearsal.py: chosen ranks of a job of any size run through the real training code on one CPU,
   every collective, send, allocation and host read recorded (recorder.py), NCCL's rules checked

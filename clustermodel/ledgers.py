@@ -259,7 +259,7 @@ def categories(engine, optimizer, recorder):
         weights = keys(b.params for b in zero.buckets)
         # A parameter's .grad is the gradient itself only where autograd keeps it (one rank, ZeRO-0
         # in fp32); otherwise it is a weight gradient on its way into the bucket, in the backward's
-        # working set (as perfmodel.backward_working_set counts it)
+        # working set (as memory.backward_working_set counts it)
         kept = [p.grad for p in zero.params] if zero.autograd_keeps_grads else []
         grads = keys([b.grads for b in zero.buckets] + kept + [s.grad for s in zero.shards])
         state = [v for s in optimizer.state.values() for v in s.values()] + list(getattr(optimizer, "_updates", {}).values())

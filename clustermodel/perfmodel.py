@@ -9,8 +9,8 @@ the busiest rank: every GEMM and attention kernel (efficiency depends on shape),
 op, the TP/SP collectives over NVLink, PP sends and the interleaved-1F1B bubble (p-1)/(m*v), DP
 reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts),
 what each overlap switch hides and what hiding costs, the optimizer and the data loader. Memory is
-counted per rank: weights, gradients and optimizer states by ZeRO stage, activations by schedule
-and recomputation.
+counted per rank (memory.py): weights, gradients and optimizer states by ZeRO stage, activations by
+schedule and recomputation.
 
 Calibration is honest: two constants are fitted, on Table 2's Megatron-LM column only
 (experiments/fit_perfmodel.py writes experiments/data/perfmodel_fit.json): the fraction of peak a
@@ -57,10 +57,12 @@ import config
 import machine
 import model as gpt
 import parallel
-from kernels import mean_keys
+from kernels import banded_keys, mean_keys
 from config import HardwareConfig
 from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
+from clustermodel.memory import (MATERIALIZED, Memory, compiled_keeps_gathered, element_bytes, fused_weight_params,
+                                 memory, memory_of_rank, precision, rank_params)
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
                    collective_time, gemm_key, gemm_time, owner, resolve_hardware, stream_time)
 
@@ -204,30 +206,6 @@ def attention_impl(cfg: config.Config, device: str) -> str:
     return "banded" if W is not None and T >= 2 * (W + cfg.kernels.attention_block) else "sdpa"
 
 
-def banded_keys(cfg: config.Config, T: int) -> Optional[float]:
-    """Keys per query the banded kernel scores (kernels.attention_banded), averaged over queries:
-    the middle query blocks of `block` rows each score a window of block + W - 1 keys rounded up
-    to 16, the extra ones masked; the first blocks (whose window would start before key 0) are one
-    SDPA call of their own (kernels.attention_sdpa): with an explicit [head, head] mask, every
-    score, where the window is shorter than they are, else causal; and a last partial block its
-    window's tail. None where it falls back to SDPA (no window, one that covers the sequence, or
-    no middle block)."""
-    W, block = cfg.model.attention.window, cfg.kernels.attention_block
-    if W is None or W >= T:
-        return None
-    window_len = -(-(block + W - 1) // 16) * 16
-    lead = window_len - block
-    head = min(T, -(-lead // block) * block)
-    n_mid = (T - head) // block
-    if n_mid == 0:
-        return None
-    tail = T - head - n_mid * block
-    head_keys = head if W < head else mean_keys(head, None)
-    scored = head * head_keys + n_mid * block * window_len + tail * (lead + tail)
-    return scored / T
-
-
-MATERIALIZED = ("unfused", "reference")  # attention backends that keep the [T, T] probabilities
 
 
 def attention_time(cfg: config.Config, lay: JobLayout, r: Rates) -> Tuple[float, float, float]:
@@ -237,7 +215,7 @@ def attention_time(cfg: config.Config, lay: JobLayout, r: Rates) -> Tuple[float,
     kernels, CPU and CUDA alike) that keeps no scores: flash skips masked blocks, inside and outside
     the window; sdpa with a window gets an explicit [T, T] mask and computes every score; banded
     computes only its windows of banded_keys() keys per query, masked, so none are skipped."""
-    m, T, e = cfg.model, lay.seq, _elem(cfg)
+    m, T, e = cfg.model, lay.seq, element_bytes(cfg)
     hd, n = m.d_model // m.n_heads, lay.micro_batch * m.n_heads // lay.tp
     impl, W = cfg.kernels.attention, m.attention.window
     if impl in MATERIALIZED:
@@ -254,8 +232,8 @@ def attention_time(cfg: config.Config, lay: JobLayout, r: Rates) -> Tuple[float,
         return fwd, bwd, fwd - gemm_time(r, T, hd, T, n, e)
     # Fused kernels draw the dropout mask inside the kernel from a seed (flash-attn regenerates it
     # in the backward), priced as free: random bits beside the exp, no pass over memory.
-    if impl == "banded" and banded_keys(cfg, T):
-        keys = banded_keys(cfg, T)
+    if impl == "banded" and banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, T):
+        keys = banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, T)
     else:
         keys = T if W and impl != "flash" else mean_keys(T, W)
     fwd = _kernel(r, 4 * n * T * keys * hd / (r.flops * r.flash_eff))
@@ -265,7 +243,7 @@ def attention_time(cfg: config.Config, lay: JobLayout, r: Rates) -> Tuple[float,
 def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     """One transformer layer, one microbatch, on one rank: (forward, backward) seconds by category,
     plus the attention core's forward (what selective recomputation re-runs)."""
-    m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, _elem(cfg)
+    m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, element_bytes(cfg)
     h, ff, ptb = m.d_model, m.mlp_ratio * m.d_model, m.block == "parallel"
     mode = cfg.parallel.overlap.tp if t > 1 else "off"
     k = cfg.parallel.overlap.tp_chunks if mode in ("chunked", "domino") else 1
@@ -340,11 +318,6 @@ def tp_layer_collectives(cfg: config.Config) -> list:
     return out
 
 
-def precision(cfg: config.Config) -> str:
-    """bf16 or fp32 (predict() has already decided precision=auto; see resolve_config)."""
-    return "fp32" if cfg.precision == "fp32" else "bf16"
-
-
 def resolve_config(cfg: config.Config, hw: HardwareConfig) -> config.Config:
     """cfg with what `auto` leaves to the machine decided as the run would decide it on hw (a
     resolved hardware): precision=auto is bf16 on CUDA and, on a CPU, only where bf16 matmuls are
@@ -361,13 +334,9 @@ def resolve_config(cfg: config.Config, hw: HardwareConfig) -> config.Config:
     return cfg
 
 
-def _elem(cfg: config.Config) -> int:
-    return 2 if precision(cfg) == "bf16" else 4
-
-
 def ends_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     """The first rank's embedding and the last rank's norm, head and loss: ((fwd, bwd), (fwd, bwd))."""
-    m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, _elem(cfg)
+    m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, element_bytes(cfg)
     h, V, fused = m.d_model, m.vocab_size // lay.tp, bool(cfg.kernels.fused)
     emb_f = {"elementwise": stream_time(r, 2 * M * h * e)}
     emb_b = {"elementwise": stream_time(r, M * h * (e + 8), 2)}  # scatter-add into the fp32 grad
@@ -390,195 +359,6 @@ def ends_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
         ce = net.collective("all_reduce", M * 4, "tp") + net.collective("all_reduce", 2 * M * 4, "tp")
         _comm(head_f, "tp_comm", ce, 0.0, "off")
     return (emb_f, emb_b), (head_f, head_b)
-
-
-# --- Parameters and memory ---
-
-def layer_params(m: gpt.ModelConfig, tp: int = 1) -> Tuple[int, int]:
-    """(split over TP, replicated) parameters of one block, counted as model.Block builds them."""
-    h, ff, b = m.d_model, m.mlp_ratio * m.d_model, int(m.bias)
-    split = (4 * h * h + 2 * ff * h) // tp + b * (3 * h + ff) // tp
-    norms = 1 if m.block == "parallel" else 2
-    return split, b * 2 * h + norms * h * (1 + b)
-
-
-def rank_params(m: gpt.ModelConfig, lay: JobLayout) -> Tuple[int, int]:
-    """Parameters held by the first and the last pipeline rank (the same rank when pp=1)."""
-    split, replicated = layer_params(m, lay.tp)
-    body = m.n_layers // lay.pp * (split + replicated)
-    embed = m.vocab_size * m.d_model // lay.tp
-    head = m.vocab_size * m.d_model // lay.tp + m.d_model * (1 + int(m.bias))
-    return (body + embed + head, body + embed + head) if lay.pp == 1 else (body + embed, body + head)
-
-
-def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
-    """Bytes one layer keeps per token for its backward (no recomputation); cf. Korthikanti et al.
-    2022. Under SP, norm inputs and outputs are split over TP like the heads."""
-    m, e = cfg.model, _elem(cfg)
-    h, ff = m.d_model, m.mlp_ratio * m.d_model
-    norms = 1 if m.block == "parallel" else 2
-    # norm in/out, the q k v projection (alive while v, a view of it, is), q and k after RoPE,
-    # attention out, fc1 out, GeLU out
-    kept = 2 * norms * h + 3 * h + 2 * h + h + 2 * ff
-    masks = (1 if m.block == "parallel" else 2) * h if m.dropout else 0   # residual dropout, a byte each
-    if cfg.kernels.attention in MATERIALIZED:  # the probabilities (and after dropout, the kept ones and the mask)
-        return (e * kept + masks) / tp + square_bytes(cfg) * m.n_heads / tp * seq
-    # A fused kernel keeps its own output beside the rearranged copy the output projection reads,
-    # and a log-sum-exp per row; the banded kernel also its keys and values as [heads, T, d] copies
-    # (its windows are views of them).
-    kept += h + (2 * h if cfg.kernels.attention == "banded" and banded_keys(cfg, seq) else 0)
-    return (e * kept + masks) / tp + 4 * m.n_heads / tp
-
-
-def compiled_keeps_gathered(cfg: config.Config) -> bool:
-    """Whether the TP blocks keep their gathered inputs whole: compiled, under TP overlap, without
-    full recomputation (compiled_gather_bytes); their backward then gathers nothing again."""
-    return cfg.parallel.overlap.tp in ("chunked", "domino") and cfg.train.recompute != "full" and machine.compiles(cfg)
-
-
-def compiled_gather_bytes(cfg: config.Config, tp: int) -> float:
-    """Bytes per token a layer keeps beyond activation_bytes when torch.compile traces its TP
-    block: dynamo runs overlap.TPGroup.regather_saved as a no-op, so under TP overlap (chunked, domino)
-    each gathered norm output is saved whole, tp times its shard, beside the shard its re-gather
-    still holds (overlap.TPGroup.gathered), as the rehearsal of a compiled job counts (overlap.tp=off
-    keeps the shard in GatheredLinears, compiled or not; full recomputation keeps none)."""
-    if tp == 1 or not compiled_keeps_gathered(cfg):
-        return 0.0
-    norms = 1 if cfg.model.block == "parallel" else 2
-    return _elem(cfg) * norms * cfg.model.d_model
-
-
-def square_bytes(cfg: config.Config) -> int:
-    """Bytes per score that materialized attention keeps for its backward: the probabilities, and
-    with dropout also the kept probabilities and the byte mask."""
-    e = _elem(cfg)
-    return e + (e + 1 if cfg.model.dropout else 0)
-
-
-def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
-    """Bytes a layer's backward has in flight on top of what is kept, where the peak falls (in the
-    MLP's backward): at tp=1 its weight gradients so far, which zero.py adds to the fp32 buffer
-    when the layer's backward ends, there the largest one (under TP the GEMMs accumulate into the
-    buffer themselves: none), the gradient through the MLP's wide activation, the pipeline's
-    message in and out, and with materialized attention one [T, T] square of gradient. (Measured
-    against the rehearsal's ledger: tests/test_rehearsal.py.)"""
-    m, e, t, M = cfg.model, _elem(cfg), lay.tp, lay.micro_batch * lay.seq
-    ff = m.mlp_ratio * m.d_model
-    weight_grad = 0.0 if fuses_weight_gradients(lay) else e * m.d_model * ff
-    work = weight_grad + e * M * ff / t + (2 * e * M * m.d_model / t if lay.pp > 1 else 0)
-    if cfg.kernels.attention in MATERIALIZED:
-        work += e * lay.micro_batch * m.n_heads / t * lay.seq ** 2
-    return work
-
-
-def rebuilds_squares(cfg: config.Config) -> bool:
-    """Selective recomputation of a materialized attention core: its squares are rebuilt in backward."""
-    return cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED
-
-
-def rebuilt_core_bytes(cfg: config.Config, lay: JobLayout) -> float:
-    """Where rebuilds_squares: bytes a layer's backward has in flight beyond the kept layers as it
-    rebuilds its attention core, where the peak falls: the core's softmax (the scores in the
-    compute dtype and two fp32 squares, kernels.attention_unfused), the attention output's
-    gradient, the pipeline's message in and out, and where the weight gradients wait for the
-    layer's end (tp=1) the MLP's and the output projection's; less what the layer's MLP backward
-    has freed by then (its wide activations, its dropout mask and, in the sequential block, its
-    norm's input and output). (Measured against the rehearsal's ledger: tests/test_rehearsal.py.)"""
-    m, e, t, M = cfg.model, _elem(cfg), lay.tp, lay.micro_batch * lay.seq
-    h, ff = m.d_model, m.mlp_ratio * m.d_model
-    softmax = lay.micro_batch * m.n_heads / t * lay.seq ** 2 * (e + 8)
-    held = 0.0 if fuses_weight_gradients(lay) else e * (2 * h * ff + h * h)
-    messages = 2 * e * M * h / t if lay.pp > 1 else 0.0
-    freed = M * (2 * e * ff + (2 * e * h if m.block != "parallel" else 0) + (h if m.dropout else 0)) / t
-    return softmax + e * M * h / t + messages + held - freed
-
-
-def in_flight_layers(lay: JobLayout, n_layers: int, rank: int) -> float:
-    """Layers' worth of one microbatch's activations a pipeline rank holds at its peak: 1F1B's
-    warm-up depth p - rank microbatches, interleaved 1F1B's (p-rank-1)*2 + (v-1)*p + 1 chunks (or
-    every chunk-forward of the step, m*v, where there are fewer)."""
-    if lay.pp == 1:
-        return n_layers
-    per_rank = n_layers // lay.pp
-    if lay.vpp == 1:
-        return min(lay.microbatches, lay.pp - rank) * per_rank
-    chunks = min(lay.microbatches * lay.vpp, (lay.pp - rank - 1) * 2 + (lay.vpp - 1) * lay.pp + 1)
-    return chunks * per_rank / lay.vpp
-
-
-@dataclass
-class Memory:
-    """Peak memory of the fullest rank, GiB: rehearsed (rehearsal.py) where a rehearsal of this
-    config is remembered, else modelled."""
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-    capacity: Optional[float]
-    source: str = "model"
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
-
-    @property
-    def fits(self) -> bool:
-        return self.capacity is None or self.total <= self.capacity
-
-
-def memory(cfg: config.Config, lay: JobLayout, capacity_gib: Optional[float] = None) -> Memory:
-    """The fuller of the first and the last pipeline rank: rehearsed where this config was
-    (rehearsal.remembered), else memory_of_rank's model."""
-    from clustermodel import rehearsal
-    measured = [rec["memory"] for rec in rehearsal.remembered(cfg, lay.gpus).values()]
-    if measured:
-        GiB, m = 2.0 ** 30, max(measured, key=lambda m: m["peak_bytes"])
-        return Memory(m["weights_bytes"] / GiB, m["gradients_bytes"] / GiB, m["optimizer_bytes"] / GiB,
-                      (m["activations_bytes"] + m["communication_bytes"]) / GiB, capacity_gib, "rehearsal")
-    ranks = [memory_of_rank(cfg, lay, last, capacity_gib) for last in (False, True)]
-    return max(ranks, key=lambda mem: mem.total)
-
-
-def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capacity_gib: Optional[float] = None) -> Memory:
-    """Peak memory of the first (or last) pipeline rank, GiB. bf16: bf16 weights, fp32 gradients,
-    fp32 master + two moments (Adam and LAMB alike), the mixed-precision recipe of Megatron-LM and
-    ZeRO (zero.py). ZeRO-1 splits the optimizer over DP; ZeRO-2 the gradients too, but only once
-    reduced: while microbatches add up the whole gradient buffer is there (in the reduction dtype),
-    through the backward, where the peak is; so ZeRO-2's peak is ZeRO-1's (DeepSpeed refuses ZeRO-2
-    with pipeline parallelism for this reason)."""
-    e, GiB = _elem(cfg), 2.0 ** 30
-    m, M = cfg.model, lay.micro_batch * lay.seq
-    states = 8 + (4 if precision(cfg) == "bf16" else 0)
-    per_layer = (activation_bytes(cfg, lay.tp, lay.seq) + compiled_gather_bytes(cfg, lay.tp)) * M
-    rank = lay.pp - 1 if last else 0
-    params = rank_params(m, lay)[1 if last else 0]
-    grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
-    grads = grad_bytes * params
-    optimizer = states * params / (lay.dp if lay.zero >= 1 else 1)
-    layers = in_flight_layers(lay, m.n_layers, rank)
-    if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
-        # (the rebuilt layer's first norm input is its kept input: counted once)
-        acts = layers * M * e * m.d_model / lay.tp + per_layer - M * e * m.d_model / lay.tp
-    elif rebuilds_squares(cfg):  # no layer keeps its squares: one layer at a time rebuilds them
-        acts = layers * (per_layer - M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq)
-    else:
-        acts = layers * per_layer
-    # On top of what is kept: a layer's backward in flight (or its attention core rebuilt), or, on
-    # the last rank, the head's: the loss's probabilities over the vocabulary slice (fp32; fused:
-    # the logits), their gradient and the head's weight gradient (unless its GEMM accumulates into
-    # the buffer), whichever is larger.
-    head = 0.0
-    if rank == lay.pp - 1:
-        vocab = m.vocab_size / lay.tp
-        head = M * vocab * (e if cfg.kernels.fused else 4) + e * M * vocab
-        head += 0.0 if fuses_weight_gradients(lay) else e * vocab * m.d_model
-    acts += max(backward_working_set(cfg, lay), head, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
-    if lay.zero >= 2 and lay.pp > 1 and rank < lay.pp - 1:
-        # ZeRO-2 allocates the gradient buffer at the first gradient of the step, by when the
-        # first backward has freed about one layer's activations (ZeRO-1 holds it all along; on
-        # the last rank the head's weight gradient comes first, before anything is freed).
-        acts -= min(per_layer, acts)
-    return Memory(e * params / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)
 
 
 def stage_microbatch(cfg: config.Config, lay: JobLayout, r: Rates, net: Network) -> Tuple[dict, dict]:
@@ -626,7 +406,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     fwd_s = busy(fwd) * (m.n_layers // lay.pp)  # one microbatch's forward; recomputation runs in the backward
     bwd_s = busy(mb) - fwd_s
 
-    send = net.pp_send(lay.micro_batch * lay.seq * m.d_model * _elem(cfg) / lay.tp) if lay.pp > 1 else 0.0
+    send = net.pp_send(lay.micro_batch * lay.seq * m.d_model * element_bytes(cfg) / lay.tp) if lay.pp > 1 else 0.0
     sends = 2 * lay.vpp * send  # each chunk sends an activation forward and a gradient back
     _comm(mb, "pp_comm", sends, sends, "async" if ov.pp else "off")
     step = _add({}, mb, lay.microbatches)
@@ -649,28 +429,6 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
 
 # --- What a rank moves, computes and holds per step: checked against the code's rehearsal ---
 
-def fuses_weight_gradients(lay: JobLayout) -> bool:
-    """Whether the weight-gradient GEMMs accumulate into ZeRO's buffer themselves
-    (overlap.weight_gradient): under TP, whose layers own their backward; at tp=1 nn.Linear's
-    backward is autograd's, which hands zero.py a gradient to add."""
-    return lay.tp > 1
-
-
-def fused_weight_params(cfg: config.Config, lay: JobLayout, last: bool = False) -> Tuple[int, int]:
-    """(weights of the first (or last) pipeline rank whose gradient GEMM accumulates into ZeRO's
-    buffer itself, elements those GEMMs accumulate a microbatch): every block's four matrices
-    and the head's, where fuses_weight_gradients. Under TP overlap a block's GEMMs run once a
-    piece, each accumulating: the sequence's pieces (chunked) or the batch rows' (domino)."""
-    if not fuses_weight_gradients(lay):
-        return 0, 0
-    m, ov = cfg.model, cfg.parallel.overlap
-    h, ff = m.d_model, m.mlp_ratio * m.d_model
-    head = m.vocab_size * h // lay.tp if last or lay.pp == 1 else 0
-    blocks = m.n_layers // lay.pp * (4 * h * h + 2 * ff * h) // lay.tp
-    pieces = {"chunked": ov.tp_chunks, "domino": min(ov.tp_chunks, lay.micro_batch)}.get(ov.tp, 1)
-    return blocks + head, blocks * pieces + head
-
-
 def grad_accumulation_bytes(cfg: config.Config, lay: JobLayout, params: int, e: int, grad_bytes: int,
                             fused: Tuple[int, int] = (0, 0)) -> float:
     """Bytes the gradient accumulation reads and writes a step (zero.py): every microbatch adds each
@@ -692,7 +450,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
     within 5%."""
     lay = layout_of(cfg, gpus)
     cfg = resolve_config(cfg, resolve_hardware(cfg.hardware))
-    m, e, t = cfg.model, _elem(cfg), lay.tp
+    m, e, t = cfg.model, element_bytes(cfg), lay.tp
     M, h, V = lay.micro_batch * lay.seq, m.d_model, m.vocab_size
     layers, mbs = m.n_layers // lay.pp, lay.microbatches
     ring = lambda kind, nbytes, n: nbytes * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
@@ -721,7 +479,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
         attn = attn_fwd * (3 + {"full": 1, "selective": 0.5}.get(cfg.train.recompute, 0))  # selective: QK^T only
     else:
         impl = attention_impl(cfg, "cuda")
-        keys = banded_keys(cfg, T) if impl == "banded" and banded_keys(cfg, T) else (
+        keys = banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, T) if impl == "banded" and banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, T) else (
             T if m.attention.window and impl != "flash" else mean_keys(T, m.attention.window))
         attn_fwd = 4 * n * T * keys * hd
         attn = attn_fwd * (3.5 + (cfg.train.recompute == "full"))
@@ -749,7 +507,7 @@ def dp_time(cfg: config.Config, lay: JobLayout, net: Network, fwd_s: float, bwd_
     params = max(rank_params(cfg.model, lay))
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
     rs = net.collective("reduce_scatter", params * grad_bytes, "dp")
-    ag = net.collective("all_gather", params * (grad_bytes if lay.zero == 0 else _elem(cfg)), "dp")
+    ag = net.collective("all_gather", params * (grad_bytes if lay.zero == 0 else element_bytes(cfg)), "dp")
     if not cfg.parallel.overlap.dp:
         return {"dp_comm": rs + ag, "dp_hidden": 0.0}
     v, group = lay.vpp, min(lay.pp, lay.microbatches)

@@ -6,7 +6,7 @@ Each command is checked by what it starts, in this process where that is cheap:
   line composed and validated as train.py would (config.preflight, with the launcher's world), a
   dry run where the command asks for one, and for a GPU launch (srun, sbatch, submit.py, the
   submitit launcher) the layout's world equal to the allocation and the fullest rank's memory
-  within the GPU's (perfmodel.memory: the rehearsal where one is remembered, else the model);
+  within the GPU's (clustermodel.memory.memory: the rehearsal where one is remembered, else the model);
 - `python -m clustermodel` run for real (its studies take seconds); `validate`, which measures this machine
   first, has its arguments parsed;
 - experiments/*.py and export_hf.py: their argparse parsers take the command's arguments (nothing
@@ -162,7 +162,7 @@ def check_train(args: list, world: int | None = None, gpus: bool = False, var: s
     GPU launch the world and the memory of the fullest rank checked against the allocation."""
     import config
     import machine
-    from clustermodel import perfmodel
+    from clustermodel import memory, perfmodel
     import train
     printing = "--cfg" in args or "--help" in args  # train.py prints and exits: the config must still compose
     overrides = [a for a in args if a not in ("--cfg", "job", "hydra", "all", "--help")]
@@ -185,7 +185,7 @@ def check_train(args: list, world: int | None = None, gpus: bool = False, var: s
             assert p.tp * p.pp * p.dp == launched, (f"train.py {' '.join(job_overrides)}: tp*pp*dp = "
                                                     f"{p.tp * p.pp * p.dp} ranks, but the launch starts {launched}")
         capacity = machine.tensor_memory_gib(cfg.hardware) or GPU_TENSOR_GIB
-        mem = perfmodel.memory(cfg, perfmodel.layout_of(cfg, launched), capacity)
+        mem = memory.memory(cfg, perfmodel.layout_of(cfg, launched), capacity)
         assert mem.fits, (f"train.py {' '.join(job_overrides)}: {mem.total:.1f} GiB per GPU "
                           f"({mem.source}) does not fit in {capacity:.1f} GiB")
 

@@ -9,6 +9,8 @@ import torch
 import config
 import machine
 import model as gpt
+import kernels
+from clustermodel import memory
 from clustermodel import perfmodel as pm
 from clustermodel import cli
 from clustermodel import replay
@@ -79,7 +81,7 @@ def test_parameter_count_matches_the_model():
         with torch.device("meta"):
             net = gpt.GPT(m)
         lay = pm.JobLayout(1, 1, 1, 1, 1, 1, 1, 256, 0)
-        assert pm.rank_params(m, lay) == (gpt.count_params(net), gpt.count_params(net))
+        assert memory.rank_params(m, lay) == (gpt.count_params(net), gpt.count_params(net))
 
 
 def test_memory_by_zero_stage_by_hand(tiny):
@@ -95,7 +97,7 @@ def test_memory_by_zero_stage_by_hand(tiny):
     acts = 4 * per_layer_token * 4 * 256 + 4 * 256 * 4096 * (4 + 2) + 2 * 4096 * 256
     for zero, grads, opt in ((0, 4 * P, 12 * P), (1, 4 * P, 3 * P), (2, 4 * P, 3 * P)):
         cfg = with_parallel(tiny, zero_stage=zero, microbatches=1)
-        mem = pm.memory(cfg, pm.layout_of(cfg, 4), 80)
+        mem = memory.memory(cfg, pm.layout_of(cfg, 4), 80)
         assert mem.weights * GiB == pytest.approx(2 * P)
         assert mem.grads * GiB == pytest.approx(grads)
         assert mem.optimizer * GiB == pytest.approx(opt)
@@ -112,7 +114,7 @@ def test_dropout_by_hand(tiny):
     drop.model.dropout = 0.1
     lay, GiB = pm.layout_of(base, 4), 2 ** 30
     extra_per_layer_token = 2 * 256 + 4 * 256 * 3
-    grown = pm.memory(drop, lay, 80).activations - pm.memory(base, lay, 80).activations
+    grown = memory.memory(drop, lay, 80).activations - memory.memory(base, lay, 80).activations
     assert grown * GiB == pytest.approx(4 * extra_per_layer_token * 4 * 256)
 
     hw = pm.resolve_hardware(tiny.hardware)
@@ -132,7 +134,7 @@ def test_dropout_by_hand(tiny):
 def test_full_recompute_keeps_only_layer_inputs(tiny):
     cfg = with_parallel(tiny, microbatches=1)
     cfg.train.recompute = "full"
-    mem = pm.memory(cfg, pm.layout_of(cfg, 4), 80)
+    mem = memory.memory(cfg, pm.layout_of(cfg, 4), 80)
     per_layer = (2 * 18 * 256 + 2 * 4 * 256) * 1024
     layer_input = 1024 * 2 * 256  # the 4 layers' kept inputs, the rebuilt layer's first norm input among them
     assert mem.activations * 2 ** 30 == pytest.approx(4 * layer_input + per_layer - layer_input
@@ -143,10 +145,10 @@ def test_in_flight_microbatches_follow_the_schedules():
     # 1F1B: rank r holds p - r microbatches (Narayanan et al. 2021); interleaved: Megatron's warm-up
     # (p - r - 1) * 2 + (v - 1) * p chunks plus the one in flight, each L/(p*v) layers.
     one_f_one_b = pm.JobLayout(16, 1, 4, 1, 4, 8, 1, 256, 0)
-    assert [pm.in_flight_layers(one_f_one_b, 16, r) for r in range(4)] == [16, 12, 8, 4]
+    assert [memory.in_flight_layers(one_f_one_b, 16, r) for r in range(4)] == [16, 12, 8, 4]
     interleaved = pm.JobLayout(16, 1, 4, 2, 4, 8, 1, 256, 0)
-    assert pm.in_flight_layers(interleaved, 16, 0) == (3 * 2 + 1 * 4 + 1) * 2
-    assert pm.in_flight_layers(pm.JobLayout(1, 1, 1, 1, 1, 8, 1, 256, 0), 16, 0) == 16
+    assert memory.in_flight_layers(interleaved, 16, 0) == (3 * 2 + 1 * 4 + 1) * 2
+    assert memory.in_flight_layers(pm.JobLayout(1, 1, 1, 1, 1, 8, 1, 256, 0), 16, 0) == 16
 
 
 def test_memory_over_capacity_is_flagged(megatron_175b):
@@ -517,7 +519,7 @@ def test_ablation_signs_counts_a_step_only_beyond_its_noise_and_a_zero_predictio
 
 @pytest.mark.parametrize("seq,window,block", [(256, 64, 128), (512, 64, 128), (1000, 200, 128), (384, 127, 64)])
 def test_banded_keys_are_the_scores_the_banded_kernel_computes(seq, window, block):
-    """perfmodel.banded_keys against kernels.attention_banded itself, run on meta with the fused
+    """kernels.banded_keys against kernels.attention_banded itself, run on meta with the fused
     kernels' stand-ins (ledgers.cuda_attention: SDPA scores every key given a mask, half without):
     the first blocks' own call is masked wherever the window is shorter than they are, so it
     scores its whole square, not the causal half (the half priced +SWA 20% cheaper at
@@ -530,4 +532,4 @@ def test_banded_keys_are_the_scores_the_banded_kernel_computes(seq, window, bloc
     ledger = FlopLedger()
     with cuda_attention(ledger), ledger:
         kernels.attention_banded(q, k, v, window, block)
-    assert ledger.flops["attention"] == pytest.approx(4 * n * seq * pm.banded_keys(cfg, seq) * d)
+    assert ledger.flops["attention"] == pytest.approx(4 * n * seq * kernels.banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, seq) * d)

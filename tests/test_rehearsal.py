@@ -169,16 +169,16 @@ def test_a_compiled_job_rehearses_its_gathered_inputs_whole(tmp_path):
     """Under torch.compile (the default on CUDA) dynamo traces a TP block with
     overlap.TPGroup.regather_saved off: under TP overlap each gathered norm output is saved whole, and
     backward gathers nothing again. The rehearsal of a job that compiles counts those copies, as
-    perfmodel.compiled_gather_bytes does, and posts fewer TP bytes than the same job eager."""
-    from clustermodel import perfmodel
+    memory.compiled_gather_bytes does, and posts fewer TP bytes than the same job eager."""
+    from clustermodel import memory
     shape = ["train.seq_len=512", "model.max_seq_len=512", "train.batch_size=2", "parallel.microbatches=2",
              "model.n_layers=4", "model.vocab_size=256", "parallel.tp=2", "parallel.dp=1", "precision=fp32",
              "parallel.overlap.tp=chunked", "rehearse.steps=1"]
     cfgs = {c: config.compose(TINY + shape + [f"train.compile={c}", "rehearse.ranks=[0]"]) for c in ("false", "true")}
     eager, compiled = (rehearsal.rehearse_rank(cfgs[c], 0, 2, tmp_path / c) for c in ("false", "true"))
     assert not eager["compiled"] and compiled["compiled"] and not eager["crash"] and not compiled["crash"]
-    copies = perfmodel.compiled_gather_bytes(cfgs["true"], 2) * 512 * 4  # a microbatch's tokens, every layer
-    assert copies > 0 and perfmodel.compiled_gather_bytes(cfgs["false"], 2) == 0
+    copies = memory.compiled_gather_bytes(cfgs["true"], 2) * 512 * 4  # a microbatch's tokens, every layer
+    assert copies > 0 and memory.compiled_gather_bytes(cfgs["false"], 2) == 0
     extra = compiled["memory"]["peak_bytes"] - eager["memory"]["peak_bytes"]
     assert extra == pytest.approx(copies, rel=0.1), (extra, copies)
     tp_bytes = [rehearsal.comm_per_step(rec)["tp"] for rec in (eager, compiled)]

@@ -1,0 +1,245 @@
+"""The performance model's memory per GPU: weights, gradients and optimizer states by ZeRO stage,
+activations by schedule and recomputation, and what a layer's backward (or the head's) has in
+flight at the peak. perfmodel.py prices the step's time and reads its memory from here; the
+rehearsal (rehearsal.py) measures the same on the meta device, and tests/test_rehearsal.py holds
+the two together.
+
+Counted per rank: the first and the last pipeline rank (the fuller one is the job's), as model.py
+and zero.py build them: bf16 weights with fp32 gradient buffers and fp32 master and moments, the
+in-flight microbatches of 1F1B or interleaved 1F1B, and under TP the weight-gradient GEMMs
+accumulating straight into the gradient buffer (no weight gradient waits in the backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Tuple
+
+import config
+import machine
+import model as gpt
+from kernels import banded_keys
+
+if TYPE_CHECKING:
+    from clustermodel.perfmodel import JobLayout
+
+
+def precision(cfg: config.Config) -> str:
+    """bf16 or fp32 (predict() has already decided precision=auto; see resolve_config)."""
+    return "fp32" if cfg.precision == "fp32" else "bf16"
+
+
+def element_bytes(cfg: config.Config) -> int:
+    """Bytes of an activation or weight element in the compute dtype."""
+    return 2 if precision(cfg) == "bf16" else 4
+
+
+MATERIALIZED = ("unfused", "reference")  # attention backends that keep the [T, T] probabilities
+
+
+def layer_params(m: gpt.ModelConfig, tp: int = 1) -> Tuple[int, int]:
+    """(split over TP, replicated) parameters of one block, counted as model.Block builds them."""
+    h, ff, b = m.d_model, m.mlp_ratio * m.d_model, int(m.bias)
+    split = (4 * h * h + 2 * ff * h) // tp + b * (3 * h + ff) // tp
+    norms = 1 if m.block == "parallel" else 2
+    return split, b * 2 * h + norms * h * (1 + b)
+
+
+def rank_params(m: gpt.ModelConfig, lay: JobLayout) -> Tuple[int, int]:
+    """Parameters held by the first and the last pipeline rank (the same rank when pp=1)."""
+    split, replicated = layer_params(m, lay.tp)
+    body = m.n_layers // lay.pp * (split + replicated)
+    embed = m.vocab_size * m.d_model // lay.tp
+    head = m.vocab_size * m.d_model // lay.tp + m.d_model * (1 + int(m.bias))
+    return (body + embed + head, body + embed + head) if lay.pp == 1 else (body + embed, body + head)
+
+
+def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
+    """Bytes one layer keeps per token for its backward (no recomputation); cf. Korthikanti et al.
+    2022. Under SP, norm inputs and outputs are split over TP like the heads."""
+    m, e = cfg.model, element_bytes(cfg)
+    h, ff = m.d_model, m.mlp_ratio * m.d_model
+    norms = 1 if m.block == "parallel" else 2
+    # norm in/out, the q k v projection (alive while v, a view of it, is), q and k after RoPE,
+    # attention out, fc1 out, GeLU out
+    kept = 2 * norms * h + 3 * h + 2 * h + h + 2 * ff
+    masks = (1 if m.block == "parallel" else 2) * h if m.dropout else 0   # residual dropout, a byte each
+    if cfg.kernels.attention in MATERIALIZED:  # the probabilities (and after dropout, the kept ones and the mask)
+        return (e * kept + masks) / tp + square_bytes(cfg) * m.n_heads / tp * seq
+    # A fused kernel keeps its own output beside the rearranged copy the output projection reads,
+    # and a log-sum-exp per row; the banded kernel also its keys and values as [heads, T, d] copies
+    # (its windows are views of them).
+    kept += h + (2 * h if cfg.kernels.attention == "banded" and banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, seq) else 0)
+    return (e * kept + masks) / tp + 4 * m.n_heads / tp
+
+
+def compiled_keeps_gathered(cfg: config.Config) -> bool:
+    """Whether the TP blocks keep their gathered inputs whole: compiled, under TP overlap, without
+    full recomputation (compiled_gather_bytes); their backward then gathers nothing again."""
+    return cfg.parallel.overlap.tp in ("chunked", "domino") and cfg.train.recompute != "full" and machine.compiles(cfg)
+
+
+def compiled_gather_bytes(cfg: config.Config, tp: int) -> float:
+    """Bytes per token a layer keeps beyond activation_bytes when torch.compile traces its TP
+    block: dynamo runs overlap.TPGroup.regather_saved as a no-op, so under TP overlap (chunked, domino)
+    each gathered norm output is saved whole, tp times its shard, beside the shard its re-gather
+    still holds (overlap.TPGroup.gathered), as the rehearsal of a compiled job counts (overlap.tp=off
+    keeps the shard in GatheredLinears, compiled or not; full recomputation keeps none)."""
+    if tp == 1 or not compiled_keeps_gathered(cfg):
+        return 0.0
+    norms = 1 if cfg.model.block == "parallel" else 2
+    return element_bytes(cfg) * norms * cfg.model.d_model
+
+
+def square_bytes(cfg: config.Config) -> int:
+    """Bytes per score that materialized attention keeps for its backward: the probabilities, and
+    with dropout also the kept probabilities and the byte mask."""
+    e = element_bytes(cfg)
+    return e + (e + 1 if cfg.model.dropout else 0)
+
+
+def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
+    """Bytes a layer's backward has in flight on top of what is kept, where the peak falls (in the
+    MLP's backward): at tp=1 its weight gradients so far, which zero.py adds to the fp32 buffer
+    when the layer's backward ends, there the largest one (under TP the GEMMs accumulate into the
+    buffer themselves: none), the gradient through the MLP's wide activation, the pipeline's
+    message in and out, and with materialized attention one [T, T] square of gradient. (Measured
+    against the rehearsal's ledger: tests/test_rehearsal.py.)"""
+    m, e, t, M = cfg.model, element_bytes(cfg), lay.tp, lay.micro_batch * lay.seq
+    ff = m.mlp_ratio * m.d_model
+    weight_grad = 0.0 if fuses_weight_gradients(lay) else e * m.d_model * ff
+    work = weight_grad + e * M * ff / t + (2 * e * M * m.d_model / t if lay.pp > 1 else 0)
+    if cfg.kernels.attention in MATERIALIZED:
+        work += e * lay.micro_batch * m.n_heads / t * lay.seq ** 2
+    return work
+
+
+def rebuilds_squares(cfg: config.Config) -> bool:
+    """Selective recomputation of a materialized attention core: its squares are rebuilt in backward."""
+    return cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED
+
+
+def rebuilt_core_bytes(cfg: config.Config, lay: JobLayout) -> float:
+    """Where rebuilds_squares: bytes a layer's backward has in flight beyond the kept layers as it
+    rebuilds its attention core, where the peak falls: the core's softmax (the scores in the
+    compute dtype and two fp32 squares, kernels.attention_unfused), the attention output's
+    gradient, the pipeline's message in and out, and where the weight gradients wait for the
+    layer's end (tp=1) the MLP's and the output projection's; less what the layer's MLP backward
+    has freed by then (its wide activations, its dropout mask and, in the sequential block, its
+    norm's input and output). (Measured against the rehearsal's ledger: tests/test_rehearsal.py.)"""
+    m, e, t, M = cfg.model, element_bytes(cfg), lay.tp, lay.micro_batch * lay.seq
+    h, ff = m.d_model, m.mlp_ratio * m.d_model
+    softmax = lay.micro_batch * m.n_heads / t * lay.seq ** 2 * (e + 8)
+    held = 0.0 if fuses_weight_gradients(lay) else e * (2 * h * ff + h * h)
+    messages = 2 * e * M * h / t if lay.pp > 1 else 0.0
+    freed = M * (2 * e * ff + (2 * e * h if m.block != "parallel" else 0) + (h if m.dropout else 0)) / t
+    return softmax + e * M * h / t + messages + held - freed
+
+
+def in_flight_layers(lay: JobLayout, n_layers: int, rank: int) -> float:
+    """Layers' worth of one microbatch's activations a pipeline rank holds at its peak: 1F1B's
+    warm-up depth p - rank microbatches, interleaved 1F1B's (p-rank-1)*2 + (v-1)*p + 1 chunks (or
+    every chunk-forward of the step, m*v, where there are fewer)."""
+    if lay.pp == 1:
+        return n_layers
+    per_rank = n_layers // lay.pp
+    if lay.vpp == 1:
+        return min(lay.microbatches, lay.pp - rank) * per_rank
+    chunks = min(lay.microbatches * lay.vpp, (lay.pp - rank - 1) * 2 + (lay.vpp - 1) * lay.pp + 1)
+    return chunks * per_rank / lay.vpp
+
+
+def fuses_weight_gradients(lay: JobLayout) -> bool:
+    """Whether the weight-gradient GEMMs accumulate into ZeRO's buffer themselves
+    (overlap.weight_gradient): under TP, whose layers own their backward; at tp=1 nn.Linear's
+    backward is autograd's, which hands zero.py a gradient to add."""
+    return lay.tp > 1
+
+
+def fused_weight_params(cfg: config.Config, lay: JobLayout, last: bool = False) -> Tuple[int, int]:
+    """(weights of the first (or last) pipeline rank whose gradient GEMM accumulates into ZeRO's
+    buffer itself, elements those GEMMs accumulate a microbatch): every block's four matrices
+    and the head's, where fuses_weight_gradients. Under TP overlap a block's GEMMs run once a
+    piece, each accumulating: the sequence's pieces (chunked) or the batch rows' (domino)."""
+    if not fuses_weight_gradients(lay):
+        return 0, 0
+    m, ov = cfg.model, cfg.parallel.overlap
+    h, ff = m.d_model, m.mlp_ratio * m.d_model
+    head = m.vocab_size * h // lay.tp if last or lay.pp == 1 else 0
+    blocks = m.n_layers // lay.pp * (4 * h * h + 2 * ff * h) // lay.tp
+    pieces = {"chunked": ov.tp_chunks, "domino": min(ov.tp_chunks, lay.micro_batch)}.get(ov.tp, 1)
+    return blocks + head, blocks * pieces + head
+
+
+@dataclass
+class Memory:
+    """Peak memory of the fullest rank, GiB: rehearsed (rehearsal.py) where a rehearsal of this
+    config is remembered, else modelled."""
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    capacity: Optional[float]
+    source: str = "model"
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.total <= self.capacity
+
+
+def memory(cfg: config.Config, lay: JobLayout, capacity_gib: Optional[float] = None) -> Memory:
+    """The fuller of the first and the last pipeline rank: rehearsed where this config was
+    (rehearsal.remembered), else memory_of_rank's model."""
+    from clustermodel import rehearsal
+    measured = [rec["memory"] for rec in rehearsal.remembered(cfg, lay.gpus).values()]
+    if measured:
+        GiB, m = 2.0 ** 30, max(measured, key=lambda m: m["peak_bytes"])
+        return Memory(m["weights_bytes"] / GiB, m["gradients_bytes"] / GiB, m["optimizer_bytes"] / GiB,
+                      (m["activations_bytes"] + m["communication_bytes"]) / GiB, capacity_gib, "rehearsal")
+    ranks = [memory_of_rank(cfg, lay, last, capacity_gib) for last in (False, True)]
+    return max(ranks, key=lambda mem: mem.total)
+
+
+def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capacity_gib: Optional[float] = None) -> Memory:
+    """Peak memory of the first (or last) pipeline rank, GiB. bf16: bf16 weights, fp32 gradients,
+    fp32 master + two moments (Adam and LAMB alike), the mixed-precision recipe of Megatron-LM and
+    ZeRO (zero.py). ZeRO-1 splits the optimizer over DP; ZeRO-2 the gradients too, but only once
+    reduced: while microbatches add up the whole gradient buffer is there (in the reduction dtype),
+    through the backward, where the peak is; so ZeRO-2's peak is ZeRO-1's (DeepSpeed refuses ZeRO-2
+    with pipeline parallelism for this reason)."""
+    e, GiB = element_bytes(cfg), 2.0 ** 30
+    m, M = cfg.model, lay.micro_batch * lay.seq
+    states = 8 + (4 if precision(cfg) == "bf16" else 0)
+    per_layer = (activation_bytes(cfg, lay.tp, lay.seq) + compiled_gather_bytes(cfg, lay.tp)) * M
+    rank = lay.pp - 1 if last else 0
+    params = rank_params(m, lay)[1 if last else 0]
+    grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
+    grads = grad_bytes * params
+    optimizer = states * params / (lay.dp if lay.zero >= 1 else 1)
+    layers = in_flight_layers(lay, m.n_layers, rank)
+    if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
+        # (the rebuilt layer's first norm input is its kept input: counted once)
+        acts = layers * M * e * m.d_model / lay.tp + per_layer - M * e * m.d_model / lay.tp
+    elif rebuilds_squares(cfg):  # no layer keeps its squares: one layer at a time rebuilds them
+        acts = layers * (per_layer - M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq)
+    else:
+        acts = layers * per_layer
+    # On top of what is kept: a layer's backward in flight (or its attention core rebuilt), or, on
+    # the last rank, the head's: the loss's probabilities over the vocabulary slice (fp32; fused:
+    # the logits), their gradient and the head's weight gradient (unless its GEMM accumulates into
+    # the buffer), whichever is larger.
+    head = 0.0
+    if rank == lay.pp - 1:
+        vocab = m.vocab_size / lay.tp
+        head = M * vocab * (e if cfg.kernels.fused else 4) + e * M * vocab
+        head += 0.0 if fuses_weight_gradients(lay) else e * vocab * m.d_model
+    acts += max(backward_working_set(cfg, lay), head, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
+    if lay.zero >= 2 and lay.pp > 1 and rank < lay.pp - 1:
+        # ZeRO-2 allocates the gradient buffer at the first gradient of the step, by when the
+        # first backward has freed about one layer's activations (ZeRO-1 holds it all along; on
+        # the last rank the head's weight gradient comes first, before anything is freed).
+        acts -= min(per_layer, acts)
+    return Memory(e * params / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)
