@@ -117,10 +117,11 @@ class WaitClock:
             end.synchronize()  # already passed: host_sync waited for the stream
             span = self._span.elapsed_time(end) / 1e3
             for kind, a, b, label in self._pairs:
-                self.seconds[kind] = self.seconds.get(kind, 0.0) + a.elapsed_time(b) / 1e3
-                self.labelled[label] = self.labelled.get(label, 0.0) + a.elapsed_time(b) / 1e3
+                seconds = a.elapsed_time(b) / 1e3
+                self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+                self.labelled[label] = self.labelled.get(label, 0.0) + seconds
                 if self.on_wait is not None:  # placed on the host's clock from the step's start
-                    self.on_wait(label, self._wall0 + self._span.elapsed_time(a) / 1e3, a.elapsed_time(b) / 1e3)
+                    self.on_wait(label, self._wall0 + self._span.elapsed_time(a) / 1e3, seconds)
         comm, bubble = self.seconds.get("comm", 0.0), self.seconds.get("bubble", 0.0)
         figures = {"step_s": step_s, "comm_s": comm, "bubble_s": bubble, "compute_s": max(0.0, span - comm - bubble),
                    "waits": self.labelled}

@@ -321,7 +321,7 @@ class Loop:
             return None
         detector = stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
                                        cfg.ft.straggler_windows, run.device, run.run_dir,
-                                       predicted_stage_compute(cfg, run.layout.world))
+                                       predicted_stage_compute(cfg, run.layout, run.device))
         engine.forward_backward = detector.timed(engine.forward_backward)
         return detector
 
@@ -431,17 +431,24 @@ def prepare_data(cfg: config.Config, rank: int, world: int):
     return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
 
 
-def predicted_stage_compute(cfg: config.Config, world: int) -> Optional[list]:
+def predicted_stage_compute(cfg: config.Config, layout, device: torch.device) -> Optional[list]:
     """Each pipeline stage's compute a step as the performance model predicts it, at start-up: what
-    the straggler detector divides a rank's measured compute by. None, logged, where the model
-    cannot price the config (the dp groups' comparison still runs)."""
-    from clustermodel import predicted
-    try:
-        return predicted.stage_compute_s(cfg, world)
-    except Exception as e:  # noqa: BLE001 - a config the model does not price
-        log.warning("no predicted compute per stage (%s: %s): compute is compared within dp groups only",
-                    type(e).__name__, e)
-        return None
+    the straggler detector divides a rank's measured compute by. Rank 0 prices it (from its host's
+    rates) and broadcasts it once, so every rank divides by the same figures and all or none of
+    them join the detector's histogram all-reduce. None, logged, where the model cannot price the
+    config (the dp groups' comparison still runs)."""
+    figures = torch.zeros(1 + layout.pp, dtype=torch.float64, device=device)  # [priced?, stage 0, ...]
+    if layout.rank == 0:
+        from clustermodel import predicted
+        try:
+            figures[0], figures[1:] = 1.0, torch.tensor(predicted.stage_compute_s(cfg, layout.world), dtype=torch.float64)
+        except Exception as e:  # noqa: BLE001 - a config the model does not price
+            log.warning("no predicted compute per stage (%s: %s): compute is compared within dp groups only",
+                        type(e).__name__, e)
+    if layout.world > 1:
+        dist.broadcast(figures, src=0)
+    figures = figures.tolist()  # once, at start-up
+    return figures[1:] if figures[0] else None
 
 
 def health(step: int, timing: dict, data_s: float, collector, detector, rank: int) -> dict:
