@@ -15,7 +15,8 @@ the dp group of a (pp, tp) coordinate (the same stage, the same slice): their pr
 identical, so the performance model's prediction, and its error, would cancel. Where the dp group
 is the rank alone (dp=1), its compute over what the model predicts for its stage
 (train.predicted_stage_compute, once at start-up: the last stage's head and loss, the first's
-embedding) is compared with the job's. The heat map of `python observe.py RUN_DIR` divides by the same prediction.
+embedding) is compared with the job's. The heat map of `python observe.py RUN_DIR` divides by
+the same prediction.
 
 Scores, computed on the device from the group's gathered figures (no host read):
 - compute, input: slowdown = own median / the group's reference, the first quartile of its members'
