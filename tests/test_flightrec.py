@@ -22,9 +22,30 @@ dist.all_reduce(t)                       # #1 of the world group, on every rank
 dist.all_reduce(torch.ones(2, 3))        # #2
 if rank == 1:
     work = dist.all_reduce(t, async_op=True)   # #3: rank 1's extra all-reduce, which no peer posts
+import pickle, time
 from torch._C._distributed_c10d import _dump_fr_trace
+# gloo marks a collective completed in the recorder's group status just after wait() returns, so a
+# dump taken at once can miss #2 (1 run in 15 under load). A watchdog dumps minutes later; here the
+# rank dumps once its own two collectives read as completed.
+deadline = time.monotonic() + 30
+while True:
+    dump = _dump_fr_trace(True, True, False)
+    status = pickle.loads(dump)["pg_status"]
+    if min(s["last_completed_collective"] for s in status.values()) >= 2 or time.monotonic() > deadline:
+        break
+    time.sleep(0.01)
 with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as f:
-    f.write(_dump_fr_trace(True, True, False))
+    f.write(dump)
+# No rank leaves before every rank has dumped: a peer's exit fails rank 1's extra all-reduce, which
+# the recorder then counts as completed. Rank 0 holds the store, so it leaves last.
+store = dist.distributed_c10d._get_default_store()
+if store.add("dumped", 1) == 3:
+    store.set("all dumped", "1")
+store.wait(["all dumped"])
+if rank == 0:
+    store.wait(["left 1", "left 2"])
+else:
+    store.set(f"left {rank}", "1")
 os._exit(0)  # rank 1's all-reduce never completes
 """
 

@@ -79,10 +79,12 @@ def step():  # forward keeps the activations; backward frees them last to first,
         grad = torch.ones_like(saved.pop()).add_(grad.sum())
 for _ in range(3):
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+faults = []
+for _ in range(11):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sorted(faults)[5])  # the median step
 """
 
 
@@ -100,7 +102,10 @@ def test_on_a_cpu_freed_activations_are_reused_without_page_faults():
     # mapped block raises them, and a small block left at the heap's top stops the trim. What the
     # defaults cost thus depends on the process's history: 56,000-66,000 faults a step on the Xeon
     # here, 12,000 with one 4 KiB tensor kept a step, 154 on a CI machine. Held: 86,833 (339 MiB
-    # mapped and zeroed again each step). train.py's setting: 0-307, THP on or off, blocks reused.
+    # mapped and zeroed again each step). train.py's setting: 0 in the median step, THP on or off.
+    # Its heap still grows now and then over the first ~15 steps, as freed blocks split and merge
+    # differently (768-8,448 faults in one step, 2-4 steps of 20, from run to run), so the test
+    # reads the median step: a mean over 5 steps read 0-1,382.
     assert faults_a_step("return") > 10_000
     assert faults_a_step("keep") < 1_000
 
