@@ -157,16 +157,18 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[flo
     return measured_cpu_peak(dtype), "measured"
 
 
-def measured_cpu_peak(dtype: torch.dtype, max_size: int = 2048, reps: int = 5) -> float:
+def measured_cpu_peak(dtype: torch.dtype, max_size: int = 2048, reps: int = 5, reuse: bool = False) -> float:
     """A CPU has no datasheet peak that torch reaches, so MFU on CPU divides by the best matmul
     rate measured on this machine at this thread count. The size grows until one matmul takes
-    ~50 ms, which bounds the cost (well under a second) even where a dtype is emulated (bf16
+    ~50 ms, which bounds the cost (about a second a dtype) even where a dtype is emulated (bf16
     without AVX512-BF16/AMX runs ~1000x slower than fp32). Shared machines are noisy, and a peak
     measured under load would inflate MFU forever, so every run measures again and the cache keeps
-    the best rate seen on this machine."""
+    the best rate seen on this machine. reuse: the cached best where there is one, unmeasured."""
     key = f"{platform.node()}|{cpu_model()}|{torch.get_num_threads()}t|{dtype}|torch{torch.__version__}"
     path = cache_dir() / "cpu_peak.json"
     known = json.loads(path.read_text()) if path.exists() else {}
+    if reuse and key in known:
+        return known[key]
     size, best = 128, 0.0
     while True:
         a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
@@ -194,12 +196,15 @@ def bf16_gemm_slowdown() -> float:
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """precision=auto: bf16 on CUDA, and on a CPU only where bf16 matmuls are not slower than fp32
-    (AVX512-BF16 or AMX). On an AVX2-only CPU bf16 is emulated and ~1000x slower, so fp32 it is."""
+    (AVX512-BF16 or AMX). On an AVX2-only CPU bf16 is emulated and ~1000x slower, so fp32 it is.
+    The rates are the cached best ones, measured once per machine, thread count and torch: which
+    dtype is faster is the CPU's instruction set, and measuring both at every start-up cost ~2 s."""
     if precision != "auto":
         return precision
     if device.type == "cuda":
         return "bf16"
-    return "bf16" if measured_cpu_peak(torch.bfloat16) >= measured_cpu_peak(torch.float32) else "fp32"
+    faster = measured_cpu_peak(torch.bfloat16, reuse=True) >= measured_cpu_peak(torch.float32, reuse=True)
+    return "bf16" if faster else "fp32"
 
 
 # --- hardware=cpu_local: perfmodel's description of this machine ---
