@@ -28,7 +28,7 @@ import emucluster  # noqa: E402
 NO_NAMESPACES = emucluster.why_no_namespaces()
 THROTTLED_HOST = 3  # its rank too: one rank a host
 LAYOUT = ["parallel.tp=2", "parallel.dp=2", "model.n_layers=2", "model.d_model=512", "train.batch_size=4",
-          "ft.straggler_interval=5", "ft.straggler_windows=3", "train.max_steps=25"]  # a verdict from step 20
+          "ft.straggler_interval=5", "ft.straggler_windows=3", "train.max_steps=20"]  # a verdict at step 20
 
 
 @pytest.fixture(scope="module")

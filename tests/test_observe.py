@@ -1,6 +1,6 @@
 """Observability (observe.py): the op log and spans every rank writes with its heartbeat, and the
 root of a hang named from them. One real torchrun job on 2 gloo pipeline ranks serves the
-injected faults: a skipped collective in the first attempt, a rank busy outside communication in
+injected faults that restart it: a skipped collective in the first attempt, a rank busy outside communication in
 the second, and the third finishes the run from the newest checkpoint."""
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import observe
-from conftest import ROOT, SMALL, read_metrics, train_env
+from conftest import ROOT, SMALL, read_metrics, run_train, train_env
 
 STEPS = 5
 # attempt 0: rank 1 skips step 3's first collective; attempt 1: rank 0 hangs after step 4
@@ -310,10 +310,9 @@ def swapped_run(tmp_path_factory, cache_dir):
     both (the data is wrong, the loss may go to nan): nothing hangs, and only the hashes can tell."""
     run_dir = tmp_path_factory.mktemp("swap")
     args = SMALL + ["parallel.tp=2", "train.max_steps=8", "ft.hang_timeout=3", "ft.heartbeat_interval=0.1",
-                    "observe.desync_every=1", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train.py"] + args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=train_env(cache_dir, MEGAREPRO_FAULT="swap:1@2", OMP_NUM_THREADS=1))
+                    "observe.desync_every=1"]
+    # forked ranks (tests/forked.py): no restart to exercise, and no Python start-up per rank to pay
+    proc = run_train(run_dir, args, cache_dir, nproc=2, check=False, MEGAREPRO_FAULT="swap:1@2")
     events = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
     return proc, run_dir, events
 
