@@ -81,33 +81,80 @@ LAYOUTS = {  # name -> (ranks, overrides)
 RUN_DEFAULTS = {"single": (5, 40, 5), "demo": (3, 10, 2)}  # layout -> rounds, timed steps, warm-up steps
 
 
-def run_steps(layout: str, on: bool, steps: int, warmup: int) -> float:
-    """One train.py run's median step time (s) after `warmup` steps."""
+def run_steps(layout: str, on: bool, steps: int, warmup: int) -> tuple:
+    """One train.py run: its median step time (s) after `warmup` steps, and the CPU seconds all its
+    ranks spent a step over the same steps (read from /proc as rank 0 logs each step's row)."""
     ranks, overrides = LAYOUTS[layout]
     with tempfile.TemporaryDirectory() as run_dir:
         launcher = [sys.executable, "train.py"] if ranks == 1 else \
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py"]
         cmd = [*launcher, *overrides, *COMMON, *([] if on else OFF), f"train.max_steps={warmup + steps}",
                f"logging.interval=1", f"hydra.run.dir={run_dir}"]
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cpu = rows_cpu(proc, Path(run_dir) / "metrics.jsonl", warmup, warmup + steps - 1)
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time"] for r in rows if "step_time" in r and r.get("step", 0) > warmup]
-    return statistics.median(times)
+    return statistics.median(times), cpu
+
+
+def rows_cpu(proc: subprocess.Popen, metrics: Path, first: int, last: int) -> float:
+    """CPU seconds a step of proc and its descendants (every rank, every thread), from the row of
+    step `first` to the row of step `last` (the last row is left out: the ranks may exit at once).
+    With more ranks than cores a step's wall time is the scheduler's; its CPU time is the work."""
+    marks = {}
+    while len(marks) < 2 and proc.poll() is None:
+        lines = metrics.read_text().count("\n") if metrics.exists() else 0
+        for step in (first, last):
+            if step not in marks and lines >= step:
+                marks[step] = tree_cpu_s(proc.pid)
+        time.sleep(0.02)
+    return (marks[last] - marks[first]) / (last - first) if len(marks) == 2 else float("nan")
+
+
+def tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of root and its living descendants, from /proc."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    children = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, total = [root], 0
+    while tree:
+        pid = tree.pop()
+        total += stats.get(pid, (0, 0))[1]
+        tree += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def per_step(args) -> dict:
-    ratios, on_s, off_s = [], [], []
+    ratios, cpu_ratios, on_s, off_s, on_cpu, off_cpu = [], [], [], [], [], []
     for k in range(args.rounds):
         order = (True, False) if k % 2 == 0 else (False, True)
         got = {on: run_steps(args.layout, on, args.steps, args.warmup) for on in order}
-        on_s.append(got[True])
-        off_s.append(got[False])
-        ratios.append(got[True] / got[False])
-        print(f"round {k}: on {got[True] * 1e3:.1f} ms, off {got[False] * 1e3:.1f} ms, ratio {ratios[-1]:.4f}", flush=True)
+        on_s.append(got[True][0])
+        off_s.append(got[False][0])
+        on_cpu.append(got[True][1])
+        off_cpu.append(got[False][1])
+        ratios.append(got[True][0] / got[False][0])
+        cpu_ratios.append(got[True][1] / got[False][1])
+        print(f"round {k}: on {got[True][0] * 1e3:.1f} ms, off {got[False][0] * 1e3:.1f} ms, ratio {ratios[-1]:.4f}; "
+              f"CPU a step on {got[True][1]:.3f} s, off {got[False][1]:.3f} s, ratio {cpu_ratios[-1]:.4f}", flush=True)
     return {"layout": args.layout, "steps": args.steps, "warmup": args.warmup, "on_ms": statistics.median(on_s) * 1e3,
             "off_ms": statistics.median(off_s) * 1e3, "overhead_pct_median": (statistics.median(ratios) - 1) * 100,
-            "overhead_pct_min": (min(ratios) - 1) * 100, "overhead_pct_max": (max(ratios) - 1) * 100, "ratios": ratios}
+            "overhead_pct_min": (min(ratios) - 1) * 100, "overhead_pct_max": (max(ratios) - 1) * 100, "ratios": ratios,
+            "on_cpu_s": statistics.median(on_cpu), "off_cpu_s": statistics.median(off_cpu),
+            "cpu_overhead_pct_median": (statistics.median(cpu_ratios) - 1) * 100,
+            "cpu_overhead_pct_min": (min(cpu_ratios) - 1) * 100, "cpu_overhead_pct_max": (max(cpu_ratios) - 1) * 100,
+            "cpu_ratios": cpu_ratios}
 
 
 def main() -> None:
