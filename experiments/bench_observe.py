@@ -9,8 +9,9 @@ alternating blocks, with call_site() alone timed beside it.
 Per step: train.py run with every observability default on (op log, spans, snapshots, hang
 localization, desync check, signal handlers, straggler windows) and with all of them off, the two
 runs alternating round by round (the first of a pair swaps each round, so drift hits both alike);
-each run's median step time after its warm-up, the on/off ratio per round, and the ratios' median
-and range. --layout single is bench_step's default shape on one rank; --layout demo is make demo's
+each run's median step time after its warm-up and the CPU seconds its ranks spent a step (every
+rank and thread, read from /proc), the on/off ratios per round, and their medians and ranges. With
+more ranks than cores a step's wall time is largely the scheduler's; its CPU time is the work. --layout single is bench_step's default shape on one rank; --layout demo is make demo's
 8-rank job (tp2 pp2 dp2, every MegaScale switch on) under torchrun on this machine's loopback.
 
     .venv/bin/python experiments/bench_observe.py --runs --layout single|demo [--rounds R] [--steps S] [--warmup W]
