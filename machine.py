@@ -157,17 +157,23 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: Optional[flo
     return measured_cpu_peak(dtype), "measured"
 
 
+REUSED_AFTER = 3  # measurements of a dtype's peak before precision=auto reuses the best of them
+
+
 def measured_cpu_peak(dtype: torch.dtype, max_size: int = 2048, reps: int = 5, reuse: bool = False) -> float:
     """A CPU has no datasheet peak that torch reaches, so MFU on CPU divides by the best matmul
     rate measured on this machine at this thread count. The size grows until one matmul takes
     ~50 ms, which bounds the cost (about a second a dtype) even where a dtype is emulated (bf16
     without AVX512-BF16/AMX runs ~1000x slower than fp32). Shared machines are noisy, and a peak
     measured under load would inflate MFU forever, so every run measures again and the cache keeps
-    the best rate seen on this machine. reuse: the cached best where there is one, unmeasured."""
+    the best rate seen on this machine, and how many runs measured it. reuse: the cached best,
+    unmeasured, once REUSED_AFTER runs have measured it (one measurement under load could be far
+    off)."""
     key = f"{platform.node()}|{cpu_model()}|{torch.get_num_threads()}t|{dtype}|torch{torch.__version__}"
     path = cache_dir() / "cpu_peak.json"
     known = json.loads(path.read_text()) if path.exists() else {}
-    if reuse and key in known:
+    samples = known.get("samples", {})
+    if reuse and samples.get(key, 0) >= REUSED_AFTER:
         return known[key]
     size, best = 128, 0.0
     while True:
@@ -182,9 +188,9 @@ def measured_cpu_peak(dtype: torch.dtype, max_size: int = 2048, reps: int = 5, r
         if size >= max_size or min(times) > 0.05:
             break
         size *= 2
-    if best > known.get(key, 0.0):
-        known[key] = best
-        atomic_write(path, json.dumps(known, indent=1))
+    known[key] = max(best, known.get(key, 0.0))
+    known["samples"] = {**samples, key: samples.get(key, 0) + 1}
+    atomic_write(path, json.dumps(known, indent=1))
     return known[key]
 
 
@@ -197,8 +203,9 @@ def bf16_gemm_slowdown() -> float:
 def resolve_precision(precision: str, device: torch.device) -> str:
     """precision=auto: bf16 on CUDA, and on a CPU only where bf16 matmuls are not slower than fp32
     (AVX512-BF16 or AMX). On an AVX2-only CPU bf16 is emulated and ~1000x slower, so fp32 it is.
-    The rates are the cached best ones, measured once per machine, thread count and torch: which
-    dtype is faster is the CPU's instruction set, and measuring both at every start-up cost ~2 s."""
+    The rates are the cached best ones once a few runs have measured them (per machine, thread
+    count and torch): which dtype is faster is the CPU's instruction set, and measuring both at
+    every start-up cost ~2 s."""
     if precision != "auto":
         return precision
     if device.type == "cuda":

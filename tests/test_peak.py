@@ -55,17 +55,20 @@ def test_an_fp32_run_divides_by_the_fp32_peak_unless_tf32_is_on(gpu_node, monkey
     assert machine.peak_tflops(cuda, torch.float32, a100.peak_tflops, a100.peak_tflops_fp32) == (156.0, "config tf32")
 
 
-def test_precision_auto_on_a_cpu_follows_the_cached_best_rates_and_measures_only_without_them(tmp_path, monkeypatch):
+def test_precision_auto_on_a_cpu_follows_the_cached_best_rates_once_a_few_runs_have_measured_them(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
     cpu = torch.device("cpu")
     measured = []
     monkeypatch.setattr(torch, "randn", lambda *a, **k: measured.append(k["dtype"]) or torch.ones(*a, **k))
-    assert machine.resolve_precision("auto", cpu) in ("bf16", "fp32")  # an empty cache: both dtypes measured
-    assert set(measured) == {torch.bfloat16, torch.float32}
+    for _ in range(machine.REUSED_AFTER):  # the first runs measure both dtypes, each keeping the best
+        assert machine.resolve_precision("auto", cpu) in ("bf16", "fp32")
+        assert set(measured) == {torch.bfloat16, torch.float32}
+        measured.clear()
     cached = json.loads((tmp_path / "cpu_peak.json").read_text())
+    assert sorted(cached["samples"].values()) == [machine.REUSED_AFTER] * 2
+    key = lambda dtype: next(k for k in cached["samples"] if k.split("|")[3] == str(dtype))
     for faster, slower, want in ((torch.bfloat16, torch.float32, "bf16"), (torch.float32, torch.bfloat16, "fp32")):
-        key = lambda dtype: next(k for k in cached if k.split("|")[3] == str(dtype))
         cached[key(faster)], cached[key(slower)] = 2.0, 1.0
         (tmp_path / "cpu_peak.json").write_text(json.dumps(cached))
-        measured.clear()
-        assert machine.resolve_precision("auto", cpu) == want and measured == []
+        assert machine.resolve_precision("auto", cpu) == want and measured == []  # then reused, unmeasured
+    assert machine.measured_cpu_peak(torch.float32) == 2.0 and measured  # MFU's peak measures every run
