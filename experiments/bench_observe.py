@@ -2,7 +2,8 @@
 
 Per op: the op log's wrapper (observe.Recorder: the post's bookkeeping, the call site, the hash,
 the wait's times) on a 1-rank gloo all_reduce of a small tensor, wrapped and unwrapped in
-alternating blocks, with call_site() alone timed beside it.
+alternating blocks; the same wrapper around a stand-in collective that returns at once (its own
+cost, which the real op's tens of microseconds of noise hide); call_site() and a wait's span alone.
 
     .venv/bin/python experiments/bench_observe.py [--rounds 30] [--ops 2000]
 
@@ -59,6 +60,46 @@ def call_site_cost(ops: int) -> float:
     start = time.perf_counter()
     for _ in range(ops):
         observe.call_site()
+    return (time.perf_counter() - start) / ops
+
+
+class _Done:
+    """The work of a collective that has completed."""
+
+    def wait(self, timeout=None):
+        return True
+
+
+def _returns_at_once(*args, **kwargs):
+    return _Done() if kwargs.get("async_op") else None
+
+
+def wrapper_cost(recorder, tensor: torch.Tensor, ops: int, rounds: int) -> dict:
+    """The op log's own seconds per op (blocking; asynchronous with its wait) and per wait's span:
+    the wrapper around a collective that returns at once, less that collective alone."""
+    wrapped = recorder._wrap("all_reduce", _returns_at_once)
+    out = {}
+    for name, async_op in (("blocking", False), ("async", True)):
+        deltas = []
+        for _ in range(rounds):
+            deltas.append(block_of(wrapped, ops, tensor, async_op) - block_of(_returns_at_once, ops, tensor, async_op))
+        out[name] = quantiles(deltas)
+    spans = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(ops):
+            recorder.wait_span("comm", time.time(), 0.001)
+        spans.append((time.perf_counter() - start) / ops)
+    out["span"] = quantiles(spans)
+    return out
+
+
+def block_of(post, ops: int, tensor: torch.Tensor, async_op: bool) -> float:
+    start = time.perf_counter()
+    for _ in range(ops):
+        work = post(tensor, async_op=async_op)
+        if async_op:
+            work.wait()
     return (time.perf_counter() - start) / ops
 
 
@@ -197,6 +238,7 @@ def main() -> None:
             deltas.append(wrapped - bare)
         result["async" if async_op else "blocking"] = {"bare_us": bare * 1e6, **quantiles(deltas)}
     result["call_site"] = quantiles([call_site_cost(args.ops) for _ in range(args.rounds)])
+    result["wrapper"] = wrapper_cost(recorder, tensor, args.ops, args.rounds)
     result.update(ops=args.ops)
     dist.destroy_process_group()
     record(result, args)
