@@ -1,4 +1,4 @@
-"""Stragglers named as culprits (stragglers.py): a rank slowed by slow:RANK@1.3 is the only one
+"""Stragglers named as culprits (stragglers.py): a rank slowed by slow:RANK@1.5 is the only one
 flagged, its waiting peer and a rank with a one-step spike are not, a pipeline whose last stage
 does more work flags no one, and in a pipeline of single-rank dp groups the slowed stage is named
 from its compute over the performance model's prediction; offline, a replay prices it. Three short
@@ -20,10 +20,12 @@ PIPELINE = ["parallel.pp=2", "parallel.microbatches=2"]
 
 @pytest.fixture(scope="module")
 def slowed_run(tmp_path_factory, cache_dir):
-    """2 dp ranks: rank 1 computes 1.3x as long every step, rank 0 ten times as long in one step."""
+    """2 dp ranks: rank 1 computes 1.5x as long every step, rank 0 ten times as long in one step.
+    1.5, not 1.3: on 2 shared cores a 5-step window's compute ratio reads 1.15-1.46 for a 1.3x slowing
+    (measured beside 3 busy processes), so 1.3 against the 1.2 threshold missed 3 windows of 4 at times."""
     run_dir = tmp_path_factory.mktemp("slowed")
     run_train(run_dir, SMALL + WINDOW + ["parallel.dp=2", "train.max_steps=50"], cache_dir, nproc=2,
-              MEGAREPRO_FAULT=f"slow:1@1.3,spike:0@{SPIKE_STEP}")
+              MEGAREPRO_FAULT=f"slow:1@1.5,spike:0@{SPIKE_STEP}")
     return run_dir
 
 
@@ -40,10 +42,10 @@ def pipeline_run(tmp_path_factory, cache_dir):
 @pytest.fixture(scope="module")
 def slowed_pipeline_run(tmp_path_factory, cache_dir):
     """pp 2, dp 1 (every dp group one rank): the first stage, which the model predicts the lighter,
-    computes 1.3x as long every step."""
+    computes 1.5x as long every step (its normalised compute reads 1.24-1.57 at 1.3x beside 3 busy processes)."""
     run_dir = tmp_path_factory.mktemp("slowed_pipeline")
     run_train(run_dir, SMALL + WINDOW + PIPELINE + ["train.max_steps=30"], cache_dir, nproc=2,
-              MEGAREPRO_FAULT="slow:0@1.3")
+              MEGAREPRO_FAULT="slow:0@1.5")
     return run_dir
 
 
@@ -64,7 +66,7 @@ def test_a_slowed_rank_is_the_only_one_flagged_and_its_waiting_peer_and_a_spike_
     median = lambda rank, key: statistics.median(w[key] for w in windows[rank])
     assert median(0, "wait_s") > median(1, "wait_s") and median(1, "compute_s") > median(0, "compute_s")
     last = [v for row in rows for v in row.get("straggler_verdicts", [])][-1]
-    assert last["slowdown"] > 1.2 and 0 < last["cost_pct"] < 100
+    assert last["slowdown"] > 1.3 and 0 < last["cost_pct"] < 100
 
 
 def test_the_diagnosis_lists_the_culprit_and_draws_the_heat_map(slowed_run):
