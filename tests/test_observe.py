@@ -1,7 +1,7 @@
 """Observability (observe.py): the op log and spans every rank writes with its heartbeat, and the
 root of a hang named from them. One real torchrun job on 2 gloo pipeline ranks serves the
-injected faults that restart it: a skipped collective in the first attempt, a rank busy outside communication in
-the second, and the third finishes the run from the newest checkpoint."""
+injected faults that restart it: a skipped collective in the first attempt, a rank busy outside
+communication in the second, and the third finishes the run from the newest checkpoint."""
 import json
 import os
 import subprocess
