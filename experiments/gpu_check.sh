@@ -9,16 +9,17 @@
 #     bash experiments/gpu_check.sh OUT_DIR [NANOGPT_DIR]
 #     PARTS=efficiency bash experiments/gpu_check.sh OUT_DIR NANOGPT_DIR     # the efficiency checks alone
 #
-# PARTS (default "tests bench") picks what runs: tests, tests/test_cuda.py; bench, bench_step at its
-# default shape; efficiency, the per-GPU efficiency checks (~6 min on an H100 without the CUDA
-# graphs' checks, which add at most 5 min, their time limits): what the step dispatches
-# (bench_step --count), bench_step against nanoGPT at nanoGPT's GPT-2 124M configuration and at
-# bench_step's default shape, bf16, eager and compiled, then one transformer layer forward
-# and backward at GPT-3 175B's TP8 slice (experiments/bench_layer.py) against the H100's peak and
-# perfmodel's per-layer compute time, and the LayerNorm-under-autocast test; and the step recorded
-# as CUDA graphs (train.compile_mode=reduce-overhead): train.py's losses against the CPU run's and
-# its resume (tests/test_cuda.py), then bench_step's `ours+graphs` against the compiled step at
-# the launch-bound shape and the default one, and what each dispatches.
+# PARTS (default "tests bench sync memory") picks what runs: tests, tests/test_cuda.py; bench,
+# bench_step at its default shape; sync, the host-sync check; memory, the fragmentation runs;
+# efficiency, the per-GPU efficiency checks (~6 min on an H100 without the CUDA graphs' checks,
+# which add at most 5 min, their time limits): one transformer layer forward and backward at GPT-3
+# 175B's TP8 slice (experiments/bench_layer.py) against the GPU's peak and perfmodel's per-layer
+# compute time, bench_step against nanoGPT at nanoGPT's GPT-2 124M configuration and at
+# bench_step's default shape, bf16, eager and compiled, what the step dispatches (bench_step
+# --count) and the LayerNorm-under-autocast test; then the step recorded as CUDA graphs
+# (train.compile_mode=reduce-overhead): train.py's losses against the CPU run's and its resume
+# (tests/test_cuda.py), bench_step's `ours+graphs` against the compiled step at the launch-bound
+# shape, and what it dispatches.
 #
 # Each part runs under its own time limit (TEST_TIMEOUT, BENCH_TIMEOUT, MEMORY_TIMEOUT seconds) so that a hang
 # still leaves the other's log; the logs and the versions seen go to OUT_DIR. On an H100 (16 cores)
@@ -32,22 +33,26 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$python" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   git rev-parse --short HEAD 2>/dev/null; } 2>&1 | tee "$out/versions.txt"
-parts=" ${PARTS:-tests bench} "
+parts=" ${PARTS:-tests bench sync memory} "
 if [[ $parts == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-600}" "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider --durations=8 2>&1 \
       | tee "$out/test_cuda.log"
 fi
 if [[ $parts == *" efficiency "* ]]; then
-  timeout 60 "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider -k layer_norm 2>&1 | tee "$out/test_layer_norm.log"
-  timeout 150 "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider -k cudagraphs 2>&1 | tee "$out/test_cudagraphs.log"
+  # what the issue of per-GPU efficiency asks for first (the layer against the peak and the model,
+  # the GPT-2 124M and default shapes against nanoGPT), then the counts and the CUDA graphs' checks
   timeout 90 "$python" experiments/bench_layer.py --device cuda 2>&1 | tee "$out/bench_layer.log"
   if [ -n "$nanogpt" ]; then
-    timeout 60 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --count --dtype bf16 --compile eager \
-        --steps 5 --warmup 2 2>&1 | tee "$out/bench_step_count.log"
     timeout 150 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --shape gpt2 --dtype bf16 \
         --compile both --no-loop --rounds 2 --steps 5 --warmup 3 2>&1 | tee "$out/bench_step_gpt2.log"
     timeout 120 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --dtype bf16 --compile both \
         --variants graphs --no-loop --rounds 2 --steps 10 --warmup 3 2>&1 | tee "$out/bench_step_issue.log"
+    timeout 60 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --count --dtype bf16 --compile eager \
+        --steps 5 --warmup 2 2>&1 | tee "$out/bench_step_count.log"
+  fi
+  timeout 60 "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider -k layer_norm 2>&1 | tee "$out/test_layer_norm.log"
+  timeout 150 "$python" -m pytest tests/test_cuda.py -q -p no:cacheprovider -k cudagraphs 2>&1 | tee "$out/test_cudagraphs.log"
+  if [ -n "$nanogpt" ]; then
     timeout 90 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --shape launch --dtype bf16 \
         --compile compiled --variants graphs --no-loop --rounds 2 --steps 20 --warmup 3 2>&1 | tee "$out/bench_step_launch.log"
     timeout 60 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --shape launch --count --dtype bf16 \
@@ -61,7 +66,10 @@ fi
 
 # Host syncs: a few LAMB steps (with clipping, the loader's pinned batch and agree) under
 # torch.cuda.set_sync_debug_mode("error"), which raises at any copy or read that waits for the GPU.
-timeout "${SYNC_TIMEOUT:-120}" "$python" experiments/host_sync_check.py --device cuda 2>&1 | tee "$out/host_sync_check.log"
+if [[ $parts == *" sync "* ]]; then
+  timeout "${SYNC_TIMEOUT:-120}" "$python" experiments/host_sync_check.py --device cuda 2>&1 | tee "$out/host_sync_check.log"
+fi
+[[ $parts == *" memory "* ]] || exit 0
 
 # Fragmentation: GPT-3 Small at seq 2048 with the materialized softmax, bf16, eager (what is
 # allocated is then what the ledger counts), 20 steps; memory.json has, per setting, the total CUDA
