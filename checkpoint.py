@@ -424,11 +424,17 @@ def _storage_failure(e: BaseException) -> bool:
 
 
 class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer, with ft.py's injected faults: an error (a full disk) or a delay."""
+    """DCP's file writer, with ft.py's injected faults (an error: a full disk; or a delay), which
+    keeps the names of the files this rank wrote."""
 
     def __init__(self, folder: Path, error: Optional[OSError] = None, delay: float = 0.0):
         super().__init__(folder, sync_files=True)
         self.error, self.delay = error, delay
+        self.coordinator, self.results = False, None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.coordinator = is_coordinator
 
     def write_data(self, plan, planner):
         if self.delay:
@@ -436,24 +442,32 @@ class _Writer(dcp.FileSystemWriter):
             time.sleep(self.delay)
         if self.error is not None:
             raise self.error
-        return super().write_data(plan, planner)
+        self.results = super().write_data(plan, planner)
+        return self.results
+
+    def own_files(self) -> list:
+        """This rank's files (__<rank>_<n>.distcp; the coordinator's also .metadata), from its own
+        write results: whether DCP's returned metadata lists every rank's files differs by torch
+        version (2.11 returns it without them), and no rank lists a folder of a file per rank."""
+        names = {result.storage_data.relative_path for result in self.results.wait()}
+        return sorted(names) + [".metadata"] * self.coordinator
 
 
-def write_dcp(folder: Path, state: dict, group=None, error: Optional[OSError] = None, delay: float = 0.0):
-    """DCP save by every rank of the group (one process when not distributed); returns DCP's
-    metadata of the whole checkpoint, which every rank receives."""
+def write_dcp(folder: Path, state: dict, group=None, error: Optional[OSError] = None, delay: float = 0.0) -> list:
+    """DCP save by every rank of the group (one process when not distributed); returns the files
+    this rank wrote."""
     folder.mkdir(parents=True, exist_ok=True)
     for blob in state.values():
         if isinstance(blob, io.BytesIO):
             blob.seek(0)
-    return _dcp(dcp.save, state, storage_writer=_Writer(folder, error, delay), planner=_SavePlanner(),
-                process_group=group)
+    writer = _Writer(folder, error, delay)
+    _dcp(dcp.save, state, storage_writer=writer, planner=_SavePlanner(), process_group=group)
+    return writer.own_files()
 
 
-def own_files(written, rank: int) -> list:
-    """The files rank `rank` wrote (__<rank>_<n>.distcp; rank 0 also .metadata), from DCP's
-    metadata of the checkpoint: no rank lists a folder that holds a file per rank."""
-    names = {info.relative_path for info in written.storage_data.values()}
+def own_files(metadata, rank: int) -> list:
+    """The files rank `rank` wrote, from a saved checkpoint's metadata (.metadata)."""
+    names = {info.relative_path for info in metadata.storage_data.values()}
     return sorted(n for n in names if n.startswith(f"__{rank}_")) + [".metadata"] * (rank == 0)
 
 
@@ -461,14 +475,15 @@ def file_digests(folder: Path, names: list) -> dict:
     return {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
 
 
-def mark_complete_together(folder: Path, group=None, written=None) -> None:
-    """Every rank of the group hashes the files it wrote (`written`: DCP's metadata of the save;
-    None: read from the folder), at once, and rank 0, alone, gathers the digests and writes the
-    manifest: at 175B a checkpoint is ~2 TB, which one rank alone would read for longer than the
-    hang and collective timeouts allow."""
+def mark_complete_together(folder: Path, group=None, written: Optional[list] = None) -> None:
+    """Every rank of the group hashes the files it wrote (`written`: their names, as write_dcp
+    returns them; None: read from the folder's metadata), at once, and rank 0, alone, gathers the
+    digests and writes the manifest: at 175B a checkpoint is ~2 TB, which one rank alone would read
+    for longer than the hang and collective timeouts allow."""
     rank = dist.get_rank(group) if group is not None else 0
-    written = written if written is not None else dcp.FileSystemReader(folder).read_metadata()
-    mine = file_digests(folder, own_files(written, dist.get_rank() if group is not None else 0))
+    if written is None:
+        written = own_files(dcp.FileSystemReader(folder).read_metadata(), dist.get_rank() if group is not None else 0)
+    mine = file_digests(folder, written)
     everyone = [mine]
     if group is not None:
         everyone = [None] * dist.get_world_size(group) if rank == 0 else None

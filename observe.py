@@ -208,8 +208,10 @@ class Recorder:
 
     def install(self) -> None:
         for name in list(COLLECTIVES) + list(POINT_TO_POINT):
-            self._saved[name] = original = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, original))
+            original = getattr(dist, name, None)  # (all_gather_single and reduce_scatter_single are torch 2.13's)
+            if original is not None:
+                self._saved[name] = original
+                setattr(dist, name, self._wrap(name, original))
 
     def uninstall(self) -> None:
         for name, fn in self._saved.items():

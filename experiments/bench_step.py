@@ -400,31 +400,39 @@ SHARED_KERNELS = ("aten::mm", "aten::_scaled_dot_product_flash_attention", "aten
 
 
 def profile_tables(args, rows: int = 12) -> str:
-    """torch.profiler's table by op (self CPU time) of each contender's steady steps, eager: where
-    ours spends what nanoGPT does not."""
+    """torch.profiler's table by op of each contender's steady steps (eager unless --compile compiled;
+    the first --dtype): on a CPU by self CPU time, on CUDA by the kernels' own GPU time, where ours
+    spends what nanoGPT does not."""
     from torch.profiler import ProfilerActivity, profile
     shape, out, shared, totals = shape_of(args.shape), [], {}, {}
-    dtype = args.dtype.split(",")[0]
-    contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], False),
-                  "ours": our_stepper(shape, dtype, False)}
+    dtype, compiled = args.dtype.split(",")[0], args.compile == "compiled"
+    cuda = DEVICE.type == "cuda"
+    contenders = {"nanogpt": nanogpt_stepper(args.nanogpt, shape, DTYPES[dtype], compiled),
+                  "ours": our_stepper(shape, dtype, compiled)}
     if "fused" in args.variants:
-        contenders["ours+fused"] = our_stepper(shape, dtype, False, extra=("kernels.fused=true",))
+        contenders["ours+fused"] = our_stepper(shape, dtype, compiled, extra=("kernels.fused=true",))
+    if "rope" in args.variants:
+        contenders["ours-rope"] = our_stepper(shape, dtype, compiled, rope=False)
+    own = "self_device_time_total" if cuda else "self_cpu_time_total"
     for name, step in contenders.items():
         timed(step, 0, args.warmup)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             timed(step, args.steps, 0)
-        per_step = sum(e.self_cpu_time_total for e in prof.key_averages()) / args.steps / 1e3
-        shared[name] = sum(e.self_cpu_time_total for e in prof.key_averages()
-                           if e.key.startswith(SHARED_KERNELS)) / args.steps / 1e3
+        events = prof.key_averages()
+        # on CUDA the kernels' own rows (an op's row counts its kernels' time again)
+        per_step = sum(getattr(e, own) for e in events
+                       if not cuda or e.device_type == torch.autograd.DeviceType.CUDA) / args.steps / 1e3
+        shared[name] = sum(getattr(e, own) for e in events if e.key.startswith(SHARED_KERNELS)) / args.steps / 1e3
         totals[name] = per_step
-        out.append(f"### {name} ({dtype}, eager): {per_step:,.0f} ms of CPU time per step, {shared[name]:,.0f} of them in "
-                   f"the kernels both models run (matmuls, SDPA, GeLU, LayerNorm, embedding, loss), by op\n\n"
-                   + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
-    # From nanoGPT's profile alone, so that the machine's drift between the two blocks stays out of it.
-    out.append(f"Ceiling: the kernels both models run take {shared['nanogpt']:,.0f} ms of nanoGPT's {totals['nanogpt']:,.0f} "
-               f"ms step; a step that ran only them would be {totals['nanogpt'] / shared['nanogpt']:.2f}x nanoGPT here. "
-               f"Beyond them ours spends {totals['ours'] - shared['ours']:,.0f} ms a step, nanoGPT "
-               f"{totals['nanogpt'] - shared['nanogpt']:,.0f}.")
+        where = "GPU kernel time" if cuda else "CPU time"
+        out.append(f"### {name} ({dtype}, {args.compile if compiled else 'eager'}): {per_step:,.2f} ms of {where} per "
+                   f"step, {shared[name]:,.2f} of them in the kernels both models run (matmuls, SDPA, GeLU, LayerNorm, "
+                   f"embedding, loss; eager names), by op\n\n" + events.table(sort_by=own, row_limit=rows))
+    if shared["nanogpt"]:  # from nanoGPT's profile alone, so that drift between the two blocks stays out of it
+        out.append(f"Ceiling: the kernels both models run take {shared['nanogpt']:,.2f} ms of nanoGPT's "
+                   f"{totals['nanogpt']:,.2f} ms step; a step that ran only them would be "
+                   f"{totals['nanogpt'] / shared['nanogpt']:.2f}x nanoGPT here. Beyond them ours spends "
+                   f"{totals['ours'] - shared['ours']:,.2f} ms a step, nanoGPT {totals['nanogpt'] - shared['nanogpt']:,.2f}.")
     return "\n\n".join(out)
 
 
@@ -596,7 +604,7 @@ def main(argv=None) -> int:
                    "autograd Python calls, hooks, Python frames; forward, backward, optimizer apart), eager and compiled, beside "
                    "its step time (the first --dtype)")
     p.add_argument("--profile", action="store_true", help="instead of timing: torch.profiler's table by op of "
-                   "nanoGPT's and our step (eager, the first --dtype)")
+                   "nanoGPT's and our step (the first --dtype; eager unless --compile compiled)")
     args = p.parse_args(argv)
     if not (args.nanogpt / "model.py").is_file():
         print(f"bench_step: --nanogpt {args.nanogpt} has no model.py. Fix: git clone https://github.com/karpathy/nanoGPT "
