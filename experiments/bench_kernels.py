@@ -164,8 +164,14 @@ def fused_ops(args, dtype):
     def heads_rope(fused):  # the projection's heads, q and k rotated; eager: the written-out op
         return forward_backward(lambda z: kernels.heads_with_rope(z, head_dim, cos, sin), [qkv], compiled=fused is True)
 
+    def heads_rope_derived(fused):  # the plain ops compiled with autograd's derived backward: the alternative not taken
+        if fused is not True:
+            return heads_rope(fused)
+        return forward_backward(lambda z: kernels._heads_then_rope(z, head_dim, cos, sin), [qkv], compiled=True)
+
     return {"LayerNorm, compiled (unused)": ln_compiled, "LN+residual": add_ln, "bias+GeLU (4h)": gelu, "LN+GeLU": ln_gelu,
-            f"cross-entropy ({rows}x{args.vocab})": ce, f"heads+RoPE (head_dim {head_dim})": heads_rope}
+            f"cross-entropy ({rows}x{args.vocab})": ce, f"heads+RoPE (head_dim {head_dim})": heads_rope,
+            "heads+RoPE, plain ops compiled (unused)": heads_rope_derived}
 
 
 def fused_values(args) -> list:
