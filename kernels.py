@@ -449,12 +449,12 @@ class _HeadsWithRopeTraced(torch.autograd.Function):
     [B, H, T, D], as v is); backward, one pass writing the projection's gradient, q and k's inverse
     rotation beside v's gradient. Autograd's derived backward of _heads_then_rope assembles the same
     gradient from slice_backward pieces and a stack of q, k and v's [B, H, T, D] gradients, which
-    inductor writes to an intermediate buffer. On an H200, bf16, at nanoGPT's GPT-2 124M shape, the
-    compiled step ran 0.97x nanoGPT's with this against 0.94-0.95x with the plain ops (1.01x without
-    RoPE). The rotation is written with roll rather than a cat of halves: a cat inside the backward's
-    cat makes inductor write each rotated gradient before copying it. On a CPU inductor's C++ loops do
-    not vectorize roll's indexing, so there the plain ops compile 1.25x faster (bf16, one thread);
-    a CPU runs eager by default (train.compile=auto)."""
+    inductor writes to an intermediate buffer: on an H200 (bf16, nanoGPT's GPT-2 124M shape) the
+    compiled step runs at 0.97x nanoGPT's with this and 0.94-0.95x with the plain ops, 1.01x without
+    RoPE (experiments/results/bench_step.md). The rotation uses roll, not a cat of halves: a cat
+    inside the backward's cat makes inductor write each rotated gradient before copying it. On a CPU
+    inductor's C++ loops do not vectorize roll's indexing, and the plain ops compile 1.25x faster
+    there (bf16, one thread); a CPU runs eager by default (train.compile=auto)."""
 
     @staticmethod
     def forward(ctx, qkv, head_dim, cos, sin):
