@@ -424,8 +424,7 @@ def _storage_failure(e: BaseException) -> bool:
 
 
 class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer, with ft.py's injected faults (an error: a full disk; or a delay), which
-    keeps the names of the files this rank wrote."""
+    """DCP's file writer, keeping the names of this rank's files, with ft.py's faults (an error, a delay)."""
 
     def __init__(self, folder: Path, error: Optional[OSError] = None, delay: float = 0.0):
         super().__init__(folder, sync_files=True)
@@ -446,9 +445,9 @@ class _Writer(dcp.FileSystemWriter):
         return self.results
 
     def own_files(self) -> list:
-        """This rank's files (__<rank>_<n>.distcp; the coordinator's also .metadata), from its own
-        write results: whether DCP's returned metadata lists every rank's files differs by torch
-        version (2.11 returns it without them), and no rank lists a folder of a file per rank."""
+        """This rank's files (__<rank>_<n>.distcp; the coordinator's also .metadata), from its own write
+        results: no rank lists a folder of a file per rank, and the metadata dcp.save returns lists
+        every rank's files on some torch versions only (2.11 returns it without them)."""
         names = {result.storage_data.relative_path for result in self.results.wait()}
         return sorted(names) + [".metadata"] * self.coordinator
 
