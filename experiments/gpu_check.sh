@@ -39,8 +39,8 @@ if [[ $parts == *" tests "* ]]; then
       | tee "$out/test_cuda.log"
 fi
 if [[ $parts == *" efficiency "* ]]; then
-  # what the issue of per-GPU efficiency asks for first (the layer against the peak and the model,
-  # the GPT-2 124M and default shapes against nanoGPT), then the counts and the CUDA graphs' checks
+  # the headline figures first (the layer against the peak and the model, the GPT-2 124M and
+  # default shapes against nanoGPT), then the counts and the CUDA graphs' checks
   timeout 90 "$python" experiments/bench_layer.py --device cuda 2>&1 | tee "$out/bench_layer.log"
   if [ -n "$nanogpt" ]; then
     timeout 150 "$python" experiments/bench_step.py --nanogpt "$nanogpt" --device cuda --shape gpt2 --dtype bf16 \
