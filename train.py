@@ -49,10 +49,10 @@ from errors import ConfigError, fail
 from model import GPT, count_params, flops_per_token, matmul_params
 
 # The imports above leave ~300k objects that live as long as the process (torch, DCP, dynamo).
-# Python's collector walks every one at each full collection: several while they are imported
-# (0.3-0.6 s of a rank's 2.6 s start-up on a CPU core), then 0.1 s or more in each of the run's
-# periodic collections (ft.CollectGarbage) and in the last one at shutdown (launch.shutdown), on
-# every rank. Frozen, they are skipped: later collections walk only what the run itself made.
+# Python's collector would walk every one at each full collection: several during the imports,
+# then each of the run's periodic collections (ft.CollectGarbage) and the last one at shutdown
+# (launch.shutdown), on every rank. Frozen, they are skipped: later collections walk only what the
+# run itself made (experiments/results/startup.md measures both).
 gc.freeze()
 if _GC_WAS_ENABLED:
     gc.enable()
