@@ -533,3 +533,16 @@ def launcher_world(overrides: List[str]) -> Optional[int]:
         return None
     return int(launcher.nodes) * int(launcher.tasks_per_node)
 
+
+
+if __name__ == "__main__":
+    # `python config.py --world N OVERRIDES...`: compose and validate a job as its N ranks will, on
+    # the host that launches them (experiments/slurm/train.sbatch, before srun), so a layout that
+    # does not fit N ranks is one line before any rank starts. Exit 0 and a line of what was checked.
+    import argparse
+    parser = argparse.ArgumentParser(description="Check a job's config for a launch of N ranks.")
+    parser.add_argument("--world", type=int, required=True, help="the ranks the launch will start")
+    known, rest = parser.parse_known_args()
+    register()
+    jobs = preflight(rest, remote_world=known.world)
+    print(f"preflight: {len(jobs)} job(s) valid on {known.world} ranks")

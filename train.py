@@ -70,8 +70,7 @@ def main(dict_cfg) -> float:
     try:
         config.validate(cfg)
     except ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
-        print(err, file=sys.stderr)
-        sys.exit(2)
+        fail(str(err))
     if cfg.rehearse.rank >= 0:  # one rank of a rehearsal (clustermodel/rehearsal.py), in its own process
         from clustermodel import rehearsal
         rehearsal.rehearse_rank(cfg, cfg.rehearse.rank, cfg.rehearse.world, Path(cfg.rehearse.out))

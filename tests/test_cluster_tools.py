@@ -343,6 +343,45 @@ def test_sbatch_training_job_requeues_on_preemption_and_resumes(local_slurm, tmp
     assert_resumed_from_the_stop_step(run_dir, uninterrupted, text)
 
 
+BAD_LAYOUT = ["model=tiny", "data.tokenizer=bytes", "model.vocab_size=257", "parallel.tp=2", "parallel.dp=2"]
+BAD_LAYOUT_LINE = "config error: parallel.tp: tp=2 must divide"
+# srun's own tasks as ranks, task 0 started 8 s after the others (a sitecustomize only it runs), and
+# srun ending the step's other tasks as soon as one exits with an error
+SRUN_TASKS = """#!/bin/bash
+#SBATCH --job-name=megarepro-bad-input --ntasks=4 --overcommit --time=5
+export OMP_NUM_THREADS=1 PYTHONPATH={site}
+srun --kill-on-bad-exit=1 --overcommit {python} train.py {args} hydra.run.dir={run_dir}
+"""
+
+
+@pytest.mark.slurm
+def test_bad_input_under_slurm_is_one_line(local_slurm, tmp_path, cache_dir):
+    """A layout that does not fit 4 ranks. Through train.sbatch: its preflight says so in one line
+    before srun starts a torchrun (the job's ranks never start). As srun's own 4 tasks, task 0 the
+    last to find it: the line is printed once, not lost when srun ends the other tasks."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import os, time\nif os.environ.get("SLURM_PROCID") == "0":\n    time.sleep(8)\n')
+    script = tmp_path / "tasks.sbatch"
+    script.write_text(SRUN_TASKS.format(site=site, python=sys.executable, args=" ".join(BAD_LAYOUT),
+                                        run_dir=tmp_path / "tasks"))
+    env = dict(os.environ, PYTHON=sys.executable, NPROC="4", RUN_DIR=str(tmp_path / "sbatch"),
+               MEGAREPRO_CACHE=str(cache_dir), HF_DATASETS_OFFLINE="1")
+    jobs = {}
+    for name, job in (("sbatch", [f"--gpus-per-node=0", "--time=5", str(TRAIN_SBATCH), *BAD_LAYOUT]),
+                      ("tasks", [str(script)])):
+        output = tmp_path / f"{name}.out"
+        job_id = subprocess.run(["sbatch", "--parsable", f"--output={output}", f"--chdir={REPO}", *job],
+                                capture_output=True, text=True, check=True, timeout=30, env=env).stdout.strip()
+        jobs[name] = (job_id.split(";")[0], output)
+    for name, (job_id, output) in jobs.items():
+        state, text = wait_for_job(job_id, 240), output.read_text()
+        assert "JobState=FAILED" in state, state + text[-3000:]  # srun's code is its killed tasks' (143)
+        assert text.count(BAD_LAYOUT_LINE) == 1, text[-3000:]
+    sbatch = jobs["sbatch"][1].read_text()
+    assert "torch.distributed" not in sbatch and "ExitCode=2:0" in wait_for_job(jobs["sbatch"][0], 10), sbatch
+
+
 @pytest.mark.slurm
 def test_submitit_multirun_runs_each_job_as_slurm_tasks(local_slurm, tmp_path, cache_dir):
     """hydra/launcher=submitit_slurm: a 2-step ablation multirun, each job one SLURM job of 2 tasks

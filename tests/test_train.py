@@ -225,14 +225,72 @@ def test_precision_auto_is_rank_0s_decision_on_every_rank(tmp_path):
 
 def test_a_slurm_job_with_fewer_tasks_than_the_layout_is_one_line(tmp_path, cache_dir):
     """srun gave 2 tasks to a layout of 4 ranks: task 0 says so in one line, every task exits 2
-    (train.py reads SLURM_NTASKS and SLURM_PROCID itself, as under srun without torchrun)."""
-    slurm = {"SLURM_NTASKS": 2, "SLURM_LOCALID": 0, "SLURM_JOB_ID": 77, "SLURM_JOB_NODELIST": "localhost"}
-    for task, says in ((0, True), (1, False)):
-        proc = run_train(tmp_path, ["parallel=tp2_pp2"], cache_dir, check=False, SLURM_PROCID=task, **slurm)
-        assert proc.returncode == 2, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == int(says), proc.stderr
-        assert not says or ("parallel" in lines[0] and "world size is 2" in lines[0] and "Fix:" in lines[0])
+    (train.py reads SLURM_NTASKS and SLURM_PROCID itself, as under srun without torchrun). The two
+    tasks run side by side, as srun starts them: task 1 waits for task 0's line, then exits silently."""
+    import subprocess
+    import sys
+    from conftest import ROOT, train_env
+    slurm = {"SLURM_NTASKS": 2, "SLURM_JOB_ID": 77, "SLURM_STEP_ID": tmp_path.name, "SLURM_JOB_NODELIST": "localhost"}
+    tasks = [subprocess.Popen([sys.executable, "train.py", "parallel=tp2_pp2", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                              env=train_env(cache_dir, SLURM_PROCID=task, SLURM_LOCALID=task, **slurm),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for task in (0, 1)]
+    (_, said), (_, silent) = [task.communicate(timeout=120) for task in tasks]
+    assert [task.returncode for task in tasks] == [2, 2], said + silent
+    lines = said.strip().splitlines()
+    assert len(lines) == 1 and silent.strip() == "", said + silent
+    assert "parallel" in lines[0] and "world size is 2" in lines[0] and "Fix:" in lines[0]
+
+
+BAD_LAYOUT = ["model=tiny", "data.tokenizer=bytes", "model.vocab_size=257", "parallel.tp=2", "parallel.dp=2"]
+BAD_LAYOUT_LINE = "config error: parallel.tp: tp=2 must divide"
+
+
+def test_bad_input_under_torchrun_is_one_line_when_rank_0_is_the_last_to_fail(tmp_path, cache_dir):
+    """4 ranks under a real torchrun, rank 0 started 8 s late (a sitecustomize that only rank 0
+    runs): ranks 1-3 find the bad layout first. If they exited, torchrun's agent would end rank 0
+    before it printed (the line was lost in about one launch in five without the delay, every time
+    with it); they wait for its line instead, and the user reads it exactly once."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import os, time\nif os.environ.get("LOCAL_RANK") == "0":\n    time.sleep(8)\n')
+    pythonpath = os.pathsep.join([str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = run_train(tmp_path / "run", BAD_LAYOUT, cache_dir, nproc=4, check=False, launch="real", timeout=300,
+                     PYTHONPATH=pythonpath)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 2" in out, out[-3000:]
+    assert out.count(BAD_LAYOUT_LINE) == 1, out[-3000:]
+
+
+@pytest.mark.parametrize("rank, local_rank, leader_done, says", [
+    (0, 0, False, True),    # rank 0 says it
+    (3, 1, True, False),    # its node's first rank said it: silent
+    (3, 1, False, True),    # its node's first rank never did (a setting bad on this rank alone)
+    (8, 0, False, True),    # another node's first rank, still running after the wait: says it
+])
+def test_which_rank_prints_bad_input(monkeypatch, capsys, rank, local_rank, leader_done, says):
+    """errors.fail in one process, as each kind of rank of a launch of 16 runs it (the waits cut to
+    a moment): the line is printed by rank 0, or by a rank whose node's first rank did not print."""
+    import errors
+    monkeypatch.setattr(errors, "SPEAKER_WAIT_S", 0.2)
+    for var in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("MASTER_PORT", f"{os.getpid()}{rank}{local_rank}{int(leader_done)}")  # this case's launch
+    monkeypatch.setenv("RANK", "0")
+    marker = errors._marker()
+    if leader_done:
+        open(marker, "w").close()
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            errors.fail("config error: k: bad. Fix: good")
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == ("config error: k: bad. Fix: good\n" if says else "")
+        assert os.path.exists(marker) == (leader_done or local_rank == 0)  # a node's first rank marks its line
+    finally:
+        if os.path.exists(marker):
+            os.remove(marker)
 
 
 @pytest.mark.parametrize("env, ranks", [
