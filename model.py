@@ -49,14 +49,43 @@ class ModelConfig:
     block: str = "sequential"     # sequential | parallel (PTB)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     mlp_ratio: int = 4
+    # The MLP's inner width; None: mlp_ratio * d_model. With swiglu it is the width of each of the
+    # gate and up projections (Llama's intermediate_size).
+    ffn_hidden_size: Optional[int] = None
+    norm: str = "layernorm"       # layernorm (GPT) | rmsnorm (Llama)
+    mlp: str = "gelu"             # gelu (GPT) | swiglu (Llama: fc_out(silu(gate) * up))
+    # Grouped-query attention: heads of k and v, each shared by n_heads/n_kv_heads query heads.
+    # None: n_heads (multi-head attention); 1: multi-query attention.
+    n_kv_heads: Optional[int] = None
     rope_theta: float = 10000.0
-    bias: bool = True             # Megatron's GPT and GPT-NeoX have biases; PaLM has none
+    bias: bool = True             # Megatron's GPT and GPT-NeoX have biases; PaLM and Llama have none
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # Dropout on the attention probabilities and on each residual branch (attention, MLP; PTB's
     # sum), training only. 0 as in nanoGPT's and most LLM pretraining; Megatron-LM defaults to 0.1
     # for both (--attention-dropout, --hidden-dropout), which the 175B/530B configs follow.
     dropout: float = 0.0
+
+
+def ffn_width(cfg: ModelConfig) -> int:
+    """The MLP's inner width (with swiglu: of each of gate and up)."""
+    return cfg.ffn_hidden_size if cfg.ffn_hidden_size is not None else cfg.mlp_ratio * cfg.d_model
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    """The heads of k and v (grouped-query attention); n_heads without it."""
+    return cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    return cfg.d_model // cfg.n_heads
+
+
+def identity(cfg: ModelConfig) -> dict:
+    """What makes a checkpoint another model's: its parameters' shapes, or what they mean (the
+    widths resolved, so a checkpoint saved before ffn_hidden_size and n_kv_heads existed matches)."""
+    return {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size,
+            "ffn_width": ffn_width(cfg), "kv_heads": kv_heads(cfg), "norm": cfg.norm, "mlp": cfg.mlp, "bias": cfg.bias}
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device, max_seq_len: Optional[int] = None,
@@ -251,17 +280,23 @@ def _draw_normal(p: torch.Tensor, name: str, seed: int, std: float, axis: int, o
 
 def matmul_params(cfg: ModelConfig) -> int:
     """N in MegaScale's 6N + 12·L·h·T: the weights that take part in GEMMs, i.e. every block's
-    attention and MLP matrices (12·L·h² at mlp_ratio 4) plus the output projection V·h. The input
-    embedding is a lookup, not a GEMM, and biases and norms are negligible, so none is counted.
-    With this N the 175B config gives 1.077e12 FLOPs/token, as the Megatron rows of Table 2 imply."""
-    h = cfg.d_model
-    return cfg.n_layers * (4 + 2 * cfg.mlp_ratio) * h * h + cfg.vocab_size * h
+    attention and MLP matrices (12·L·h² for GPT at mlp_ratio 4) plus the output projection V·h.
+    Attention: q and the output projection h x h each, k and v h x (n_kv_heads·head_dim) each (GQA
+    makes them smaller); MLP: two h x ffn matrices with GeLU, three with SwiGLU (gate, up, down).
+    The input embedding is a lookup, not a GEMM, and biases and norms are negligible, so none is
+    counted. With this N the 175B config gives 1.077e12 FLOPs/token, as the Megatron rows of
+    Table 2 imply."""
+    h, kv = cfg.d_model, kv_heads(cfg) * head_dim(cfg)
+    attention = 2 * h * h + 2 * h * kv
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * ffn_width(cfg)
+    return cfg.n_layers * (attention + mlp) + cfg.vocab_size * h
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) by the PaLM/MegaScale formula 6N + 12·L·h·T.
     The attention term counts dense attention over T even with SWA, as the paper's MFU does, so
-    SWA's saving shows up as a higher MFU."""
+    SWA's saving shows up as a higher MFU; GQA leaves it unchanged (every query head still scores
+    T keys and mixes T values)."""
     return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
 
 

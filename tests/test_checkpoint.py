@@ -190,6 +190,7 @@ def test_publish_replaces_a_step_and_recover_undoes_a_cut_rename(tmp_path):
 @pytest.mark.parametrize("other, says", [
     (["model.n_layers=3"], "n_layers 4 there, 3 here"),         # fewer layers: would load into the first 3
     (["model.d_model=128"], "d_model 256 there, 128 here"),     # other shapes
+    (["model.mlp=swiglu"], "mlp gelu there, swiglu here"),     # other maths (and widths)
 ])
 def test_resuming_another_models_checkpoint_is_one_line(sync_run, tmp_path, cache_dir, other, says):
     step4 = checkpoint.step_dir(sync_run / "checkpoints", 4)
