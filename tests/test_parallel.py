@@ -167,6 +167,9 @@ INVALID_LAYOUTS = [
     (["parallel.microbatches=3"], 2, "train.batch_size"),       # 8 sequences over dp2 x 3
     (["parallel.zero_stage=3"], 2, "parallel.zero_stage"),
     (["parallel.order=[dp,tp]"], 2, "parallel.order"),
+    (["model=llama_tiny", "parallel.tp=4"], 4, "parallel.tp: tp=4 does not divide model.n_kv_heads"),
+    (["model=llama_tiny", "model.n_kv_heads=4", "model.ffn_hidden_size=702", "parallel.tp=4"], 4,
+     "parallel.tp: tp=4 does not divide the MLP's width"),
 ]
 
 
@@ -179,7 +182,7 @@ def test_invalid_layout_is_a_config_error_naming_its_key(overrides, world, key):
     assert str(err.value).startswith(f"config error: {key}") and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("overrides, world, key", [INVALID_LAYOUTS[0], INVALID_LAYOUTS[4]])
+@pytest.mark.parametrize("overrides, world, key", [INVALID_LAYOUTS[0], INVALID_LAYOUTS[4], INVALID_LAYOUTS[8]])
 def test_invalid_layout_is_one_line_before_any_work(overrides, world, key, tmp_path, cache_dir):
     """train.py itself: the one line and exit 2 (two of the layouts; the rest share the path)."""
     proc = run_train(tmp_path, SMALL + overrides, cache_dir, check=False, WORLD_SIZE=world)
