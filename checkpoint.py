@@ -677,18 +677,14 @@ def resolve_complete(path) -> Path:
     return folder
 
 
-# What makes a checkpoint another model's: its parameters' shapes, or what they mean.
-MODEL_IDENTITY = ("n_layers", "d_model", "n_heads", "vocab_size", "mlp_ratio", "bias")
-
-
 def model_mismatch(folder: Path, model_cfg) -> Optional[str]:
     """Why a checkpoint holds another model than model_cfg (from the config it saved), or None. A
     checkpoint of fewer layers would otherwise load into the first ones and train on."""
     if model_cfg is None or "config" not in saved_keys(folder):
         return None
-    theirs = saved_model_config(folder)
-    differ = [f"{k} {getattr(theirs, k)} there, {getattr(model_cfg, k)} here" for k in MODEL_IDENTITY
-              if getattr(theirs, k) != getattr(model_cfg, k)]
+    from model import identity
+    theirs, ours = identity(saved_model_config(folder)), identity(model_cfg)
+    differ = [f"{k} {theirs[k]} there, {ours[k]} here" for k in ours if theirs[k] != ours[k]]
     return f"{folder} is another model's checkpoint ({'; '.join(differ)})" if differ else None
 
 

@@ -310,6 +310,8 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
 def check_choices(cfg: Config) -> None:
     """Every switch that takes one of a few names."""
     _choice("model.block", cfg.model.block, ("sequential", "parallel"))
+    _choice("model.norm", cfg.model.norm, ("layernorm", "rmsnorm"))
+    _choice("model.mlp", cfg.model.mlp, ("gelu", "swiglu"))
     _choice("precision", cfg.precision, ("auto", "bf16", "fp32"))
     _choice("hardware.device", cfg.hardware.device, ("auto", "cpu", "cuda"))
     _choice("hardware.backend", cfg.hardware.backend, ("auto", "gloo", "nccl"))
@@ -324,12 +326,16 @@ def check_values(cfg: Config) -> None:
     """Each number on its own, or against another key of the same config: the model's shape,
     counts and intervals, the fault-tolerance timeouts."""
     m, t = cfg.model, cfg.train
+    for key, value in (("model.n_heads", m.n_heads), ("model.d_model", m.d_model), ("model.vocab_size", m.vocab_size)):
+        if value < 1:
+            raise ConfigError(key, f"{value} < 1", "use a positive value")
     if m.d_model % m.n_heads:
         raise ConfigError("model.n_heads", f"{m.n_heads} heads do not divide d_model={m.d_model}",
                           "choose n_heads that divides model.d_model")
     if (m.d_model // m.n_heads) % 2:
         raise ConfigError("model.n_heads", f"head dim {m.d_model // m.n_heads} is odd and rotary needs it even",
                           "choose n_heads so that d_model/n_heads is even")
+    check_model_widths(m)
     if t.compile_mode == "reduce-overhead":
         _check_cuda_graphs(cfg)
     if cfg.kernels.attention_block < 1:
@@ -353,6 +359,20 @@ def check_values(cfg: Config) -> None:
         if value < 0:
             raise ConfigError(key, f"{value} < 0", "use 0 (off) or a positive number of steps")
     check_timeouts(cfg)
+
+
+def check_model_widths(m: ModelConfig) -> None:
+    """Grouped-query attention's KV heads and the MLP's width (model.kv_heads, model.ffn_width)."""
+    if m.n_kv_heads is not None and m.n_kv_heads < 1:
+        raise ConfigError("model.n_kv_heads", f"{m.n_kv_heads} < 1", "use 1 (multi-query) to model.n_heads, or null (= n_heads)")
+    if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", f"{m.n_kv_heads} KV heads do not divide n_heads={m.n_heads} into "
+                          "equal query groups", "choose n_kv_heads that divides model.n_heads, or null (= n_heads)")
+    if m.ffn_hidden_size is not None and m.ffn_hidden_size < 1:
+        raise ConfigError("model.ffn_hidden_size", f"{m.ffn_hidden_size} < 1",
+                          "use a positive width, or null for mlp_ratio * d_model")
+    if m.mlp_ratio < 1:
+        raise ConfigError("model.mlp_ratio", f"{m.mlp_ratio} < 1", "use a positive ratio, e.g. 4")
 
 
 def check_timeouts(cfg: Config) -> None:

@@ -1,5 +1,7 @@
 """A GPT decoder as MegaScale trains it: pre-LN LayerNorm, GeLU MLP of width 4h, rotary
-positions, causal attention.
+positions, causal attention. Or Llama's block (model.norm=rmsnorm, model.mlp=swiglu,
+model.n_kv_heads): RMSNorm, a SwiGLU MLP and grouped-query attention (GQA), as transformers'
+LlamaForCausalLM computes it (tests/test_llama.py).
 
 Two switches belong to the ablation:
 - block=sequential|parallel. The parallel transformer block (PTB, as in GPT-J and PaLM) computes
@@ -8,10 +10,17 @@ Two switches belong to the ablation:
   tokens before it, in every attention backend of kernels.py.
 
 This file holds no collectives and no process groups. parallel.py shards this model from outside
-(torchtitan-style; tensor_parallel.py's plan names its modules), which is why the QKV rows are
-grouped per head (so a TP shard is a contiguous slice of heads) and why blocks live in a
-ModuleDict (a pipeline stage deletes the blocks it doesn't own and every parameter keeps its name,
-so checkpoints stay layout-free).
+(torchtitan-style; tensor_parallel.py's plan names its modules), which is why the fused weights'
+rows are grouped so that a contiguous slice of them is a whole set of units, and why blocks live
+in a ModuleDict (a pipeline stage deletes the blocks it doesn't own and every parameter keeps its
+name, so checkpoints stay layout-free):
+- attn.qkv: rows grouped per KV head as (kv head, [its n_heads/n_kv_heads query heads, then k,
+  then v], head_dim). Without GQA that is (head, q|k|v, head_dim), GPT-NeoX's and Megatron's
+  layout; a TP shard of the rows is a whole set of KV groups.
+- mlp.fc_in with SwiGLU: gate and up in one GEMM, rows interleaved per unit as (unit, gate|up),
+  [g0, u0, g1, u1, ...]; a TP shard of the rows holds matching gate/up pairs. The MLP computes
+  fc_out(silu(gate) * up).
+The norms keep their names (ln_1, ln_2, norm) whichever kind they are.
 """
 from __future__ import annotations
 
@@ -49,14 +58,43 @@ class ModelConfig:
     block: str = "sequential"     # sequential | parallel (PTB)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     mlp_ratio: int = 4
+    # The MLP's inner width; None: mlp_ratio * d_model. With swiglu it is the width of each of the
+    # gate and up projections (Llama's intermediate_size).
+    ffn_hidden_size: Optional[int] = None
+    norm: str = "layernorm"       # layernorm (GPT) | rmsnorm (Llama)
+    mlp: str = "gelu"             # gelu (GPT) | swiglu (Llama: fc_out(silu(gate) * up))
+    # Grouped-query attention: heads of k and v, each shared by n_heads/n_kv_heads query heads.
+    # None: n_heads (multi-head attention); 1: multi-query attention.
+    n_kv_heads: Optional[int] = None
     rope_theta: float = 10000.0
-    bias: bool = True             # Megatron's GPT and GPT-NeoX have biases; PaLM has none
+    bias: bool = True             # Megatron's GPT and GPT-NeoX have biases; PaLM and Llama have none
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # Dropout on the attention probabilities and on each residual branch (attention, MLP; PTB's
     # sum), training only. 0 as in nanoGPT's and most LLM pretraining; Megatron-LM defaults to 0.1
     # for both (--attention-dropout, --hidden-dropout), which the 175B/530B configs follow.
     dropout: float = 0.0
+
+
+def ffn_width(cfg: ModelConfig) -> int:
+    """The MLP's inner width (with swiglu: of each of gate and up)."""
+    return cfg.ffn_hidden_size if cfg.ffn_hidden_size is not None else cfg.mlp_ratio * cfg.d_model
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    """The heads of k and v (grouped-query attention); n_heads without it."""
+    return cfg.n_kv_heads if cfg.n_kv_heads is not None else cfg.n_heads
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    return cfg.d_model // cfg.n_heads
+
+
+def identity(cfg: ModelConfig) -> dict:
+    """What makes a checkpoint another model's: its parameters' shapes, or what they mean (the
+    widths resolved, so a checkpoint saved before ffn_hidden_size and n_kv_heads existed matches)."""
+    return {"n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size,
+            "ffn_width": ffn_width(cfg), "kv_heads": kv_heads(cfg), "norm": cfg.norm, "mlp": cfg.mlp, "bias": cfg.bias}
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device, max_seq_len: Optional[int] = None,
@@ -100,14 +138,15 @@ def _constant_rope_tables(seq_len: int, head_dim: int, theta: float, device,
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = head_dim(cfg)
+        self.group = cfg.n_heads // kv_heads(cfg)  # query heads per KV head
         self.window = cfg.attention.window
         self.rope_theta, self.max_seq_len = cfg.rope_theta, cfg.max_seq_len
         self.impl, self.block_size = ops.attention, ops.attention_block
         self.dropout = cfg.dropout
-        # Rows grouped as (head, q|k|v, head_dim), the GPT-NeoX/Megatron layout: a tensor-parallel
-        # shard of the rows is a whole set of heads.
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        # Rows grouped per KV head as (kv head, [group q heads, k, v], head_dim) (the docstring above):
+        # a tensor-parallel shard of the rows is a whole set of KV groups.
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * kv_heads(cfg)) * self.head_dim, bias=cfg.bias)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.recompute_core = False  # train.recompute=selective (parallel.apply_recompute)
 
@@ -115,12 +154,12 @@ class Attention(nn.Module):
         return self.out(self.mix(self.qkv(x)))
 
     def mix(self, qkv: torch.Tensor) -> torch.Tensor:
-        """[B, T, 3*d] projections -> [B, T, d] attention output before the output projection: the
-        only part that needs the whole sequence (TP overlap chunks the token-wise rest)."""
+        """[B, T, (H + 2·H_kv)·D] projections -> [B, T, d] attention output before the output
+        projection: the only part that needs the whole sequence (TP overlap chunks the token-wise rest)."""
         B, T, _ = qkv.shape
         cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device, self.max_seq_len, qkv.dtype)
         # The head count comes from qkv, not the config: under TP this rank holds a slice.
-        q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin)  # kernels.apply_rope on q and k
+        q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin, self.group)  # kernels.apply_rope on q and k
         if self.recompute_core:  # stored: q, k, v; the core's activations are recomputed in backward
             o = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
@@ -135,19 +174,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GeLU: fc_out(gelu(fc_in(x))). SwiGLU: fc_in computes gate and up in one GEMM, its rows
+    interleaved per unit (the docstring above), and fc_out(silu(gate) * up)."""
+
     def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
         self.fused = ops.fused
-        self.fc_in = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
-        self.fc_out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.swiglu = cfg.mlp == "swiglu"
+        width = ffn_width(cfg)
+        self.fc_in = nn.Linear(cfg.d_model, 2 * width if self.swiglu else width, bias=cfg.bias)
+        self.fc_out = nn.Linear(width, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is left out of the GEMM so the fused kernel can add it inside the GeLU.
+        # The bias is left out of the GEMM so the fused kernel can add it inside the activation.
         return self.activate_and_project(F.linear(x, self.fc_in.weight))
 
     def activate_and_project(self, h: torch.Tensor) -> torch.Tensor:
         """fc_in's GEMM output, without its bias -> the MLP's output (TP runs fc_in's GEMM itself)."""
-        return self.fc_out(kernels.bias_gelu(h, self.fc_in.bias, fused=self.fused))
+        activate = kernels.swiglu if self.swiglu else kernels.bias_gelu
+        return self.fc_out(activate(h, self.fc_in.bias, fused=self.fused))
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """GPT's LayerNorm (with a bias where model.bias) or Llama's RMSNorm (which has none)."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class Block(nn.Module):
@@ -155,10 +207,10 @@ class Block(nn.Module):
         super().__init__()
         self.parallel = cfg.block == "parallel"
         self.fused = ops.fused
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln_1 = build_norm(cfg)
         self.attn = Attention(cfg, ops)
-        # PTB shares one LayerNorm between attention and MLP; the sequential block has two.
-        self.ln_2 = None if self.parallel else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        # PTB shares one norm between attention and MLP; the sequential block has two.
+        self.ln_2 = None if self.parallel else build_norm(cfg)
         self.mlp = MLP(cfg, ops)
         self.dropout = cfg.dropout
         self.recompute = False  # train.recompute=full (parallel.apply_recompute): see GPT.forward
@@ -189,7 +241,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, ops) for i in range(cfg.n_layers)})
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.norm = build_norm(cfg)
         # Untied output projection, as in GPT-NeoX and Megatron with untied embeddings.
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.fused = ops.fused
@@ -251,17 +303,23 @@ def _draw_normal(p: torch.Tensor, name: str, seed: int, std: float, axis: int, o
 
 def matmul_params(cfg: ModelConfig) -> int:
     """N in MegaScale's 6N + 12·L·h·T: the weights that take part in GEMMs, i.e. every block's
-    attention and MLP matrices (12·L·h² at mlp_ratio 4) plus the output projection V·h. The input
-    embedding is a lookup, not a GEMM, and biases and norms are negligible, so none is counted.
-    With this N the 175B config gives 1.077e12 FLOPs/token, as the Megatron rows of Table 2 imply."""
-    h = cfg.d_model
-    return cfg.n_layers * (4 + 2 * cfg.mlp_ratio) * h * h + cfg.vocab_size * h
+    attention and MLP matrices (12·L·h² for GPT at mlp_ratio 4) plus the output projection V·h.
+    Attention: q and the output projection h x h each, k and v h x (n_kv_heads·head_dim) each (GQA
+    makes them smaller); MLP: two h x ffn matrices with GeLU, three with SwiGLU (gate, up, down).
+    The input embedding is a lookup, not a GEMM, and biases and norms are negligible, so none is
+    counted. With this N the 175B config gives 1.077e12 FLOPs/token, as the Megatron rows of
+    Table 2 imply."""
+    h, kv = cfg.d_model, kv_heads(cfg) * head_dim(cfg)
+    attention = 2 * h * h + 2 * h * kv
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * ffn_width(cfg)
+    return cfg.n_layers * (attention + mlp) + cfg.vocab_size * h
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) by the PaLM/MegaScale formula 6N + 12·L·h·T.
     The attention term counts dense attention over T even with SWA, as the paper's MFU does, so
-    SWA's saving shows up as a higher MFU."""
+    SWA's saving shows up as a higher MFU; GQA leaves it unchanged (every query head still scores
+    T keys and mixes T values)."""
     return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
 
 

@@ -83,3 +83,32 @@ def test_importing_train_registers_no_resolver_and_composing_does():
         assert all(OmegaConf.has_resolver(name) for name in RESOLVERS)
     finally:
         config.register()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.norm=batchnorm", "model.norm"),
+    ("model.mlp=relu", "model.mlp"),
+    ("model.n_kv_heads=3", "model.n_kv_heads"),     # 4 query heads do not split into 3 groups
+    ("model.n_kv_heads=0", "model.n_kv_heads"),
+    ("model.ffn_hidden_size=0", "model.ffn_hidden_size"),
+    ("model.mlp_ratio=0", "model.mlp_ratio"),
+    ("model.n_heads=0", "model.n_heads"),
+])
+def test_a_bad_model_shape_is_one_line_naming_its_key(override, key):
+    with pytest.raises(config.ConfigError) as err:
+        config.validate(config.compose([override]), world=1)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"config error: {key}:") and "Fix:" in line
+
+
+@pytest.mark.parametrize("name, total", [
+    ("llama3_8B", 8_030_261_248), ("llama3_70B", 70_553_706_496), ("llama3_405B", 405_853_388_800),
+])
+def test_llama3_shapes_have_the_published_parameter_counts(name, total):
+    """conf/model/llama3_*: the matmul weights (model.matmul_params: GQA's narrower k and v, SwiGLU's
+    three matrices), the input embedding and the RMSNorm weights (two a block, one final) add up to
+    the parameter count Meta publishes for each model."""
+    from model import matmul_params
+    m = config.compose([f"model={name}"]).model
+    config.validate(config.compose([f"model={name}", "dry_run=true"]), world=1)
+    assert matmul_params(m) + m.vocab_size * m.d_model + (2 * m.n_layers + 1) * m.d_model == total
