@@ -11,6 +11,7 @@
 #
 # PARTS (default "tests bench sync memory") picks what runs: tests, tests/test_cuda.py; bench,
 # bench_step at its default shape; sync, the host-sync check; memory, the fragmentation runs;
+# llama, Llama's block (llama_tiny, a layer of Llama 3 8B) beside GPT's, compiled, bf16;
 # efficiency, the per-GPU efficiency checks (~6 min on an H100 without the CUDA graphs' checks,
 # which add at most 5 min, their time limits): one transformer layer forward and backward at GPT-3
 # 175B's TP8 slice (experiments/bench_layer.py) against the GPU's peak and perfmodel's per-layer
@@ -68,6 +69,35 @@ fi
 # torch.cuda.set_sync_debug_mode("error"), which raises at any copy or read that waits for the GPU.
 if [[ $parts == *" sync "* ]]; then
   timeout "${SYNC_TIMEOUT:-120}" "$python" experiments/host_sync_check.py --device cuda 2>&1 | tee "$out/host_sync_check.log"
+fi
+
+# Llama's block beside GPT's (PARTS=llama, ~3 min on an H100): a few compiled bf16 steps of
+# llama_tiny and of tiny, then one layer of Llama 3 8B (GQA 32/8, SwiGLU 14336, RMSNorm) and one
+# GPT layer of the same width (LayerNorm, GeLU 4h, MHA), both at seq 4096; each run's median step
+# time from its metrics.jsonl, in llama.txt.
+if [[ $parts == *" llama "* ]]; then
+  ckpt=$(mktemp -d)
+  steps=(train.max_steps=20 train.eval_interval=0 train.compile=true precision=bf16 logging.wandb.mode=disabled
+         checkpoint.interval=0 "checkpoint.dir=$ckpt")
+  layer=(model.n_layers=1 data.tokenizer=bytes model.vocab_size=32768 train.seq_len=4096 train.batch_size=2)
+  for run in "llama_tiny model=llama_tiny" "gpt_tiny model=tiny" \
+             "llama3_8B_layer model=llama3_8B ${layer[*]}" \
+             "gpt_8B_width_layer model=llama3_8B ${layer[*]} model.norm=layernorm model.mlp=gelu model.n_kv_heads=null model.ffn_hidden_size=null model.bias=true"; do
+    name=${run%% *}
+    timeout "${LLAMA_TIMEOUT:-240}" "$python" train.py ${run#* } "${steps[@]}" "hydra.run.dir=$out/$name" \
+        > "$out/$name.log" 2>&1 || echo "llama check $name failed: see $out/$name.log"
+  done
+  rm -rf "$ckpt"
+  "$python" - "$out" <<'PY' 2>&1 | tee "$out/llama.txt"
+import json, pathlib, statistics, sys
+out = pathlib.Path(sys.argv[1])
+for name in ("llama_tiny", "gpt_tiny", "llama3_8B_layer", "gpt_8B_width_layer"):
+    path = out / name / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    times = [r["step_time"] for r in rows[5:]]  # past compilation
+    print(f"{name}: " + (f"median step {1e3 * statistics.median(times):.1f} ms over {len(times)} steps, "
+                         f"MFU {statistics.median(r.get('mfu', 0) for r in rows[5:]):.3f}" if times else "no steps"))
+PY
 fi
 [[ $parts == *" memory "* ]] || exit 0
 
