@@ -303,7 +303,9 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     import optim
     import parallel
     parallel.validate(cfg, job_world(cfg, world))
+    from corpus import blend
     data.check_config(cfg.data)
+    blend.check_config(cfg.data, data.check_config)
     optim.check_config(cfg.optim)
 
 

@@ -28,15 +28,27 @@ import re
 import sysconfig
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import numpy as np
 
 from errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlendSource:
+    """One entry of data.sources: a source as data.source takes it, its weight (normalised with the
+    others'), and the per-source settings that differ from data.*'s (None: data.*'s)."""
+    source: str = "???"
+    weight: float = 1.0
+    subset: Optional[str] = None
+    split: Optional[str] = None
+    text_field: Optional[str] = None
+    format: Optional[str] = None
 
 
 @dataclass
@@ -55,6 +67,10 @@ class DataConfig:
     pipeline: str = "naive"       # naive | megascale
     subset: Optional[str] = None  # hub datasets: the configuration name (load_dataset's `name`)
     split: str = "train"          # hub datasets: the split to read; val is carved from its tail
+    # A weighted blend (corpus/blend.py), e.g. [{source: a, weight: 0.3}, {source: b, weight: 0.7}];
+    # empty: data.source alone. Each entry is a source as data.source takes it, sharing data.*'s
+    # tokenizer and val_fraction; training draws each source at its weight.
+    sources: List[BlendSource] = field(default_factory=list)
 
 
 EOT = "<|endoftext|>"

@@ -45,6 +45,7 @@ import parallel
 import sampling
 import spans
 import stragglers
+from corpus import blend
 from errors import ConfigError, fail
 from model import GPT, count_params, flops_per_token, matmul_params
 
@@ -179,8 +180,8 @@ def set_up_data(cfg: config.Config, layout, device: torch.device) -> tuple:
     if cfg.model.vocab_size < corpus.vocab_size:
         fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
              f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
-    sampler = sampling.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
-                               layout.dp_rank, layout.dp, seed=cfg.train.seed)
+    sampler = sampling.Sampler(shared_sample_index(cfg, corpus, layout.rank, layout.world), cfg.train.batch_size,
+                               layout.dp_rank, layout.dp)
     loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler,
                                    layout.group("tp") if layout.tp > 1 else None, layout.tp_rank, device)
     return corpus, loader
@@ -427,21 +428,37 @@ def finish(run: Run, loop: Loop) -> dict:
 
 
 def prepare_data(cfg: config.Config, rank: int, world: int):
-    """The corpus, read and hashed by rank 0 only (data.prepare's `known`); a data problem that
-    shows only when it is read (an empty file, an offline hub name) stops every rank with rank
-    0's one line."""
-    found = [None]
+    """The corpus (data.sources' blend, or data.source), read and hashed by rank 0 only (data.prepare's
+    `known`); a data problem that shows only when it is read (an empty file, an offline hub name)
+    stops every rank with rank 0's one line."""
+    sources, found = blend.source_configs(cfg.data), [None]
     if rank == 0:
         try:
-            corpus = data.prepare(cfg.data, cfg.train.seq_len)
-            found = [corpus.path.name]
+            corpora = [data.prepare(source, cfg.train.seq_len) for source in sources]
+            corpus = blend.combine(corpora, cfg.data)
+            found = [[c.path.name for c in corpora]]
         except ConfigError as err:
             found = [("error", str(err))]
     if world > 1:
         dist.broadcast_object_list(found, src=0)
     if isinstance(found[0], tuple):
         fail(found[0][1])
-    return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
+    if rank == 0:
+        return corpus
+    return blend.combine([data.prepare(s, cfg.train.seq_len, known=k) for s, k in zip(sources, found[0])], cfg.data)
+
+
+def shared_sample_index(cfg: config.Config, corpus, rank: int, world: int):
+    """The training stream's index (corpus/blend.py) for the samples the run needs (max_steps x
+    global batch), built once by rank 0 into the data cache and memory-mapped by every rank; a rank
+    whose cache lacks the file (a node-local cache) builds it there under the file lock."""
+    def shared():
+        return blend.sample_index(corpus, cfg.train.seq_len, cfg.train.seed, cfg.train.max_steps * cfg.train.batch_size,
+                                  data.cache_root(cfg.data) / "data")
+    index = shared() if rank == 0 else None
+    if world > 1:
+        dist.broadcast_object_list([None], src=0)  # the others map it once rank 0 has written it
+    return index if rank == 0 else shared()
 
 
 def predicted_stage_compute(cfg: config.Config, layout, device: torch.device) -> Optional[list]:
