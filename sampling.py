@@ -20,6 +20,7 @@ import torch
 
 from corpus.blend import SampleIndex, held_out_rows, shares
 from data import Corpus, DataConfig
+from errors import ConfigError
 
 
 class Sampler:
@@ -60,10 +61,12 @@ class Sampler:
         # or the DP degree and still continue the same stream.
         saved = (state["seed"], state["num_sequences"], state.get("blend"))
         if saved != (self.seed, self.num_sequences, self.index.stream):
-            raise ValueError(f"the saved sampler is for seed={state['seed']} over {state['num_sequences']} sequences"
-                             f"{' blended as ' + str(state['blend']) if state.get('blend') else ''}, this one for "
-                             f"seed={self.seed} over {self.num_sequences}"
-                             f"{' blended as ' + str(self.index.stream) if self.index.stream else ''}: the data or seed changed")
+            blended = lambda stream: f" blended as {stream}" if stream else ""
+            raise ConfigError("resume", f"the checkpoint's data position is for seed={state['seed']} over "
+                              f"{state['num_sequences']} sequences{blended(state.get('blend'))}, this run's for "
+                              f"seed={self.seed} over {self.num_sequences}{blended(self.index.stream)}: the data or "
+                              "seed changed (the corpus, data.sources, train.seq_len or train.seed)",
+                              "resume with the corpus, train.seq_len and train.seed it was saved with, or resume=none")
         self.consumed = int(state["consumed"])
 
 

@@ -246,11 +246,13 @@ class ConcatRows:
     def __getitem__(self, indices) -> np.ndarray:
         indices = np.asarray(indices, dtype=np.int64)
         source = np.searchsorted(self.offsets, indices, side="right") - 1
-        out = np.empty((len(indices), self.parts[0].shape[1]), self.parts[0].dtype)
+        out = np.zeros((len(indices), self.parts[0].shape[1]), np.int64)
         for j, part in enumerate(self.parts):
             picked = source == j
             if picked.any():
-                out[picked] = part[indices[picked] - self.offsets[j]]
+                rows = part[indices[picked] - self.offsets[j]]
+                out = out.astype(rows.dtype, copy=False)  # the sources' token dtype (one tokenizer: one dtype)
+                out[picked] = rows
         return out
 
 

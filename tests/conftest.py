@@ -107,8 +107,21 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One data cache for the whole session, so the corpus is tokenized once."""
-    return tmp_path_factory.mktemp("cache")
+    """One data cache for the whole session, with SMALL's corpus built in it (as a user runs
+    `python -m corpus build` before a job of several ranks, which never builds)."""
+    cache = tmp_path_factory.mktemp("cache")
+    build_corpus(SMALL, cache)
+    return cache
+
+
+def build_corpus(args: list, cache: Path) -> None:
+    """The corpus of a train.py command line's data.* keys, built into cache (in this process)."""
+    sys.path.insert(0, str(ROOT))
+    import config
+    from corpus import build
+    cfg = config.compose([a for a in args if a.startswith("data.")]).data
+    cfg.cache_dir = str(cache)
+    build.build(cfg)
 
 
 def train_env(cache: Path, **extra) -> dict:

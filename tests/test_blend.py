@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import dataclasses
 import json
 from fractions import Fraction
 from pathlib import Path
@@ -19,7 +20,7 @@ import config
 import data
 import sampling
 from conftest import SMALL, read_metrics, run_train
-from corpus import blend
+from corpus import blend, build
 from errors import ConfigError
 
 
@@ -184,6 +185,9 @@ def test_a_two_rank_blended_run_resumes_exactly(tmp_path, cache_dir):
     losses bit for bit, and one rank (dp=1) resuming it continues the same run."""
     a, b = write_docs(tmp_path / "a.jsonl", "a", 200), write_docs(tmp_path / "b.jsonl", "b", 200)
     args = BLEND_RUN + [f"data.sources=[{{source:'{a}',weight:0.3}},{{source:'{b}',weight:0.7}}]"]
+    blended = config.compose([arg for arg in args if arg.startswith("data.")]).data
+    for source in blend.source_configs(dataclasses.replace(blended, cache_dir=str(cache_dir))):
+        build.build(source)  # as `python -m corpus build` would, before a job of several ranks
     run_train(tmp_path / "straight", args, cache_dir, nproc=2)
     losses = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     step2 = checkpoint.step_dir(tmp_path / "straight" / "checkpoints", 2)

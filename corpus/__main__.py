@@ -1,0 +1,69 @@
+"""python -m corpus build|check [data.* overrides] [--workers N] [--shard i/n] [--merge]
+
+build: tokenize the corpus the data.* keys name (composed with Hydra as train.py composes them)
+       into its folder under the data cache. --shard i/n builds the i-th of n parts (a SLURM array
+       job's SLURM_ARRAY_TASK_ID of n); --merge then writes the one manifest from the parts.
+check: read every shard of a built corpus: checksums, vocabulary, token ids. One line, exit 0 or 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's flat modules, from any cwd
+
+from errors import ConfigError, fail  # noqa: E402
+
+
+def _shard(value: str) -> tuple:
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not i/n, e.g. 0/4") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"{value!r}: i must be in [0, n)")
+    return i, n
+
+
+def main(argv: list) -> int:
+    parser = argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("build", "check"))
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                        help="tokenizing processes (default: this machine's cores)")
+    parser.add_argument("--shard", type=_shard, default=None, help="build part i of n (i from 0)")
+    parser.add_argument("--merge", action="store_true", help="write the manifest from the parts --shard built")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.lstrip("+~").startswith("data.")]
+    if bad:
+        fail(f"config error: {bad[0]}: the build reads data.* keys only. Fix: pass data.* overrides (and the options {{--workers, --shard, --merge}})")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    import config
+    import data
+    from corpus import build
+    try:
+        cfg = config.compose(overrides).data
+    except Exception as err:
+        fail(config.describe_composition_error(err))
+    try:
+        data.check_config(cfg)
+        if args.action == "check":
+            corpus = data.open_built(cfg)
+            corpus.verify()
+            print(f"corpus: {corpus.path}: {len(corpus.shards)} shards, {corpus.meta['tokens']:,} tokens verified")
+        elif args.merge:
+            build.merge(cfg)
+        else:
+            if args.workers < 1:
+                raise ConfigError("--workers", f"{args.workers} < 1", "use at least one process")
+            build.build(cfg, args.workers, args.shard, progress=not args.quiet and sys.stderr.isatty())
+    except ConfigError as err:
+        fail(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
