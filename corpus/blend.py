@@ -28,19 +28,18 @@ positions, which is what makes the index for hundreds of millions of samples che
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import functools
 import hashlib
 import json
 import math
 import os
-from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from corpus.build import locked
 from errors import ConfigError
 
 WEIGHT_UNITS = 10**6   # weights are realised to 1/WEIGHT_UNITS of their total
@@ -188,7 +187,7 @@ class SampleIndex:
             self.path = self.cache_dir / f"sample-index-{self._key(samples)}.npy"
             if not self.path.exists():  # double-checked: whoever takes the lock first builds
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
-                with _locked(self.path.with_suffix(".lock")):
+                with locked(self.path.with_suffix(".lock")):
                     if not self.path.exists():
                         self._write(samples)
             self.array = np.load(self.path, mmap_mode="r")
@@ -203,17 +202,6 @@ class SampleIndex:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-
-
-@contextmanager
-def _locked(path: Path):
-    # flock: released by the kernel if the holder dies; honoured across hosts on NFSv4 and Lustre.
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def held_out_rows(sizes: Sequence[int], units: tuple, total: int) -> np.ndarray:
