@@ -29,6 +29,18 @@ def _shard(value: str) -> tuple:
     return i, n
 
 
+def build_for(train_args: list, cache=None) -> None:
+    """Build, in this process and once, the corpus a train.py command line trains on (its data.*
+    overrides; cache: its $MEGAREPRO_CACHE): what a launcher of a job of several ranks, which
+    never builds, does first."""
+    import config
+    from corpus import build
+    cfg = config.compose([a for a in train_args if a.startswith("data.")]).data
+    if cache is not None:
+        cfg.cache_dir = str(cache)
+    build.build(cfg, workers=1)
+
+
 def main(argv: list) -> int:
     parser = argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("build", "check"))
