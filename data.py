@@ -267,7 +267,7 @@ class Corpus:
             try:
                 stat = os.stat(indexed.bin_path(prefix))
                 seal = f"{stat.st_size} {stat.st_mtime_ns} {shard['checksum']}"
-                if marker.exists() and marker.read_text() == seal:
+                if _read_text(marker) == seal:
                     continue
                 indexed.verify(prefix, self.vocab_size, shard["checksum"])
             except (indexed.ShardError, FileNotFoundError) as err:
@@ -282,6 +282,13 @@ class Corpus:
         if self._tokenizer is None:
             self._tokenizer = tokenizers.load(self.manifest["tokenizer"], self.path)
         return self._tokenizer.decode(ids)
+
+
+def _read_text(path: Path) -> Optional[str]:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
 
 
 def open_built(cfg: DataConfig, world: int = 2) -> Corpus:

@@ -1,6 +1,7 @@
-"""python -m corpus build|check [data.* overrides] [--workers N] [--shard i/n] [--merge]
+"""python -m corpus build|check [overrides] [--workers N] [--shard i/n] [--merge]
 
-build: tokenize the corpus the data.* keys name (composed with Hydra as train.py composes them)
+build: tokenize the corpus the data.* keys name (composed with Hydra as train.py composes them,
+       so a job's own overrides, experiment=... included, name the corpus it trains on)
        into its folder under the data cache. --shard i/n builds the i-th of n parts (a SLURM array
        job's SLURM_ARRAY_TASK_ID of n); --merge then writes the one manifest from the parts.
 check: read every shard of a built corpus: checksums, vocabulary, token ids. One line, exit 0 or 2.
@@ -28,6 +29,18 @@ def _shard(value: str) -> tuple:
     return i, n
 
 
+def build_for(train_args: list, cache=None) -> None:
+    """Build, in this process and once, the corpus a train.py command line trains on (its data.*
+    overrides; cache: its $MEGAREPRO_CACHE): what a launcher of a job of several ranks, which
+    never builds, does first."""
+    import config
+    from corpus import build
+    cfg = config.compose([a for a in train_args if a.startswith("data.")]).data
+    if cache is not None:
+        cfg.cache_dir = str(cache)
+    build.build(cfg, workers=1)
+
+
 def main(argv: list) -> int:
     parser = argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("build", "check"))
@@ -37,9 +50,6 @@ def main(argv: list) -> int:
     parser.add_argument("--merge", action="store_true", help="write the manifest from the parts --shard built")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.lstrip("+~").startswith("data.")]
-    if bad:
-        fail(f"config error: {bad[0]}: the build reads data.* keys only. Fix: pass data.* overrides (and the options {{--workers, --shard, --merge}})")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import config
     import data

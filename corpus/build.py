@@ -73,9 +73,7 @@ def directory(cfg) -> Path:
 
 def command(cfg, defaults=None) -> str:
     """The build command for cfg: its build keys that differ from the defaults."""
-    if defaults is None:
-        from data import DataConfig  # the schema's defaults (data.py imports this module, never at import time)
-        defaults = DataConfig()
+    defaults = type(cfg)() if defaults is None else defaults  # the schema's (data.DataConfig's) defaults
     args = [f"data.{k}={'null' if getattr(cfg, k) is None else getattr(cfg, k)}"
             for k in BUILD_KEYS + ("cache_dir",) if getattr(cfg, k) != getattr(defaults, k)]
     return " ".join(["python -m corpus build"] + [shlex.quote(a) for a in args])

@@ -131,18 +131,20 @@ def read_header(prefix: Path) -> dict:
 
 def open_tokens(prefix: Path, dtype: np.dtype, tokens: int) -> np.ndarray:
     """The .bin memory-mapped, its size checked against the expected token count (a truncated
-    shard is caught here, by one fstat, without reading it)."""
+    shard is caught here, by the open's fstat, without reading it): an open and an fstat."""
     path = bin_path(prefix)
     try:
-        size = os.path.getsize(path)
+        f = open(path, "rb")
     except FileNotFoundError:
         raise ShardError(path, "is missing") from None
-    if size != tokens * np.dtype(dtype).itemsize:
-        raise ShardError(path, f"holds {size} bytes, not the {tokens * np.dtype(dtype).itemsize} of its "
-                               f"{tokens} tokens (truncated or overwritten)")
-    if tokens == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != tokens * np.dtype(dtype).itemsize:
+            raise ShardError(path, f"holds {size} bytes, not the {tokens * np.dtype(dtype).itemsize} of its "
+                                   f"{tokens} tokens (truncated or overwritten)")
+        if tokens == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(f, dtype=dtype, mode="r", shape=(tokens,))  # the map outlives the file object
 
 
 class IndexedShard:

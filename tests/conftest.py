@@ -117,11 +117,8 @@ def cache_dir(tmp_path_factory) -> Path:
 def build_corpus(args: list, cache: Path) -> None:
     """The corpus of a train.py command line's data.* keys, built into cache (in this process)."""
     sys.path.insert(0, str(ROOT))
-    import config
-    from corpus import build
-    cfg = config.compose([a for a in args if a.startswith("data.")]).data
-    cfg.cache_dir = str(cache)
-    build.build(cfg)
+    from corpus.__main__ import build_for
+    build_for(args, cache)
 
 
 def train_env(cache: Path, **extra) -> dict:

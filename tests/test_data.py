@@ -525,3 +525,32 @@ def test_a_job_of_two_ranks_without_a_build_stops_at_once(tmp_path):
     assert len(lines) == 1 and "never builds. Fix: build it first: python -m corpus build " in lines[0]
     assert "data.max_bytes=1500000" in lines[0] and "data.bpe_vocab_size=512" in lines[0]
     assert not (tmp_path / "empty_cache" / "corpus").exists()  # nothing built, nothing started
+
+
+def test_a_ranks_start_up_file_system_calls_grow_with_the_shards_not_the_ranks(tmp_path, monkeypatch):
+    """What a rank of a W-rank job opens and stats to start (its build check, the config's data
+    check, the manifest, a memory map per shard, its share of the checksum markers), counted as
+    clustermodel/rank_costs.py models it: O(shards), and O(1) in the number of ranks."""
+    from clustermodel import rank_costs
+    cfg = config(tmp_path, many_files(tmp_path / "src"), tokenizer="bytes", shard_bytes=3000)
+    shards = data.prepare(cfg, seq_len=8).meta["shards"]
+    data.open_built(cfg).verify()  # the markers a first start leaves
+    calls = []
+    for name in ("stat", "fstat"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, _name=name, **k: (
+            calls.append((_name, a[0])) if counting else None) or _real(*a, **k))
+    sys.addaudithook(lambda event, args: calls.append(("open", args[0])) if event == "open" and counting else None)
+    for world in (2, 8, 64):
+        for rank in (0, 1, world - 1):
+            global counting
+            calls.clear()
+            counting = True
+            assert data.build_problem(cfg, world, 257) is None
+            data.check_config(cfg, world)
+            data.prepare(cfg, seq_len=8, world=world).verify(rank, world)
+            counting = False
+            assert len(calls) == rank_costs.corpus_start_fs_calls(shards, rank, world), (world, rank, "\n".join(map(str, calls)))
+
+
+counting = False
