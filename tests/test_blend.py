@@ -50,8 +50,10 @@ def two_sources(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("blend")
     files = [write_docs(tmp / "a.jsonl", "a"), write_docs(tmp / "b.jsonl", "b", 60)]
     cfg = data.DataConfig(source="stdlib", tokenizer="bytes", val_fraction=0.2, cache_dir=str(tmp / "cache"),
+                          shard_bytes=1024,  # several shards a source: rows are read across them
                           sources=[data.BlendSource(str(files[0]), 0.3), data.BlendSource(str(files[1]), 0.7)])
     corpora = [data.prepare(c, seq_len=16) for c in blend.source_configs(cfg)]
+    assert all(len(c.shards) > 1 for c in corpora)
     return blend.combine(corpora, cfg), tmp / "cache", files
 
 
@@ -106,6 +108,7 @@ def test_the_index_is_one_memory_mapped_file_that_every_rank_shares(two_sources,
         assert s.index.array.dtype == np.int32 and len(s.index.array) == samples
         assert not any(isinstance(v, np.ndarray) and not isinstance(v, np.memmap) for v in vars(s.index).values())
     assert files[0].stat().st_size < samples * 4 + 256  # int32 rows plus the .npy header
+    assert blend.row_dtype(2**31 - 1) == np.int32 and blend.row_dtype(2**31) == np.int64
     mtime = files[0].stat().st_mtime_ns
     blend.sample_index(corpus, 16, 0, samples, tmp_path)  # a third opener maps, never rebuilds
     assert files[0].stat().st_mtime_ns == mtime
@@ -144,8 +147,8 @@ def test_a_blended_stream_resumes_across_a_changed_batch_and_dp_degree(two_sourc
 def test_validation_batches_come_from_every_sources_held_out_split(two_sources):
     corpus, _, _ = two_sources
     batches = sampling.eval_batches(corpus, 16, n_batches=2, global_batch=10)
-    val = [c.sequences("val", 16) for c in corpus.corpora]
-    train = [c.sequences("train", 16) for c in corpus.corpora]
+    rows = lambda c, split: c.sequences(split, 16)[np.arange(c.num_sequences(split, 16))]
+    val, train = ([rows(c, split) for c in corpus.corpora] for split in ("val", "train"))
     sources = []
     for x, y in batches:
         for row_x, row_y in zip(x, y):
