@@ -554,3 +554,19 @@ def test_a_ranks_start_up_file_system_calls_grow_with_the_shards_not_the_ranks(t
 
 
 counting = False
+
+
+def test_resuming_with_another_seq_len_is_one_line(tmp_path, cache_dir):
+    """The checkpoint's data position counts sequences of its corpus at its seq_len: a resume
+    where either changed stops before training, with one line naming resume and the fix."""
+    from conftest import SMALL, run_train
+    import checkpoint
+    saved = tmp_path / "saved"
+    run_train(saved, SMALL + ["train.max_steps=2", "checkpoint.interval=2"], cache_dir)
+    folder = checkpoint.step_dir(saved / "checkpoints", 2)
+    proc = run_train(tmp_path / "resumed", SMALL + ["train.max_steps=3", "train.seq_len=32", f"resume={folder}"],
+                     cache_dir, check=False)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("config error")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("config error: resume: the checkpoint's data position is for seed=")
+    assert "Fix: resume with the corpus, train.seq_len and train.seed it was saved with, or resume=none" in lines[0]
