@@ -1,8 +1,10 @@
 """Which sequences each rank reads at each step, and the loaders that hand them to the training loop.
 
-Sampler shuffles sequence indices per epoch, seeded by (seed, epoch); a DP rank takes a contiguous
-slice of each global batch, so dp ranks together read exactly what one process reads on the same
-global batch. Its position is counted in sequences, so a resume may change the batch or the DP
+Sampler reads each step's sequences from the training stream's index (corpus/blend.py: each
+source's epochs shuffled, seeded, and the sources of a blend drawn at their weights), which rank 0
+builds once in the data cache and every rank memory-maps; a DP rank takes a contiguous slice of
+each global batch, so dp ranks together read exactly what one process reads on the same global
+batch. Its position is counted in sequences, so a resume may change the batch or the DP
 degree. Loader prefetches in a thread but reports the position the training loop consumed, so
 resuming from a checkpoint is bit-identical. train_loader builds what data.pipeline asks for
 (MegaScale's: one reader per TP group, prefetching). The corpus itself is data.py's.
@@ -16,58 +18,55 @@ from typing import Optional
 import numpy as np
 import torch
 
+from corpus.blend import SampleIndex, held_out_rows, shares
 from data import Corpus, DataConfig
+from errors import ConfigError
 
 
 class Sampler:
-    """Epoch e visits the sequences in a permutation seeded by (seed, e). The global batch of step s
-    is the next B indices of the concatenated epochs; DP rank r takes its contiguous B/dp slice."""
+    """The global batch of step s is the next B positions of the training stream (a
+    corpus.blend.SampleIndex: each source's epochs shuffled, the sources blended by weight); DP rank
+    r takes its contiguous B/dp slice. The stream is an index the ranks share, memory-mapped from
+    the data cache: a rank reads its slice each step and holds nothing the size of the corpus.
+    An int for `index` is a single source of that many sequences with its stream built in this
+    process (tests, small tools); `seed` is for that case, a SampleIndex carries its own."""
 
-    def __init__(self, num_sequences: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
-        if num_sequences < 1:
-            raise ValueError(f"num_sequences={num_sequences}: there is nothing to sample")
+    def __init__(self, index, global_batch: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
         if global_batch < 1 or global_batch % dp_size:
             raise ValueError(f"global_batch={global_batch} must be positive and divisible by dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_size})")
-        if seed < 0:
-            raise ValueError(f"seed={seed} must be >= 0")
-        self.num_sequences, self.global_batch = num_sequences, global_batch
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        if isinstance(index, (int, np.integer)):
+            if index < 1:
+                raise ValueError(f"num_sequences={index}: there is nothing to sample")
+            index = SampleIndex([int(index)], [1.0], seed, samples=2 * max(int(index), global_batch))
+        self.index, self.global_batch, self.dp_rank, self.dp_size = index, global_batch, dp_rank, dp_size
+        self.num_sequences, self.seed = index.num_sequences, index.seed
         self.consumed = 0  # sequences of the global stream consumed by all ranks together
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # a batch spans at most the current and the next epoch
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
-        return self._perms[epoch]
-
-    def _stream(self, start: int, count: int) -> np.ndarray:
-        parts = []
-        while count > 0:
-            epoch, offset = divmod(start, self.num_sequences)
-            take = min(count, self.num_sequences - offset)
-            parts.append(self._permutation(epoch)[offset: offset + take])
-            start, count = start + take, count - take
-        return np.concatenate(parts)
 
     def next_indices(self) -> np.ndarray:
         local = self.global_batch // self.dp_size
-        indices = self._stream(self.consumed + self.dp_rank * local, local)
+        indices = self.index.rows(self.consumed + self.dp_rank * local, local)
         self.consumed += self.global_batch
         return indices
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "num_sequences": self.num_sequences}
+        state = {"consumed": self.consumed, "seed": self.seed, "num_sequences": self.num_sequences}
+        if self.index.stream is not None:  # a blend: its sources, weights and sizes
+            state["blend"] = self.index.stream
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         # The position is counted in sequences, not steps, so a resume may change the global batch
         # or the DP degree and still continue the same stream.
-        if (state["seed"], state["num_sequences"]) != (self.seed, self.num_sequences):
-            raise ValueError(f"the saved sampler is for seed={state['seed']} over {state['num_sequences']} sequences, "
-                             f"this one for seed={self.seed} over {self.num_sequences}: the data or seed changed")
+        saved = (state["seed"], state["num_sequences"], state.get("blend"))
+        if saved != (self.seed, self.num_sequences, self.index.stream):
+            blended = lambda stream: f" blended as {stream}" if stream else ""
+            raise ConfigError("resume", f"the checkpoint's data position is for seed={state['seed']} over "
+                              f"{state['num_sequences']} sequences{blended(state.get('blend'))}, this run's for "
+                              f"seed={self.seed} over {self.num_sequences}{blended(self.index.stream)}: the data or "
+                              "seed changed (the corpus, data.sources, train.seq_len or train.seed)",
+                              "resume with the corpus, train.seq_len and train.seed it was saved with, or resume=none")
         self.consumed = int(state["consumed"])
 
 
@@ -219,14 +218,15 @@ def eval_batches(corpus: Corpus, seq_len: int, n_batches: int, global_batch: int
                  dp_rank: int = 0, dp_size: int = 1, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same held-out batches on every call: n_batches * global_batch sequences spread evenly over
     the val split (repeating only if it is smaller), each global batch sliced per DP rank (pinned
-    with pin_memory, for asynchronous copies to a GPU)."""
-    n_val = corpus.num_sequences("val", seq_len)
-    if n_val < 1:
+    with pin_memory, for asynchronous copies to a GPU). A blend draws them from every source's own
+    val split, each at its weight."""
+    sizes, units, _ = shares(corpus, "val", seq_len)
+    if min(sizes) < 1:
         raise ValueError(f"the val split has no sequence of length {seq_len}: raise data.val_fraction or disable eval")
     if global_batch % dp_size:
         raise ValueError(f"global_batch={global_batch} must be divisible by dp_size={dp_size}")
     total = n_batches * global_batch
-    picks = (np.arange(total) * n_val) // total if total <= n_val else np.arange(total) % n_val
+    picks = held_out_rows(sizes, units, total)  # each source's share of every batch, by its weight
     rows, local = corpus.sequences("val", seq_len), global_batch // dp_size
     return [_rows_to_batch(rows[picks[b * global_batch + dp_rank * local: b * global_batch + (dp_rank + 1) * local]], pin_memory)
             for b in range(n_batches)]
