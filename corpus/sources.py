@@ -182,9 +182,9 @@ def documents(cfg, p: Plan, unit: Unit, counts: Optional[dict] = None) -> Iterat
     if p.kind == "stdlib":
         docs = _stdlib_documents(unit.files, cfg.max_bytes, counts)
     elif p.kind == "local":
-        docs = _capped((d for path in unit.files for d in _file_documents(path, p.fmt, p.field)), cfg.max_bytes)
+        docs = capped((d for path in unit.files for d in _file_documents(path, p.fmt, p.field)), cfg.max_bytes)
     else:
-        docs = _capped(_hub_documents(cfg, unit), cfg.max_bytes)
+        docs = capped(_hub_documents(cfg, unit), cfg.max_bytes)
     yield from docs
 
 
@@ -271,7 +271,7 @@ def _hub_documents(cfg, unit: Unit) -> Iterator[str]:
             yield text
 
 
-def _capped(documents: Iterable[str], max_bytes: Optional[int]) -> Iterator[str]:
+def capped(documents: Iterable[str], max_bytes: Optional[int]) -> Iterator[str]:
     """The documents up to max_bytes UTF-8 bytes in all; the last one cut at a character boundary."""
     total = 0
     for text in documents:

@@ -447,6 +447,11 @@ def test_several_shards_read_as_one_stream(tmp_path):
     assert len(rows) == len(expected)
     np.testing.assert_array_equal(rows[picks], expected[picks])
     assert sharded.decode(np.asarray(sharded.train)) == whole.decode(whole.train)
+    shard = indexed.IndexedShard(sharded.path / sharded.shards[1])  # the reader: header, tokens, documents
+    first = sharded.manifest["shards"][0]["tokens"]  # where shard 1 starts in the stream
+    assert shard.header["vocab_size"] == 257 and len(shard) == sharded.manifest["shards"][1]["tokens"]
+    np.testing.assert_array_equal(shard.document(0), whole.train[first: first + len(shard.document(0))])
+    assert shard.document(0)[-1] == whole.eot_id and (shard.tokens == whole.eot_id).sum() == shard.header["documents"]
 
 
 # --- Bad input: one line naming the file and the fix ---
