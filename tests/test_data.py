@@ -511,6 +511,17 @@ def test_an_empty_source_file_is_one_line(tmp_path):
     assert "'" + str(tmp_path / "empty.txt") + "' contains no text" in one_line(err)
 
 
+def test_a_damaged_json_or_parquet_file_is_one_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": "cut he')
+    with pytest.raises(ConfigError) as err:
+        data.prepare(config(tmp_path, tmp_path / "a.jsonl"), seq_len=8)
+    assert f"{tmp_path / 'a.jsonl'}, line 2, is not JSON" in one_line(err)
+    (tmp_path / "b.parquet").write_bytes(b"PAR1 truncated")
+    with pytest.raises(ConfigError) as err:
+        data.prepare(config(tmp_path, tmp_path / "b.parquet"), seq_len=8)
+    assert f"{tmp_path / 'b.parquet'} is not a readable parquet file" in one_line(err)
+
+
 def test_token_ids_beyond_the_model_vocabulary_stop_the_job(tmp_path):
     cfg = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"))
     data.prepare(cfg, seq_len=8)
