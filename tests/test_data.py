@@ -500,7 +500,7 @@ def test_a_truncated_manifest_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         data.prepare(cfg, seq_len=8, world=2)
     assert f"the corpus manifest {manifest} is unreadable" in one_line(err)
-    assert data.build_problem(cfg, 2, 257) == str(err.value)
+    assert data.build_problem(cfg, 2, 257) == str(err.value) and data.build_problem(cfg, 1, 257) is None
     data.prepare(cfg, seq_len=8)  # one process builds it again
 
 
