@@ -125,8 +125,8 @@ def build_problem(cfg: DataConfig, world: int, model_vocab: int) -> Optional[str
     One open of the manifest per rank."""
     try:
         manifest = build.read_manifest(build.directory(cfg), cfg)
-    except ConfigError as err:
-        return str(err)
+    except ConfigError as err:  # damaged: one process builds it again
+        return None if world == 1 else str(err)
     if manifest is None:
         if world == 1:
             return None  # one process builds on first use

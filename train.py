@@ -2,6 +2,7 @@
 
     python train.py                                   # the tiny model on this machine's CPU
     python train.py model=175B dry_run=true           # size, FLOPs and memory with no hardware
+    python -m corpus build                            # the corpus, once: a job of several ranks never builds
     torchrun --nproc_per_node 2 train.py              # data parallel on 2 processes
     srun -n 16 python train.py ...                    # SLURM: ranks come from SLURM_* variables
 

@@ -208,7 +208,7 @@ def _tokenizer_spec(cfg, plan: sources.Plan, units: list, folder: Path) -> dict:
 def _sample(cfg, plan: sources.Plan, units: list, quota: int) -> Iterator[str]:
     """The head of each unit, up to quota UTF-8 bytes of it: a sample spread over the corpus."""
     for unit in units:
-        yield from sources._capped(sources.documents(cfg, plan, unit), quota)
+        yield from sources.capped(sources.documents(cfg, plan, unit), quota)
 
 
 def build_unit(cfg, plan: sources.Plan, index: int, unit: sources.Unit, spec: dict, folder: Path, workers: int,
@@ -281,7 +281,7 @@ def build(cfg, workers: int = 1, shard: Optional[tuple] = None, progress: bool =
         spec = _tokenizer_spec(cfg, plan, units, folder)
     mine = [k for k in range(len(units)) if shard is None or k % shard[1] == shard[0]]
     todo = [k for k in mine if _unit_record(folder, k, plan) is None]
-    bar = _progress_bar(sum(units[k].size for k in todo), len(mine) - len(todo), len(mine), progress)
+    bar = Progress(sum(units[k].size for k in todo), len(mine) - len(todo), len(mine), progress)
     for k in todo:
         build_unit(cfg, plan, k, units[k], spec, folder, workers, bar.batch)
         bar.unit_done(units[k].size)
@@ -329,7 +329,7 @@ def merge(cfg, plan: Optional[sources.Plan] = None, units: Optional[list] = None
     return manifest
 
 
-class _progress_bar:
+class Progress:
     """tqdm over the source bytes to tokenize, with tokens/s; silent without a terminal."""
 
     def __init__(self, total_bytes: int, done_units: int, units: int, enabled: bool):

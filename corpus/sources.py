@@ -182,9 +182,9 @@ def documents(cfg, p: Plan, unit: Unit, counts: Optional[dict] = None) -> Iterat
     if p.kind == "stdlib":
         docs = _stdlib_documents(unit.files, cfg.max_bytes, counts)
     elif p.kind == "local":
-        docs = _capped((d for path in unit.files for d in _file_documents(path, p.fmt, p.field)), cfg.max_bytes)
+        docs = capped((d for path in unit.files for d in _file_documents(path, p.fmt, p.field)), cfg.max_bytes)
     else:
-        docs = _capped(_hub_documents(cfg, unit), cfg.max_bytes)
+        docs = capped(_hub_documents(cfg, unit), cfg.max_bytes)
     yield from docs
 
 
@@ -227,9 +227,9 @@ def _json_documents(path: Path, field_name: str) -> Iterator[str]:
         while first.isspace():
             first = f.read(1)
         if first == b"[":  # one JSON array rather than JSON lines: read whole
-            records = json.loads(first + f.read())
+            records = _parsed(path, 1, first + f.read())
         else:
-            records = (json.loads(line) for line in _lines(first, f) if line.strip())
+            records = (_parsed(path, n, line) for n, line in enumerate(_lines(first, f), 1) if line.strip())
         for i, record in enumerate(records):
             if not isinstance(record, dict) or field_name not in record:
                 columns = ", ".join(record) if isinstance(record, dict) else type(record).__name__
@@ -238,6 +238,14 @@ def _json_documents(path: Path, field_name: str) -> Iterator[str]:
             text = record[field_name]
             if isinstance(text, str) and text:
                 yield text
+
+
+def _parsed(path: Path, line: int, raw: bytes):
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError("data.source", f"{path}, line {line}, is not JSON ({getattr(err, 'msg', err)})",
+                          "fix or remove the file (a truncated copy?), or set data.format to what it holds") from None
 
 
 def _lines(first: bytes, f) -> Iterable[bytes]:
@@ -249,8 +257,13 @@ def _lines(first: bytes, f) -> Iterable[bytes]:
 
 def _parquet_documents(path: Path, field_name: str) -> Iterator[str]:
     import pyarrow.parquet as pq
+    import pyarrow
     with _open(path) as f:
-        table = pq.ParquetFile(f)
+        try:
+            table = pq.ParquetFile(f)
+        except (pyarrow.ArrowException, OSError) as err:
+            raise ConfigError("data.source", f"{path} is not a readable parquet file ({str(err).splitlines()[0][:120]})",
+                              "fix or remove the file (a truncated copy?), or set data.format to what it holds") from None
         if field_name not in table.schema_arrow.names:
             raise ConfigError("data.text_field", f"no column {field_name!r}; the dataset has "
                               f"{', '.join(table.schema_arrow.names)}", f"set data.text_field to the column that holds the text ({path})")
@@ -271,7 +284,7 @@ def _hub_documents(cfg, unit: Unit) -> Iterator[str]:
             yield text
 
 
-def _capped(documents: Iterable[str], max_bytes: Optional[int]) -> Iterator[str]:
+def capped(documents: Iterable[str], max_bytes: Optional[int]) -> Iterator[str]:
     """The documents up to max_bytes UTF-8 bytes in all; the last one cut at a character boundary."""
     total = 0
     for text in documents:

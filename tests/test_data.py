@@ -447,6 +447,11 @@ def test_several_shards_read_as_one_stream(tmp_path):
     assert len(rows) == len(expected)
     np.testing.assert_array_equal(rows[picks], expected[picks])
     assert sharded.decode(np.asarray(sharded.train)) == whole.decode(whole.train)
+    shard = indexed.IndexedShard(sharded.path / sharded.shards[1])  # the reader: header, tokens, documents
+    first = sharded.manifest["shards"][0]["tokens"]  # where shard 1 starts in the stream
+    assert shard.header["vocab_size"] == 257 and len(shard) == sharded.manifest["shards"][1]["tokens"]
+    np.testing.assert_array_equal(shard.document(0), whole.train[first: first + len(shard.document(0))])
+    assert shard.document(0)[-1] == whole.eot_id and (shard.tokens == whole.eot_id).sum() == shard.header["documents"]
 
 
 # --- Bad input: one line naming the file and the fix ---
@@ -495,7 +500,7 @@ def test_a_truncated_manifest_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         data.prepare(cfg, seq_len=8, world=2)
     assert f"the corpus manifest {manifest} is unreadable" in one_line(err)
-    assert data.build_problem(cfg, 2, 257) == str(err.value)
+    assert data.build_problem(cfg, 2, 257) == str(err.value) and data.build_problem(cfg, 1, 257) is None
     data.prepare(cfg, seq_len=8)  # one process builds it again
 
 
@@ -504,6 +509,17 @@ def test_an_empty_source_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         data.prepare(config(tmp_path, tmp_path / "empty.txt"), seq_len=8)
     assert "'" + str(tmp_path / "empty.txt") + "' contains no text" in one_line(err)
+
+
+def test_a_damaged_json_or_parquet_file_is_one_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": "cut he')
+    with pytest.raises(ConfigError) as err:
+        data.prepare(config(tmp_path, tmp_path / "a.jsonl"), seq_len=8)
+    assert f"{tmp_path / 'a.jsonl'}, line 2, is not JSON" in one_line(err)
+    (tmp_path / "b.parquet").write_bytes(b"PAR1 truncated")
+    with pytest.raises(ConfigError) as err:
+        data.prepare(config(tmp_path, tmp_path / "b.parquet"), seq_len=8)
+    assert f"{tmp_path / 'b.parquet'} is not a readable parquet file" in one_line(err)
 
 
 def test_token_ids_beyond_the_model_vocabulary_stop_the_job(tmp_path):
