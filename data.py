@@ -200,7 +200,9 @@ class Rows:
         return self.n
 
     def __getitem__(self, indices) -> np.ndarray:
-        T = self.seq_len
+        T, rows = self.seq_len, np.asarray(indices)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.n):  # past the split: the next split's tokens
+            raise IndexError(f"row {int(rows.max() if rows.max() >= self.n else rows.min())} is outside [0, {self.n})")
         if np.isscalar(indices):
             return self.stream.read(int(indices) * T, int(indices) * T + T + 1)
         return np.stack([self.stream.read(i * T, i * T + T + 1) for i in np.asarray(indices).tolist()]) \

@@ -85,6 +85,7 @@ def corpus_start_fs_calls(shards: int, rank: int, world: int) -> int:
     of the source's name each, the manifest's open), opening the corpus (a stat of the source's
     name and of its folder, the manifest again, an open and an fstat per shard, which it maps), and
     its share of the checksums (every world-th shard: a stat of the shard, its marker's open).
-    Nothing lists or stats the source's files, and nothing grows with the world."""
+    Nothing lists or stats the source's files, and nothing grows with the world. The sample index
+    (corpus/blend.py) adds a stat, an open and a map per rank, and a blend of k sources k corpora."""
     mine = len(range(rank, shards, world))
     return 6 + 2 * shards + 2 * mine

@@ -5,6 +5,7 @@ build: tokenize the corpus the data.* keys name (composed with Hydra as train.py
        into its folder under the data cache. --shard i/n builds the i-th of n parts (a SLURM array
        job's SLURM_ARRAY_TASK_ID of n); --merge then writes the one manifest from the parts.
 check: read every shard of a built corpus: checksums, vocabulary, token ids. One line, exit 0 or 2.
+With data.sources (a blend), each source is built or checked in turn.
 """
 from __future__ import annotations
 
@@ -34,11 +35,12 @@ def build_for(train_args: list, cache=None) -> None:
     overrides; cache: its $MEGAREPRO_CACHE): what a launcher of a job of several ranks, which
     never builds, does first."""
     import config
-    from corpus import build
+    from corpus import blend, build
     cfg = config.compose([a for a in train_args if a.startswith("data.")]).data
     if cache is not None:
         cfg.cache_dir = str(cache)
-    build.build(cfg, workers=1)
+    for source in blend.source_configs(cfg):
+        build.build(source, workers=1)
 
 
 def main(argv: list) -> int:
@@ -53,23 +55,24 @@ def main(argv: list) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import config
     import data
-    from corpus import build
+    from corpus import blend, build
     try:
         cfg = config.compose(overrides).data
     except Exception as err:
         fail(config.describe_composition_error(err))
     try:
         data.check_config(cfg)
-        if args.action == "check":
-            corpus = data.open_built(cfg)
-            corpus.verify()
-            print(f"corpus: {corpus.path}: {len(corpus.shards)} shards, {corpus.meta['tokens']:,} tokens verified")
-        elif args.merge:
-            build.merge(cfg)
-        else:
-            if args.workers < 1:
-                raise ConfigError("--workers", f"{args.workers} < 1", "use at least one process")
-            build.build(cfg, args.workers, args.shard, progress=not args.quiet and sys.stderr.isatty())
+        if args.workers < 1:
+            raise ConfigError("--workers", f"{args.workers} < 1", "use at least one process")
+        for source in blend.source_configs(cfg):  # the one data.source, or each of data.sources
+            if args.action == "check":
+                corpus = data.open_built(source)
+                corpus.verify()
+                print(f"corpus: {corpus.path}: {len(corpus.shards)} shards, {corpus.meta['tokens']:,} tokens verified")
+            elif args.merge:
+                build.merge(source)
+            else:
+                build.build(source, args.workers, args.shard, progress=not args.quiet and sys.stderr.isatty())
     except ConfigError as err:
         fail(str(err))
     return 0

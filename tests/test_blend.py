@@ -198,3 +198,21 @@ def test_a_two_rank_blended_run_resumes_exactly(tmp_path, cache_dir):
     assert [r["loss"] for r in read_metrics(tmp_path / "resumed")] == losses[2:]
     run_train(tmp_path / "one", args + [f"resume={step2}"], cache_dir, nproc=1)
     assert [r["loss"] for r in read_metrics(tmp_path / "one")] == pytest.approx(losses[2:], rel=1e-5)
+
+
+def test_the_build_command_builds_every_source_of_a_blend(tmp_path):
+    """python -m corpus build with data.sources builds each source, as a job of several ranks
+    (which never builds) will open them, then check verifies each."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    files = [write_docs(tmp_path / "a.jsonl", "a", 10), write_docs(tmp_path / "b.jsonl", "b", 10)]
+    blend_args = ["data.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}",
+                  f"data.sources=[{{source: '{files[0]}', weight: 1}}, {{source: '{files[1]}', weight: 3}}]"]
+    for action in ("build", "check"):
+        proc = subprocess.run([sys.executable, "-m", "corpus", action, "--workers", "1", "--quiet", *blend_args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("tokens verified") == 2, proc.stdout
+    for one in blend.source_configs(config.compose(blend_args).data):
+        assert data.open_built(one).meta["tokens"] > 0

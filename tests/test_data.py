@@ -446,6 +446,8 @@ def test_several_shards_read_as_one_stream(tmp_path):
     picks = np.random.default_rng(0).permutation(len(expected))[:200]  # rows across shard boundaries too
     assert len(rows) == len(expected)
     np.testing.assert_array_equal(rows[picks], expected[picks])
+    with pytest.raises(IndexError):  # the row past the train split would be the val split's tokens
+        rows[[0, len(rows)]]
     assert sharded.decode(np.asarray(sharded.train)) == whole.decode(whole.train)
     shard = indexed.IndexedShard(sharded.path / sharded.shards[1])  # the reader: header, tokens, documents
     first = sharded.manifest["shards"][0]["tokens"]  # where shard 1 starts in the stream
