@@ -75,6 +75,17 @@ def test_layout_equals_single_process(name, reference, tmp_path, cache_dir, requ
         assert_zero_splits_the_optimizer_state(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))
 
 
+def test_the_megascale_data_pipeline_changes_no_bit_at_tp2(tmp_path, cache_dir):
+    """tp2: one reader per TP group prefetching and broadcasting the narrow token stream gives
+    the very losses each rank reading its own batch gives, bit for bit (tests/test_data.py
+    checks the batches, the bytes broadcast, and who reads)."""
+    losses = {}
+    for pipeline in ("naive", "megascale"):
+        run_train(tmp_path / pipeline, EXACT + ["parallel.tp=2", f"data.pipeline={pipeline}"], cache_dir, nproc=2)
+        losses[pipeline] = [(row["loss"], row.get("val_loss")) for row in read_metrics(tmp_path / pipeline)]
+    assert len(losses["naive"]) == STEPS and losses["megascale"] == losses["naive"]
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want||. Elementwise tolerances are the wrong measure after Adam steps: Adam
     divides each element's update by that element's own gradient scale, so where the gradient is
