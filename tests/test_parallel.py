@@ -37,6 +37,8 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     # background prefetch must hand every rank the very batches it would have read itself.
     "tp2_recompute_full_megascale_data": (2, ["parallel.tp=2", "train.recompute=full", "data.pipeline=megascale"]),
     "recompute_selective_megascale_data": (1, ["train.recompute=selective", "data.pipeline=megascale"]),
+    # Two middle stages, which read no batch (a shaped placeholder), between two that do.
+    "pp4_megascale_data": (4, ["parallel.pp=4", "parallel.microbatches=4", "data.pipeline=megascale"]),
 }
 
 STRESSED = {"pp2_vpp2_overlap"}  # layouts whose run here is the first of the CI stress pass's
