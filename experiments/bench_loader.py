@@ -10,7 +10,8 @@ uint16 token file of --file-gib on --dir (put it on the file system the job's co
 in the sampler's shuffled order. Three ways a host's TP group of --ranks GPUs gets its batches:
 
   naive     every rank reads its own batch when its step asks for it: --ranks processes read at
-            once, each timed (data.pipeline=naive);
+            once; a step waits for the slowest (its TP collectives join the group), so each step's
+            figure is the longest of its ranks' reads (data.pipeline=naive);
   prefetch  the batches are read in the loader's background thread while the step computes (a
             sleep of --step-s seconds stands for it); timed: what next() still blocks
             (data.prefetch_async, the part of data.pipeline=megascale that hides the read);
@@ -20,7 +21,7 @@ in the sampler's shuffled order. Three ways a host's TP group of --ranks GPUs ge
 Page cache: cold drops the file's pages before every step with posix_fadvise(POSIX_FADV_DONTNEED)
 (no root needed; it drops this file's clean pages, as `echo 1 > /proc/sys/vm/drop_caches` would
 drop everyone's), so each step's rows come from the storage; warm reads the whole file once first.
-Each figure: the median over steps, a 95% bootstrap interval of the median, and the 5th-95th
+Each figure (after one set-up step): the median over steps, a 95% bootstrap interval of the median, and the 5th-95th
 percentile range. perfmodel's loader_step_s is naive's median, cold (a job's corpus is far larger
 than the page cache); data.pipeline=megascale is priced at 0 when prefetch's median is ~0.
 """
@@ -98,14 +99,14 @@ def _naive_rank(rank: int, path: Path, args, barrier, cold: bool, results) -> No
     """One rank of a host whose ranks all read at the start of every step."""
     torch.set_num_threads(1)
     batches, seconds = loader(path, args, rank, prefetch=0), []
-    for _ in range(args.steps):
+    for _ in range(args.steps + 1):
         if cold and rank == 0:
             drop_cache(path)
         barrier.wait()
         start = time.perf_counter()
         next(batches)
         seconds.append(time.perf_counter() - start)
-    results.put(seconds)
+    results.put(seconds[1:])  # the first: the loader's set-up
 
 
 def naive(path: Path, args, cold: bool, ranks: int) -> list:
@@ -114,23 +115,23 @@ def naive(path: Path, args, cold: bool, ranks: int) -> list:
     procs = [ctx.Process(target=_naive_rank, args=(r, path, args, barrier, cold, results)) for r in range(ranks)]
     for p in procs:
         p.start()
-    seconds = [s for _ in procs for s in results.get()]
+    per_rank = [results.get() for _ in procs]
     for p in procs:
         p.join()
-    return seconds
+    return np.max(per_rank, axis=0).tolist()  # each step waits for its slowest rank
 
 
 def prefetch(path: Path, args, cold: bool) -> list:
     batches, seconds = loader(path, args, 0, prefetch=2), []
     with batches:
-        for _ in range(args.steps):
+        for _ in range(args.steps + 1):
             if cold:
                 drop_cache(path)
             time.sleep(args.step_s)  # the step's compute, during which the thread reads the next batches
             start = time.perf_counter()
             next(batches)
             seconds.append(time.perf_counter() - start)
-    return seconds
+    return seconds[1:]  # the first: the thread's start, with nothing read ahead yet
 
 
 def summary(seconds: list) -> dict:
@@ -171,7 +172,7 @@ def main() -> None:
             for how, f in figures[cache].items():
                 print(f"{cache:4} {how:8} median {f['median_s'] * 1e3:8.3f} ms  95% CI [{f['median_ci95_s'][0] * 1e3:.3f}, "
                       f"{f['median_ci95_s'][1] * 1e3:.3f}]  p5-p95 [{f['p5_p95_s'][0] * 1e3:.3f}, {f['p5_p95_s'][1] * 1e3:.3f}]"
-                      f"  ({f['n']} reads)")
+                      f"  ({f['n']} steps)")
     print(f"loader_step_s (naive, cold): {figures['cold']['naive']['median_s']:.4f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "cpu": machine.cpu_model(), **figures}, indent=1))
