@@ -235,10 +235,10 @@ def open_run_log(run: Run, start: int) -> None:
 
 
 class Step:
-    """One training step, as the loop's body sees it: its batch (on the host), the seconds the
+    """One training step, as the loop's body sees it: its batch (a token stream on the host), the seconds the
     loader took to hand it over, and its one read."""
 
-    def __init__(self, batch: tuple, data_s: float, clock, device: torch.device, recorder):
+    def __init__(self, batch, data_s: float, clock, device: torch.device, recorder):
         self.batch, self.data_s, self.clock, self.device, self.recorder = batch, data_s, clock, device, recorder
         self.timing: dict = {}  # the wait clock's figures, once read
 
