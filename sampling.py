@@ -81,13 +81,13 @@ def token_dtype(vocab_size: int) -> torch.dtype:
     return torch.uint16 if vocab_size <= 2**16 else torch.int32
 
 
+_NUMPY = {torch.uint16: np.uint16, torch.int32: np.int32}
+
+
 def _rows_to_stream(rows: np.ndarray, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
     """[n, seq_len + 1] token ids (a row's inputs are its first seq_len, its targets its last)."""
     stream = torch.from_numpy(np.ascontiguousarray(rows, dtype=_NUMPY[dtype]))
     return stream.pin_memory() if pin_memory else stream
-
-
-_NUMPY = {torch.uint16: np.uint16, torch.int32: np.int32}
 
 
 def to_device(stream: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -424,3 +424,17 @@ def test_a_middle_pipeline_stage_never_reads(jsonl_corpus, tmp_path):
     assert middle["reads"] == 0 and middle["sent"] == []
     assert all(g.shape == (4, 17) for g in middle["got"])  # the shape the schedule asks, no tokens
     assert first["state"] == middle["state"] == last["state"]
+
+
+def test_a_stream_is_as_narrow_as_the_vocabulary_and_crosses_the_wire_intact():
+    """uint16 up to 2**16 ids (GPT-2's 50257), int32 above (Llama 3's 128256); a uint16 stream is
+    broadcast as its bytes (no collective library has a 16-bit integer) and read back unchanged."""
+    assert sampling.token_dtype(50257) == sampling.token_dtype(2**16) == torch.uint16
+    assert sampling.token_dtype(2**16 + 1) == sampling.token_dtype(128256) == torch.int32
+    rows = np.array([[0, 1, 65535], [50256, 7, 2]], dtype=np.uint32)
+    for dtype in (torch.uint16, torch.int32):
+        stream = sampling._rows_to_stream(rows, dtype, pin_memory=False)
+        wire = sampling.wire_view(stream)
+        assert wire.dtype in (torch.uint8, torch.int32) and wire.element_size() * wire.shape[1] == 3 * stream.element_size()
+        inputs, targets = sampling.to_device(wire.view(dtype), torch.device("cpu"))
+        assert inputs.tolist() == rows[:, :-1].tolist() and targets.tolist() == rows[:, 1:].tolist()
