@@ -35,13 +35,15 @@ gpu: $(STAMP)
 # (experiments/emucluster.py): 4 hosts of 2 ranks, TP inside a host over its loopback, PP and DP
 # across throttled links ($(DEMO_LINK)), so their communication costs wire time as between GPU
 # hosts. Otherwise 8 gloo ranks over this machine's loopback. The table names the fabric, and
-# each row the fabric its switch's bytes crossed.
+# each row the fabric its switch's bytes crossed. Its corpus is built first (once; a job of
+# several ranks never builds: `python -m corpus build` with the job's overrides).
 # := expands once, so every command sees one dir (no comment after a value: make keeps its spaces)
 NOW := $(shell date +%Y-%m-%d_%H-%M-%S)
 SWEEP ?= multirun/ablation-$(NOW)
 DEMO_LINK ?= 250mbit
 ABLATION = train.py -m experiment=megascale_ablation 'ablation.step=range(0,9)' logging.wandb.mode=offline hydra.sweep.dir=$(SWEEP)
 demo: $(STAMP)
+	$(BIN)/python -m corpus build experiment=megascale_ablation
 	if $(BIN)/python experiments/emucluster.py --check; then \
 		$(BIN)/python experiments/emucluster.py --hosts 4 --ranks-per-host 2 --bandwidth $(DEMO_LINK) -- $(ABLATION); \
 	else \
@@ -61,6 +63,7 @@ train: $(STAMP)
 # Table 2 at CPU scale: one torchrun per row, since each row has its own world size.
 SCALING ?= multirun/scaling-$(NOW)
 scaling: $(STAMP)
+	$(BIN)/python -m corpus build experiment=strong_scaling
 	for row in 0 1 2; do \
 		ranks=$$($(BIN)/python -c "import config; c = config.compose(['experiment=strong_scaling', 'scaling.row=$$row']); print(c.scaling.rows[$$row]['gpus'])"); \
 		$(BIN)/torchrun --standalone --nproc_per_node $$ranks train.py experiment=strong_scaling scaling.row=$$row \

@@ -302,8 +302,9 @@ def validate(cfg: Config, world: Optional[int] = None, remote: bool = False) -> 
     import data
     import optim
     import parallel
-    parallel.validate(cfg, job_world(cfg, world))
-    data.check_config(cfg.data)
+    job = job_world(cfg, world)
+    parallel.validate(cfg, job)
+    data.check_config(cfg.data, job)  # a job of several ranks: O(1) file-system calls per rank
     optim.check_config(cfg.optim)
 
 

@@ -1,39 +1,38 @@
-"""Data: load a corpus, tokenize it, pack it into a memory-mapped token file, sample deterministically.
+"""Data: the job's side of the corpus. It is built offline (corpus/, `python -m corpus build`) into
+shards this module memory-maps; sampling.py decides which sequences each rank reads.
 
 The pipeline, top to bottom:
 1. Source. `stdlib` (the running Python's standard-library source: on every machine, no network),
    local text/json(l)/parquet files (a file, a folder or a glob), or a Hugging Face hub dataset.
 2. Tokenizer. `bytes` (UTF-8 bytes + one end-of-text token), `bpe` (a byte-level BPE trained on
-   the corpus with the `tokenizers` library) or any Hugging Face tokenizer, by name or local path.
-3. Pack. Documents are joined into one token stream, each followed by the end-of-text token, and
-   written once to tokens.bin. Sequence i of length T is tokens[i*T : i*T + T + 1]: the model reads
-   the first T tokens and predicts the last T. The file does not depend on T, so runs with
-   different sequence lengths share it. The last val_fraction of the stream is held out.
-4. Sample (sampling.py). A seeded sampler picks each step's sequences, each DP rank its slice of
-   the global batch, and loaders hand them to the training loop, resumable to the sequence.
+   a sample of the corpus with the `tokenizers` library) or any Hugging Face tokenizer.
+3. Build (corpus/build.py). Documents are tokenized, each followed by the end-of-text token, into
+   shards (corpus/indexed.py) under a folder the data.* keys name, with a manifest written last.
+4. Pack. The shards, in the manifest's order, are one token stream. Sequence i of length T is
+   tokens[i*T : i*T + T + 1]: the model reads the first T tokens and predicts the last T. The
+   stream does not depend on T, so runs with different sequence lengths share one build. The
+   last val_fraction of the stream is held out.
+5. Sample (sampling.py). A seeded sampler picks each step's sequences, each DP rank its slice of
+   the global batch, resumable to the sequence.
 
-The packed corpus is cached under a hash of everything that determines its bytes. torchrun ranks
-call prepare() together: one builds under a file lock, the others wait and reuse its result.
+A one-process run builds its corpus on first use (and again when the source changed). A job of
+more than one rank never builds: a rank finds its build by the data.* keys alone, reads its
+manifest and memory-maps its shards (a stat and an open each), and stops with the build command
+where there is none.
 """
 from __future__ import annotations
 
-import fcntl
-import glob
-import hashlib
-import json
 import logging
 import os
-import platform
-import re
-import sysconfig
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Optional
 
 import numpy as np
 
+from corpus import build, indexed, sources, tokenizer as tokenizers
+from corpus.sources import FORMATS, local_files, source_kind  # noqa: F401 (data.source_kind, as before)
+from corpus.tokenizer import EOT, BPETokenizer, ByteTokenizer, HFTokenizer  # noqa: F401
 from errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -61,31 +60,31 @@ class DataConfig:
     tp_shared: Optional[bool] = None       # one reader per TP group, broadcasting the batch to the others
     subset: Optional[str] = None  # hub datasets: the configuration name (load_dataset's `name`)
     split: str = "train"          # hub datasets: the split to read; val is carved from its tail
+    # The build (corpus/build.py):
+    revision: Optional[str] = None      # hub datasets: the revision (a tag, branch or commit) to read
+    bpe_sample_bytes: int = 1_000_000_000  # the BPE trains on this much text, spread over the corpus
+    shard_bytes: int = 1 << 30          # a shard's tokens stop at this size; a build unit reads this much source
 
 
-EOT = "<|endoftext|>"
-# Bump when the packed layout or the tokenization changes, so old cache entries are not reused.
-FORMAT_VERSION = 1
-FORMATS = ("auto", "text", "json", "parquet")
 PIPELINES = ("naive", "megascale")
-_BY_EXTENSION = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # anything else is text
-_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
-_DATA_SUFFIXES = (".txt", ".text", ".md", ".py", ".csv", ".json", ".jsonl", ".parquet") + _COMPRESSION
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
-# --- Validation: cheap checks only, never the network ---
+# --- Validation: cheap checks only, never the network, O(1) file-system calls ---
 
-def check_config(cfg: DataConfig) -> None:
-    """Raise ConfigError for a bad data setting found without loading anything."""
+def check_config(cfg: DataConfig, world: int = 1) -> None:
+    """Raise ConfigError for a bad data setting found without loading anything. A local source's
+    files are listed only where no build of it exists and one process would build it: a rank of
+    a larger job reads the build's manifest and nothing else (build_problem)."""
     for key, value, allowed in (("data.format", cfg.format, FORMATS), ("data.pipeline", cfg.pipeline, PIPELINES)):
         if value not in allowed:
             raise ConfigError(key, f"unknown value {value!r}", f"use one of: {', '.join(allowed)}")
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError("data.val_fraction", f"{cfg.val_fraction} is outside [0, 1)",
                           "use a fraction such as 0.01 (0 disables the held-out split)")
-    if cfg.max_bytes is not None and cfg.max_bytes < 1:
-        raise ConfigError("data.max_bytes", f"{cfg.max_bytes} < 1", "use a positive byte count, or null for no cap")
+    for key, value in (("data.max_bytes", cfg.max_bytes), ("data.bpe_sample_bytes", cfg.bpe_sample_bytes),
+                       ("data.shard_bytes", cfg.shard_bytes)):
+        if value is not None and value < 1:
+            raise ConfigError(key, f"{value} < 1", "use a positive byte count" + (", or null for no cap" if key == "data.max_bytes" else ""))
     if cfg.prefetch < 0:
         raise ConfigError("data.prefetch", f"{cfg.prefetch} < 0", "use 0 (synchronous) or a positive depth")
     if cfg.prefetch_async and cfg.prefetch == 0:
@@ -93,14 +92,13 @@ def check_config(cfg: DataConfig) -> None:
                           "use a depth >= 1, or data.prefetch_async=false")
     if not cfg.text_field:
         raise ConfigError("data.text_field", "is empty", "name the column that holds the text, e.g. text")
-    _check_tokenizer(cfg, ConfigError)
-    kind = source_kind(cfg.source)
-    if kind == "local":
+    _check_tokenizer(cfg)
+    if source_kind(cfg.source) == "local" and world == 1 and not (build.directory(cfg) / build.MANIFEST).exists():
         files = local_files(cfg.source)
         if not files:
             raise ConfigError("data.source", f"{cfg.source!r} is not a hub name and matches no local file",
                               "give an existing file, folder or glob, a hub dataset name, or stdlib")
-        _local_format(cfg, files)
+        sources.local_format(cfg.format, files)
 
 
 def data_parts(cfg: DataConfig) -> tuple[bool, bool]:
@@ -112,7 +110,7 @@ def data_parts(cfg: DataConfig) -> tuple[bool, bool]:
     return prefetch_async and cfg.prefetch > 0, tp_shared
 
 
-def _check_tokenizer(cfg: DataConfig, ConfigError) -> None:
+def _check_tokenizer(cfg: DataConfig) -> None:
     if cfg.tokenizer == "bpe":
         # 256 byte symbols + the end-of-text token come first; merges fill the rest.
         if not 257 <= cfg.bpe_vocab_size <= 2**31:
@@ -123,275 +121,128 @@ def _check_tokenizer(cfg: DataConfig, ConfigError) -> None:
                           "use bytes, bpe, a Hugging Face tokenizer name (e.g. gpt2) or a saved tokenizer folder")
 
 
-def source_kind(value: str) -> str:
-    """'stdlib', 'local' or 'hub'. An existing path is local; otherwise a value shaped like a hub
-    name ('org/name' or a bare word) without a data-file extension is hub; anything else is local."""
-    if value == "stdlib":
-        return "stdlib"
-    if os.path.exists(os.path.expanduser(value)):
-        return "local"
-    if _HUB_NAME.match(value) and not value.lower().endswith(_DATA_SUFFIXES):
-        return "hub"
-    return "local"
+def build_problem(cfg: DataConfig, world: int, model_vocab: int) -> Optional[str]:
+    """The one line that stops a job before any rank works, or None: a job of more than one rank
+    whose corpus is not built, or a build whose vocabulary or token ids exceed the model's.
+    One open of the manifest per rank."""
+    try:
+        manifest = build.read_manifest(build.directory(cfg), cfg)
+    except ConfigError as err:
+        return str(err)
+    if manifest is None:
+        if world == 1:
+            return None  # one process builds on first use
+        return str(not_built(cfg, world))
+    if manifest["vocab_size"] > model_vocab or manifest["max_id"] >= model_vocab:
+        return (f"config error: model.vocab_size: {model_vocab} is smaller than the corpus's vocabulary of "
+                f"{manifest['vocab_size']} (largest token id {manifest['max_id']}, {build.directory(cfg)}). "
+                f"Fix: set model.vocab_size>={max(manifest['vocab_size'], manifest['max_id'] + 1)}")
+    return None
 
 
-def local_files(source: str) -> list[Path]:
-    """The files a local source names (a file, every non-hidden file under a folder, or a glob),
-    in sorted order, which is the order their documents enter the token stream."""
-    path = Path(source).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        found = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
-    else:
-        found = [Path(p) for p in glob.glob(str(path), recursive=True)]
-    return sorted((p for p in found if p.is_file()), key=str)
+def not_built(cfg: DataConfig, world: int) -> ConfigError:
+    return ConfigError("data.source", f"no complete build of {cfg.source!r} in {build.directory(cfg)}, and a job of "
+                       f"{world} ranks never builds", f"build it first: {build.command(cfg)}")
 
 
-def _file_format(path: Path) -> str:
-    name = path.name.lower()
-    for suffix in _COMPRESSION:
-        name = name.removesuffix(suffix)
-    return _BY_EXTENSION.get(Path(name).suffix, "text")
+# --- The built corpus, memory-mapped ---
+
+class TokenStream:
+    """Several shards' tokens as one read-only stream: len, slices (views) and reads of a range."""
+
+    def __init__(self, arrays: list, lo: int = 0, hi: Optional[int] = None):
+        self.arrays = arrays
+        self.starts = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
+        self.lo, self.hi = lo, int(self.starts[-1]) if hi is None else hi
+        self.dtype, self.itemsize = arrays[0].dtype, arrays[0].dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return self.read(0, len(self))[key]
+            return TokenStream(self.arrays, self.lo + start, self.lo + max(start, stop))
+        i = int(key) + (len(self) if int(key) < 0 else 0)
+        return self.read(i, i + 1)[0]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of this stream, across shard boundaries."""
+        start, stop = self.lo + start, self.lo + stop
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        parts = []
+        while start < stop:
+            a, offset = self.arrays[first], start - int(self.starts[first])
+            take = min(stop - start, len(a) - offset)
+            parts.append(a[offset: offset + take])
+            start, first = start + take, first + 1
+        return np.concatenate(parts) if len(parts) != 1 else np.asarray(parts[0])
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.read(0, len(self))
+        return out if dtype is None else out.astype(dtype)
+
+    def astype(self, dtype) -> np.ndarray:
+        return np.asarray(self).astype(dtype)
+
+    def max(self) -> int:
+        return max(int(np.max(self.read(s, min(s + (1 << 24), len(self))))) for s in range(0, len(self), 1 << 24))
 
 
-def _local_format(cfg: DataConfig, files: list[Path]) -> str:
-    if cfg.format != "auto":
-        return cfg.format
-    formats = sorted({_file_format(p) for p in files})
-    if len(formats) > 1:
-        raise ConfigError("data.format", f"data.source mixes {' and '.join(formats)} files",
-                          "set data.format explicitly or narrow data.source to one kind of file")
-    return formats[0]
+class Rows:
+    """[num_sequences, seq_len + 1] over a TokenStream: rows[indices] reads just those rows."""
 
+    def __init__(self, stream: TokenStream, seq_len: int, n: int):
+        self.stream, self.seq_len, self.n = stream, seq_len, n
+        self.shape = (n, seq_len + 1)
 
-# --- Sources: what the corpus is (its identity, for the cache key) and its documents ---
+    def __len__(self) -> int:
+        return self.n
 
-@dataclass
-class Source:
-    identity: dict                           # everything that determines the documents, hashable as JSON
-    meta: dict                               # what run.json records about the source
-    documents: Callable[[], Iterator[str]]   # a fresh pass over the documents (BPE needs two)
+    def __getitem__(self, indices) -> np.ndarray:
+        T = self.seq_len
+        if np.isscalar(indices):
+            return self.stream.read(int(indices) * T, int(indices) * T + T + 1)
+        return np.stack([self.stream.read(i * T, i * T + T + 1) for i in np.asarray(indices).tolist()]) \
+            if len(indices) else np.zeros((0, T + 1), self.stream.dtype)
 
+    def astype(self, dtype) -> np.ndarray:
+        return self[np.arange(self.n)].astype(dtype)
 
-def _stdlib_source(max_bytes: Optional[int]) -> Source:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(_stdlib_files(root), key=lambda p: p.relative_to(root).as_posix())
-    # The corpus is the first max_bytes bytes of the files' concatenation; the hash covers exactly
-    # those bytes, so two machines with the same Python agree on it (and on the cache key).
-    chunks, total, digest = [], 0, hashlib.sha256()
-    for p in files:
-        raw = p.read_bytes()
-        if max_bytes is not None:
-            raw = raw[: max_bytes - total]
-        chunks.append(raw)
-        digest.update(raw)
-        total += len(raw)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    content_hash = digest.hexdigest()
-    # Where a document ends is part of the corpus too (an end-of-text token goes there).
-    boundaries = hashlib.sha256(np.array([len(c) for c in chunks], np.int64).tobytes()).hexdigest()
-    meta = {"source": "stdlib", "stdlib_path": str(root), "python_version": platform.python_version(),
-            "python_implementation": platform.python_implementation(), "files": len(chunks),
-            "bytes": total, "content_hash": content_hash}
-    # A few stdlib files are deliberately not UTF-8 (encoding tests); they enter with U+FFFD.
-    return Source({"kind": "stdlib", "sha256": content_hash, "boundaries": boundaries}, meta,
-                  lambda: (c.decode("utf-8", errors="replace") for c in chunks))
-
-
-def _stdlib_files(root: Path) -> Iterator[Path]:
-    """The standard library's *.py files. Installed packages are not the standard library, and
-    their folders are not even walked (site-packages can hold far more files than the library
-    itself: a second of every run's start-up on rank 0). Symlinked folders are followed, as
-    Path.rglob does."""
-    skip = {"site-packages", "dist-packages"}
-    for folder, dirs, names in os.walk(root, followlinks=True):
-        dirs[:] = [d for d in dirs if d not in skip]
-        yield from (Path(folder) / n for n in names if n.endswith(".py"))
-
-
-def _local_source(cfg: DataConfig, hf_cache: Path) -> Source:
-    files = local_files(cfg.source)
-    fmt = _local_format(cfg, files)
-    digest = hashlib.sha256()
-    for p in files:  # the raw bytes, not mtimes: a touched but unchanged file keeps its cache
-        digest.update(f"{p.stat().st_size}:".encode())
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    content_hash = digest.hexdigest()
-    field = "text" if fmt == "text" else cfg.text_field  # the text builder always names it "text"
-    identity = {"kind": "local", "sha256": content_hash, "format": fmt, "field": field, "max_bytes": cfg.max_bytes}
-    meta = {"source": cfg.source, "format": fmt, "text_field": field, "files": len(files), "content_hash": content_hash}
-
-    def documents() -> Iterator[str]:
-        import datasets
-        # sample_by="document": one file is one document, not one line.
-        options = {"sample_by": "document"} if fmt == "text" else {}
-        ds = datasets.load_dataset(fmt, data_files=[str(p) for p in files], split="train",
-                                   cache_dir=str(hf_cache), **options)
-        return _capped(_column(ds, field, "data.text_field"), cfg.max_bytes)
-    return Source(identity, meta, documents)
-
-
-def _hub_source(cfg: DataConfig, hf_cache: Path) -> Source:
-    # Keyed by name, not by content: checking the hub for a new revision on every start (from every
-    # rank) costs a network round trip. Delete the cache entry to pick up an updated dataset.
-    identity = {"kind": "hub", "name": cfg.source, "subset": cfg.subset, "split": cfg.split,
-                "field": cfg.text_field, "max_bytes": cfg.max_bytes}
-    meta = {"source": cfg.source, "subset": cfg.subset, "split": cfg.split, "text_field": cfg.text_field}
-
-    def documents() -> Iterator[str]:
-        import datasets
-        try:
-            ds = datasets.load_dataset(cfg.source, cfg.subset, split=cfg.split, cache_dir=str(hf_cache))
-        except Exception as err:  # offline, a typo, a gated dataset: all end the run the same way
-            reason = (str(err).strip().splitlines() or [""])[0][:200]
-            raise ConfigError("data.source", f"could not load hub dataset {cfg.source!r} ({type(err).__name__}: {reason})",
-                              "check the name and the network (or HF_DATASETS_OFFLINE), or use a local path or stdlib") from err
-        meta["fingerprint"] = getattr(ds, "_fingerprint", None)
-        return _capped(_column(ds, cfg.text_field, "data.text_field"), cfg.max_bytes)
-    return Source(identity, meta, documents)
-
-
-def _column(ds, field: str, key: str) -> Iterator[str]:
-    if field not in ds.column_names:
-        raise ConfigError(key, f"no column {field!r}; the dataset has {', '.join(ds.column_names)}",
-                          "set data.text_field to the column that holds the text")
-    for batch in ds.select_columns([field]).iter(batch_size=1024):
-        yield from (text for text in batch[field] if isinstance(text, str) and text)
-
-
-def _capped(documents: Iterable[str], max_bytes: Optional[int]) -> Iterator[str]:
-    """The documents up to max_bytes UTF-8 bytes in all; the last one cut at a character boundary."""
-    total = 0
-    for text in documents:
-        if max_bytes is None:
-            yield text
-            continue
-        raw = text.encode("utf-8")
-        if total + len(raw) >= max_bytes:
-            yield raw[: max_bytes - total].decode("utf-8", errors="ignore")
-            return
-        total += len(raw)
-        yield text
-
-
-def open_source(cfg: DataConfig, cache_root: Path) -> Source:
-    kind = source_kind(cfg.source)
-    if kind == "stdlib":
-        return _stdlib_source(cfg.max_bytes)
-    hf_cache = cache_root / "hf-datasets"
-    return _local_source(cfg, hf_cache) if kind == "local" else _hub_source(cfg, hf_cache)
-
-
-# --- Tokenizers: the three kinds behind one small interface ---
-
-class ByteTokenizer:
-    """UTF-8 bytes are tokens 0..255; the end-of-text token is 256."""
-    vocab_size, eot_id = 257, 256
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
-
-    def decode(self, ids) -> str:
-        pieces = [EOT.encode() if i == self.eot_id else bytes([i]) for i in np.asarray(ids).tolist()]
-        return b"".join(pieces).decode("utf-8", errors="replace")
-
-
-class BPETokenizer:
-    """A byte-level BPE (GPT-2's scheme) from the `tokenizers` library."""
-
-    def __init__(self, tok):
-        tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a document is text, not a boundary
-        self.tok = tok
-        self.vocab_size = tok.get_vocab_size()
-        self.eot_id = tok.token_to_id(EOT)
-
-    @classmethod
-    def train(cls, documents: Iterable[str], vocab_size: int) -> "BPETokenizer":
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        tok.train_from_iterator(documents, trainer=trainer)
-        return cls(tok)
-
-    @classmethod
-    def load(cls, path: Path) -> "BPETokenizer":
-        from tokenizers import Tokenizer
-        return cls(Tokenizer.from_file(str(path)))
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # encode_batch_fast skips the character offsets, which nothing here reads.
-        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
-
-
-class HFTokenizer:
-    """Any tokenizer transformers' AutoTokenizer loads, by hub name or local folder."""
-
-    def __init__(self, name_or_path: str):
-        from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(name_or_path)
-        self.vocab_size = len(self.tok)
-        self.eot_id = self.tok.eos_token_id
-        if self.eot_id is None:
-            raise ConfigError("data.tokenizer", f"{name_or_path!r} has no end-of-text (eos) token to separate documents",
-                              "use a tokenizer with an eos token, or bpe")
-        self.backend = getattr(self.tok, "backend_tokenizer", None)
-        if self.backend is not None:
-            self.backend.encode_special_tokens = True
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if self.backend is not None:
-            return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
-        return self.tok(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
-
-
-def _tokenizer_identity(cfg: DataConfig) -> dict:
-    if cfg.tokenizer == "bytes":
-        return {"kind": "bytes"}
-    if cfg.tokenizer == "bpe":
-        return {"kind": "bpe", "vocab_size": cfg.bpe_vocab_size}  # trained on the corpus, which the key covers
-    path = Path(cfg.tokenizer).expanduser()
-    if path.exists():  # a saved tokenizer: its files are its identity
-        digest = hashlib.sha256()
-        for p in sorted(path.rglob("*") if path.is_dir() else [path], key=str):
-            if p.is_file():
-                digest.update(p.name.encode() + b"\0" + p.read_bytes())
-        return {"kind": "hf", "path": str(path.resolve()), "sha256": digest.hexdigest()}
-    return {"kind": "hf", "name": cfg.tokenizer}
-
-
-# --- The packed corpus ---
 
 class Corpus:
-    """A packed token stream, memory-mapped: train is its head, val its tail."""
+    """A built corpus: its shards memory-mapped as one token stream; train is its head, val its tail."""
 
-    def __init__(self, path: Path, meta: dict, val_fraction: float):
-        self.path = Path(path)
-        self.vocab_size = int(meta["vocab_size"])
-        self.eot_id = int(meta["eot_id"])
-        n = int(meta["tokens"])
-        tokens = np.memmap(self.path / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(n,))
+    def __init__(self, path: Path, manifest: dict, val_fraction: float):
+        self.path, self.manifest = Path(path), manifest
+        self.vocab_size = int(manifest["vocab_size"])
+        self.eot_id = int(manifest["eot_id"])
+        self.shards = [s["name"] for s in manifest["shards"]]
+        dtype = np.dtype(manifest["dtype"])
+        try:  # a stat and an open (the memory map) per shard; a truncated one is caught by its size
+            arrays = [indexed.open_tokens(self.path / s["name"], dtype, s["tokens"]) for s in manifest["shards"]]
+        except indexed.ShardError as err:
+            raise self._damaged(err) from None
+        tokens = arrays[0] if len(arrays) == 1 else TokenStream(arrays)
+        n = int(manifest["tokens"])
         # The held-out split is the stream's tail (as in nanoGPT), so val_fraction can change
         # without re-tokenizing. It may start mid-document; every token belongs to one split only.
         n_val = int(n * val_fraction)
         self.train, self.val = tokens[: n - n_val], tokens[n - n_val:]
-        self.meta = dict(meta, cache_path=str(self.path), val_fraction=val_fraction,
-                         train_tokens=n - n_val, val_tokens=n_val)
+        self.meta = dict(manifest["meta"], tokenizer=manifest["tokenizer"], vocab_size=self.vocab_size,
+                         eot_id=self.eot_id, dtype=manifest["dtype"], max_id=manifest["max_id"],
+                         **{k: manifest[k] for k in ("documents", "tokens", "text_bytes")},
+                         shards=len(self.shards), cache_path=str(self.path), build=manifest["command"],
+                         val_fraction=val_fraction, train_tokens=n - n_val, val_tokens=n_val)
         self._tokenizer = None
 
-    def split(self, name: str) -> np.ndarray:
+    def _damaged(self, err: indexed.ShardError) -> ConfigError:
+        return ConfigError("data.source", f"shard {err.path} {err.problem}",
+                           f"rebuild the corpus: rm -r {self.path} && {self.manifest['command']}")
+
+    def split(self, name: str):
         if name not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', not {name!r}")
         return self.train if name == "train" else self.val
@@ -399,142 +250,88 @@ class Corpus:
     def num_sequences(self, split: str, seq_len: int) -> int:
         return max(0, (len(self.split(split)) - 1) // seq_len)
 
-    def sequences(self, split: str, seq_len: int) -> np.ndarray:
-        """A read-only [num_sequences, seq_len + 1] view: row i is tokens[i*T : i*T + T + 1].
+    def sequences(self, split: str, seq_len: int):
+        """[num_sequences, seq_len + 1], read-only: row i is tokens[i*T : i*T + T + 1].
         Consecutive rows overlap by one token, the target of one row's last input."""
-        tokens = self.split(split)
-        return np.lib.stride_tricks.as_strided(tokens, shape=(self.num_sequences(split, seq_len), seq_len + 1),
+        tokens, n = self.split(split), self.num_sequences(split, seq_len)
+        if isinstance(tokens, TokenStream):
+            return Rows(tokens, seq_len, n)
+        return np.lib.stride_tricks.as_strided(tokens, shape=(n, seq_len + 1),
                                                strides=(seq_len * tokens.itemsize, tokens.itemsize), writeable=False)
+
+    def verify(self, rank: int = 0, world: int = 1) -> None:
+        """Read this rank's share of the shards (every world-th from rank) in full, once: checksums,
+        vocabulary, token ids. A shard that passes gets a marker of its size and time, so the next
+        start of the job costs a stat and a read per shard, not the corpus's bytes."""
+        for shard in self.manifest["shards"][rank::world]:
+            prefix = self.path / shard["name"]
+            marker = Path(f"{prefix}.verified")
+            try:
+                stat = os.stat(indexed.bin_path(prefix))
+                seal = f"{stat.st_size} {stat.st_mtime_ns} {shard['checksum']}"
+                if _read_text(marker) == seal:
+                    continue
+                indexed.verify(prefix, self.vocab_size, shard["checksum"])
+            except (indexed.ShardError, FileNotFoundError) as err:
+                raise self._damaged(err if isinstance(err, indexed.ShardError)
+                                    else indexed.ShardError(indexed.bin_path(prefix), "is missing")) from None
+            try:
+                marker.write_text(seal)
+            except OSError:  # a read-only cache: verified again next time
+                pass
 
     def decode(self, ids) -> str:
         if self._tokenizer is None:
-            kind = self.meta["tokenizer"]["kind"]
-            if kind == "bytes":
-                self._tokenizer = ByteTokenizer()
-            elif kind == "bpe":
-                self._tokenizer = BPETokenizer.load(self.path / "tokenizer.json")
-            else:
-                self._tokenizer = HFTokenizer(self.meta["tokenizer"].get("path") or self.meta["tokenizer"]["name"])
+            self._tokenizer = tokenizers.load(self.manifest["tokenizer"], self.path)
         return self._tokenizer.decode(ids)
 
 
-def cache_root(cfg: DataConfig) -> Path:
-    root = cfg.cache_dir or os.environ.get("MEGAREPRO_CACHE") or "~/.cache/megarepro"
-    return Path(root).expanduser()
+def _read_text(path: Path) -> Optional[str]:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
 
 
-def prepare(cfg: DataConfig, seq_len: int, known: Optional[str] = None) -> Corpus:
-    """The packed corpus for cfg, built on first use and cached. Safe to call from every rank at once.
-    known: the cache entry another rank found for the same cfg (Corpus.path.name). Where this
-    machine's cache holds it complete, it is opened without reading the source again: hashing the
-    whole corpus on every one of 256 ranks is 256 full reads of shared storage."""
-    check_config(cfg)
-    root = cache_root(cfg)
-    entries = root / "data"
-    if known is not None and _read_meta(entries / known) is not None:
-        corpus = Corpus(entries / known, _read_meta(entries / known), cfg.val_fraction)
-        corpus.meta["reused"] = True
-        _check_size(corpus, cfg, seq_len)
-        return corpus
-    entries.mkdir(parents=True, exist_ok=True)
-    source = open_source(cfg, root)
-    tokenizer = _tokenizer_identity(cfg)
-    key = _digest({"version": FORMAT_VERSION, "source": source.identity, "tokenizer": tokenizer})
-    name = re.sub(r"[^\w.-]+", "_", f"{Path(cfg.source).name}-{tokenizer['kind']}")[:48]
-    entry = entries / f"{name}-{key[:16]}"
-    meta, reused = _read_meta(entry), True
-    if meta is None:  # double-checked: whoever gets the lock first builds, the rest find its result
-        with _locked(entries / f"{entry.name}.lock"):
-            meta = _read_meta(entry)
-            if meta is None:
-                meta, reused = _build(entry, cfg, source, tokenizer, key), False
-    corpus = Corpus(entry, meta, cfg.val_fraction)
+def open_built(cfg: DataConfig, world: int = 2) -> Corpus:
+    """The built corpus of cfg, never building (as a rank of a larger job opens it)."""
+    manifest = build.read_manifest(build.directory(cfg), cfg)
+    if manifest is None:
+        raise not_built(cfg, world)
+    return Corpus(build.directory(cfg), manifest, cfg.val_fraction)
+
+
+def prepare(cfg: DataConfig, seq_len: int, world: int = 1) -> Corpus:
+    """The corpus for cfg. One process (world 1) builds it on first use, or again when the source
+    changed, under a lock (concurrent one-process runs build it once); a rank of a larger job
+    opens the build, which must exist (ConfigError naming the build command otherwise)."""
+    check_config(cfg, world)
+    folder = build.directory(cfg)
+    if world > 1:
+        manifest, reused = build.read_manifest(folder, cfg), True
+        if manifest is None:
+            raise not_built(cfg, world)
+    else:
+        manifest, reused = _usable_manifest(cfg, folder), True
+    if manifest is None:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with build.locked(folder.parent / f"{folder.name}.lock"):  # double-checked: the first builds
+            manifest = _usable_manifest(cfg, folder)
+            if manifest is None:
+                manifest, reused = build.build(cfg), False
+    corpus = Corpus(folder, manifest, cfg.val_fraction)
     corpus.meta["reused"] = reused
     _check_size(corpus, cfg, seq_len)
     return corpus
 
 
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _read_meta(entry: Path) -> Optional[dict]:
-    try:  # meta.json is written last, so its presence means the entry is complete
-        return json.loads((entry / "meta.json").read_text())
-    except FileNotFoundError:
+def _usable_manifest(cfg: DataConfig, folder: Path) -> Optional[dict]:
+    """The manifest of a build of the source as it is now, else None (one process builds again)."""
+    try:
+        manifest = build.read_manifest(folder, cfg)
+    except ConfigError:  # damaged: rebuilt
         return None
-
-
-@contextmanager
-def _locked(path: Path):
-    # flock: held by this process until closed, released by the kernel if the process dies, and
-    # honoured across hosts on NFSv4 and Lustre, where multi-node jobs share a cache.
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _write_atomic(path: Path, write: Callable) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _build(entry: Path, cfg: DataConfig, source: Source, tokenizer_identity: dict, key: str) -> dict:
-    entry.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    kind = tokenizer_identity["kind"]
-    if kind == "bytes":
-        tokenizer = ByteTokenizer()
-    elif kind == "bpe":
-        log.info("data: training a %d-token byte-level BPE on %s", cfg.bpe_vocab_size, cfg.source)
-        tokenizer = BPETokenizer.train(source.documents(), cfg.bpe_vocab_size)
-        _write_atomic(entry / "tokenizer.json", lambda f: f.write(tokenizer.tok.to_str().encode()))
-    else:
-        tokenizer = HFTokenizer(cfg.tokenizer)
-    trained = time.perf_counter()
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    counts = {"documents": 0, "tokens": 0, "text_bytes": 0}
-
-    def write_tokens(f) -> None:
-        for batch in _batches(source.documents(), max_chars=1 << 22):
-            for ids in tokenizer.encode_batch(batch):
-                np.append(np.asarray(ids, dtype=dtype), dtype(tokenizer.eot_id)).tofile(f)
-                counts["tokens"] += len(ids) + 1
-            counts["documents"] += len(batch)
-            counts["text_bytes"] += sum(len(t.encode("utf-8")) for t in batch)
-    log.info("data: tokenizing %s into %s", cfg.source, entry)
-    _write_atomic(entry / "tokens.bin", write_tokens)
-    if counts["documents"] == 0:
-        raise ConfigError("data.source", f"{cfg.source!r} contains no text", "point data.source at a non-empty corpus")
-    done = time.perf_counter()
-    meta = {**source.meta, **counts, "tokenizer": {**tokenizer_identity, "vocab_size": tokenizer.vocab_size},
-            "vocab_size": tokenizer.vocab_size, "eot_id": int(tokenizer.eot_id), "dtype": np.dtype(dtype).name,
-            "max_bytes": cfg.max_bytes, "cache_key": key, "format_version": FORMAT_VERSION,
-            "tokenizer_seconds": round(trained - started, 2), "tokenize_seconds": round(done - trained, 2)}
-    _write_atomic(entry / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
-    log.info("data: %d documents, %d tokens (%.2f bytes/token) in %.1f s", counts["documents"], counts["tokens"],
-             counts["text_bytes"] / max(1, counts["tokens"]), done - started)
-    return meta
-
-
-def _batches(documents: Iterable[str], max_chars: int) -> Iterator[list[str]]:
-    """Groups of documents for encode_batch, which spreads one group over all cores."""
-    batch, size = [], 0
-    for text in documents:
-        batch.append(text)
-        size += len(text)
-        if size >= max_chars or len(batch) >= 4096:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+    return manifest if manifest is not None and manifest["source"] == sources.plan(cfg).identity else None
 
 
 def _check_size(corpus: Corpus, cfg: DataConfig, seq_len: int) -> None:

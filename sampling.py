@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from data import Corpus, DataConfig, data_parts
+from errors import ConfigError
 
 
 class Sampler:
@@ -69,8 +70,10 @@ class Sampler:
         # The position is counted in sequences, not steps, so a resume may change the global batch
         # or the DP degree and still continue the same stream.
         if (state["seed"], state["num_sequences"]) != (self.seed, self.num_sequences):
-            raise ValueError(f"the saved sampler is for seed={state['seed']} over {state['num_sequences']} sequences, "
-                             f"this one for seed={self.seed} over {self.num_sequences}: the data or seed changed")
+            raise ConfigError("resume", f"the checkpoint's data position is for seed={state['seed']} over "
+                              f"{state['num_sequences']} sequences, this run's for seed={self.seed} over "
+                              f"{self.num_sequences}: the data or seed changed (the corpus, train.seq_len or train.seed)",
+                              "resume with the corpus, train.seq_len and train.seed it was saved with, or resume=none")
         self.consumed = int(state["consumed"])
 
 

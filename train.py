@@ -2,6 +2,7 @@
 
     python train.py                                   # the tiny model on this machine's CPU
     python train.py model=175B dry_run=true           # size, FLOPs and memory with no hardware
+    python -m corpus build                            # the corpus, once: a job of several ranks never builds
     torchrun --nproc_per_node 2 train.py              # data parallel on 2 processes
     srun -n 16 python train.py ...                    # SLURM: ranks come from SLURM_* variables
 
@@ -86,6 +87,9 @@ def main(dict_cfg) -> float:
         return dry_run(cfg)
     if cfg.study.pending:
         return record_pending(cfg, Path(HydraConfig.get().runtime.output_dir))
+    problem = data.build_problem(cfg.data, config.world_size(), cfg.model.vocab_size)
+    if problem:  # before any process group: one open of the manifest per rank
+        fail(problem)
     result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     return result.get("val_loss", result.get("loss", float("nan")))  # what a Hydra sweeper optimises
 
@@ -172,14 +176,18 @@ def seed_generators(seed: int, rank: int) -> None:
 
 
 def set_up_data(cfg: config.Config, layout, device: torch.device) -> tuple:
-    """(the corpus, the training batches). Rank 0 reads and hashes the corpus (building the cache
-    under a file lock if need be); the others open the entry it names, from their own cache where
-    that holds it."""
+    """(the corpus, the training batches). One process builds the corpus on first use; the ranks
+    of a larger job open its build (prepare_data)."""
     corpus = prepare_data(cfg, layout.rank, layout.world)
     if cfg.model.vocab_size < corpus.vocab_size:
         fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
              f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
-    sampler = sampling.Sampler(corpus.num_sequences("train", cfg.train.seq_len), cfg.train.batch_size,
+    sequences = corpus.num_sequences("train", cfg.train.seq_len)
+    if sequences < cfg.train.batch_size and layout.rank == 0:
+        log.warning("data: the training split holds %d sequences of %d tokens, fewer than one global batch of %d: "
+                    "each step repeats sequences (%.1f times each)", sequences, cfg.train.seq_len,
+                    cfg.train.batch_size, cfg.train.batch_size / sequences)
+    sampler = sampling.Sampler(sequences, cfg.train.batch_size,
                                layout.dp_rank, layout.dp, seed=cfg.train.seed)
     loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler,
                                    layout.group("tp") if layout.tp > 1 else None, layout.tp_rank, device,
@@ -428,21 +436,15 @@ def finish(run: Run, loop: Loop) -> dict:
 
 
 def prepare_data(cfg: config.Config, rank: int, world: int):
-    """The corpus, read and hashed by rank 0 only (data.prepare's `known`); a data problem that
-    shows only when it is read (an empty file, an offline hub name) stops every rank with rank
-    0's one line."""
-    found = [None]
-    if rank == 0:
-        try:
-            corpus = data.prepare(cfg.data, cfg.train.seq_len)
-            found = [corpus.path.name]
-        except ConfigError as err:
-            found = [("error", str(err))]
-    if world > 1:
-        dist.broadcast_object_list(found, src=0)
-    if isinstance(found[0], tuple):
-        fail(found[0][1])
-    return corpus if rank == 0 else data.prepare(cfg.data, cfg.train.seq_len, known=found[0])
+    """The corpus: built on first use by one process; opened by every rank of a larger job (its
+    manifest and a memory map per shard), which never builds. Each rank checks its share of the
+    shards' checksums, once (data.Corpus.verify); a data problem stops the job with one line."""
+    try:
+        corpus = data.prepare(cfg.data, cfg.train.seq_len, world)
+        corpus.verify(rank, world)
+    except ConfigError as err:
+        fail(str(err))
+    return corpus
 
 
 def predicted_stage_compute(cfg: config.Config, layout, device: torch.device) -> Optional[list]:

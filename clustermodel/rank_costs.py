@@ -77,3 +77,14 @@ def costs(rank: int, world: int, events: list, ft_cfg, layout=None) -> dict:
             "checkpoint": checkpoint_costs(rank, world),
             "heartbeat_fs_calls_per_s_job": heartbeat_fs_calls_per_second(world, ft_cfg.heartbeat_interval,
                                                                           ft_cfg.hang_timeout)}
+
+
+def corpus_start_fs_calls(shards: int, rank: int, world: int) -> int:
+    """File-system calls (opens and stats) of one rank's corpus at start-up in a job of `world`
+    ranks (tests/test_data.py counts them): the build check and the config's data check (a stat
+    of the source's name each, the manifest's open), opening the corpus (a stat of the source's
+    name and of its folder, the manifest again, an open and an fstat per shard, which it maps), and
+    its share of the checksums (every world-th shard: a stat of the shard, its marker's open).
+    Nothing lists or stats the source's files, and nothing grows with the world."""
+    mine = len(range(rank, shards, world))
+    return 6 + 2 * shards + 2 * mine

@@ -44,6 +44,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import observe  # noqa: E402
+from corpus.__main__ import build_for  # noqa: E402
 
 
 def block(ops: int, tensor: torch.Tensor, async_op: bool) -> float:
@@ -127,6 +128,7 @@ def run_steps(layout: str, on: bool, steps: int, warmup: int) -> tuple:
     """One train.py run: its median step time (s) after `warmup` steps, and the CPU seconds all its
     ranks spent a step over the same steps (read from /proc as rank 0 logs each step's row)."""
     ranks, overrides = LAYOUTS[layout]
+    build_for(overrides + COMMON)  # a job of several ranks never builds its corpus
     with tempfile.TemporaryDirectory() as run_dir:
         launcher = [sys.executable, "train.py"] if ranks == 1 else \
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py"]

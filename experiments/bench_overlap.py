@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import machine  # noqa: E402
+from corpus.__main__ import build_for  # noqa: E402
 RESULTS = ROOT / "experiments" / "results" / "bench_overlap.jsonl"
 COMMON = ["model=tiny", "train.batch_size=16", "train.seq_len=256", "precision=fp32", "logging.wandb.mode=disabled",
           "logging.progress=false", "train.eval_interval=0", "checkpoint.interval=0", "resume=none"]
@@ -61,6 +62,7 @@ def run(case: str, label: str, steps: int, loopback: bool, workdir: Path, keep: 
     cmd = [sys.executable, "experiments/emucluster.py", "--hosts", "1" if loopback else "2", *fabric, "--timeout", "900",
            "--", "train.py", *COMMON, *hardware(rate, loopback), *layout, *variants[label], f"train.max_steps={steps}",
            f"hydra.run.dir={run_dir}"]
+    build_for(cmd[cmd.index("train.py") + 1:])  # a job of several ranks never builds its corpus
     if keep:  # kept for python -m clustermodel validate, which prices it on this machine as measured around it (~20 s)
         machine.calibrate_beside(run_dir, "before")
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import machine  # noqa: E402
+from corpus.__main__ import build_for  # noqa: E402
 LAYOUTS = {
     "single (1 rank)": (1, []),
     "dp2 zero0": (2, ["parallel.zero_stage=0"]),
@@ -39,6 +40,7 @@ def run(name: str, ranks: int, overrides: list, steps: int, extra: list, workdir
     cmd = launcher + overrides + [f"train.max_steps={steps}", "logging.wandb.mode=disabled", "logging.progress=false",
                                   "train.eval_interval=0", "resume=none", f"hydra.run.dir={run_dir}"] + extra
     env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else os.environ.get("OMP_NUM_THREADS", "2"))
+    build_for(overrides + extra)  # a job of several ranks never builds its corpus
     if keep:  # kept for python -m clustermodel validate, which prices it on this machine as measured around it (~20 s)
         machine.calibrate_beside(run_dir, "before")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from corpus.__main__ import build_for  # noqa: E402
+
 TINY = ["model=tiny", "model.vocab_size=512", "data.bpe_vocab_size=512", "data.max_bytes=1500000",
         "train.seq_len=64", "train.batch_size=8", "precision=fp32", "logging.wandb.mode=disabled",
         "logging.progress=false", "train.eval_interval=0", "logging.interval=1000"]
@@ -175,6 +178,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("faults-%Y-%m-%d_%H-%M-%S"))
     args = p.parse_args(argv)
+    build_for(TINY)  # a job of several ranks never builds its corpus
     result = run_scenario(args.ranks, args.out, args.steps)
     text = markdown(result)
     print(text)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from corpus.__main__ import build_for  # noqa: E402
 
 TINY = ["model=tiny", "model.vocab_size=512", "data.bpe_vocab_size=512", "data.max_bytes=1500000",
         "train.seq_len=64", "train.batch_size=8", "logging.wandb.mode=disabled", "logging.progress=false",
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
     out = {}
     run_dir = args.run_dir
     if run_dir is None:
+        build_for(TINY)  # a job of several ranks never builds its corpus
         run_dir = ROOT / "outputs" / f"skip_report_{time.strftime('%Y%m%d_%H%M%S')}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--max-restarts=1", "train.py", *TINY, *(SHORT if args.short else []), f"hydra.run.dir={run_dir}"]

@@ -50,6 +50,7 @@ import machine  # noqa: E402
 from conftest import EIGHT_RANKS, EXACT, train_env  # noqa: E402
 from test_checkpoint import ARGS as RESUME_ARGS, ASYNC_ARGS, PP2_VPP2, SAVED_AT  # noqa: E402
 from test_parallel import LAYOUTS  # noqa: E402
+from corpus.__main__ import build_for  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results" / "stress.md"
 OWN_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\]\[[\w.]+\]\[[A-Z]+\] - ")
@@ -98,6 +99,7 @@ def command(case: Case, run_dir: Path, resume_from: Path | None) -> list:
 def run_once(case: Case, run_dir: Path, resume_from: Path | None, cache: Path, timeout: float) -> dict:
     """One run in its own process group (a hung one is killed whole), and what it left."""
     env = train_env(cache, **({"OMP_NUM_THREADS": 1} if case.ranks > 1 else {}))
+    build_for(case.args, cache)  # a job of several ranks never builds its corpus
     t0 = time.monotonic()
     proc = subprocess.Popen(command(case, run_dir, resume_from), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -107,8 +107,18 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One data cache for the whole session, so the corpus is tokenized once."""
-    return tmp_path_factory.mktemp("cache")
+    """One data cache for the whole session, with SMALL's corpus built in it (as a user runs
+    `python -m corpus build` before a job of several ranks, which never builds)."""
+    cache = tmp_path_factory.mktemp("cache")
+    build_corpus(SMALL, cache)
+    return cache
+
+
+def build_corpus(args: list, cache: Path) -> None:
+    """The corpus of a train.py command line's data.* keys, built into cache (in this process)."""
+    sys.path.insert(0, str(ROOT))
+    from corpus.__main__ import build_for
+    build_for(args, cache)
 
 
 def train_env(cache: Path, **extra) -> dict:

@@ -118,20 +118,19 @@ def test_second_prepare_reuses_the_cache(tmp_path):
     np.testing.assert_array_equal(second.train, first.train)
 
 
-def test_other_ranks_open_the_readers_entry_without_reading_the_source(tmp_path, monkeypatch):
-    """train.prepare_data: rank 0 hashes the corpus; the others get its cache entry's name and,
-    where their cache holds it, never read the source (256 reads of shared storage at 256 ranks)."""
+def test_a_rank_of_a_larger_job_opens_the_build_without_reading_the_source(tmp_path, monkeypatch):
+    """A rank of a job of 2+ ranks finds the build by the data.* keys alone and never reads the
+    source (256 reads of shared storage at 256 ranks), nor builds where there is no build."""
     cfg = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"))
-    reader = data.prepare(cfg, seq_len=8)
-    monkeypatch.setattr(data, "open_source", lambda *a: pytest.fail("a non-reader read the source"))
-    other = data.prepare(cfg, seq_len=8, known=reader.path.name)
-    assert other.path == reader.path and other.meta["reused"]
-    np.testing.assert_array_equal(other.train, reader.train)
-    # A machine whose cache lacks the entry (a node-local cache) builds it itself.
-    monkeypatch.undo()
+    built = data.prepare(cfg, seq_len=8)
+    monkeypatch.setattr(data.sources, "plan", lambda *a: pytest.fail("a rank looked at the source"))
+    monkeypatch.setattr(data.build, "build", lambda *a, **k: pytest.fail("a rank built"))
+    rank = data.prepare(cfg, seq_len=8, world=2)
+    assert rank.path == built.path and rank.meta["reused"]
+    np.testing.assert_array_equal(rank.train, built.train)
     elsewhere = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"), cache_dir=str(tmp_path / "node2"))
-    built = data.prepare(elsewhere, seq_len=8, known=reader.path.name)
-    assert built.path.name == reader.path.name and not built.meta["reused"]
+    with pytest.raises(ConfigError, match=r"never builds. Fix: build it first: python -m corpus build .*data.cache_dir="):
+        data.prepare(elsewhere, seq_len=8, world=2)
 
 
 def test_changed_input_invalidates_the_cache(tmp_path):
@@ -141,8 +140,10 @@ def test_changed_input_invalidates_the_cache(tmp_path):
     edited = data.prepare(config(tmp_path, source), seq_len=8)
     capped = data.prepare(config(tmp_path, source, max_bytes=500), seq_len=8)
     bpe = data.prepare(config(tmp_path, source, tokenizer="bpe", bpe_vocab_size=300), seq_len=8)
-    paths = {base.path, edited.path, capped.path, bpe.path}
-    assert len(paths) == 4 and not any(c.meta["reused"] for c in (edited, capped, bpe))
+    # The edited source is built again in the same folder (named by the data.* keys); a cap or
+    # another tokenizer is another build.
+    assert edited.path == base.path and len({base.path, capped.path, bpe.path}) == 3
+    assert not any(c.meta["reused"] for c in (edited, capped, bpe))
     assert edited.decode(edited.train).endswith("a different last document\n" + data.EOT)
     assert capped.meta["text_bytes"] == 500
 
@@ -302,7 +303,10 @@ def test_sampler_state_restores_the_following_batches():
     b = sampling.Sampler(17, 4, seed=2)
     b.load_state_dict(state)
     assert all(np.array_equal(x, b.next_indices()) for x in expected)
-    with pytest.raises(ValueError, match="data or seed changed"):
+    with pytest.raises(ConfigError, match="data or seed changed") as err:  # a changed corpus or seq_len too
+        sampling.Sampler(18, 4, seed=2).load_state_dict(state)
+    assert err.value.key == "resume" and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="data or seed changed"):
         sampling.Sampler(17, 4, seed=3).load_state_dict(state)
 
 
@@ -365,7 +369,7 @@ def test_eval_batches_are_fixed_held_out_and_dp_sliced(jsonl_corpus):
 
 # --- Who reads: one reader per TP group, none on a middle pipeline stage (spawned gloo ranks) ---
 
-def _loaders_on_ranks(rank, world, port, path, meta, layout, out):
+def _loaders_on_ranks(rank, world, port, path, manifest, layout, out):
     """One gloo rank: the megascale loader of `layout` ("tp" or "pp") and, beside it, the naive
     loader every rank would have on one process; writes what each handed out and how often each read."""
     import torch.distributed as dist
@@ -374,7 +378,7 @@ def _loaders_on_ranks(rank, world, port, path, meta, layout, out):
     broadcast = dist.broadcast
     dist.broadcast = lambda tensor, *a, **kw: (sent.append((str(tensor.dtype), list(tensor.shape))), broadcast(tensor, *a, **kw))[1]
     try:
-        corpus = data.Corpus(Path(path), meta, 0.2)
+        corpus = data.Corpus(Path(path), manifest, 0.2)
         n = corpus.num_sequences("train", 16)
         cfg = data.DataConfig(pipeline="megascale", prefetch=2)
         tp = dict(tp_group=dist.group.WORLD, tp_rank=rank) if layout == "tp" else dict(pp_rank=rank, pp=world)
@@ -401,7 +405,7 @@ def test_one_reader_per_tp_group_broadcasts_a_narrow_stream(jsonl_corpus, tmp_pa
     both get bit for bit the batches they would have read themselves, across a resume. The
     broadcast is one [4, 17] uint16 stream (as its bytes), not int64 inputs and targets."""
     from conftest import spawn
-    spawn(_loaders_on_ranks, 2, str(jsonl_corpus.path), jsonl_corpus.meta, "tp", str(tmp_path))
+    spawn(_loaders_on_ranks, 2, str(jsonl_corpus.path), jsonl_corpus.manifest, "tp", str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r, out in enumerate(ranks):
         assert all(g.dtype == torch.uint16 and g.shape == (4, 17) and torch.equal(g, w)
@@ -416,7 +420,7 @@ def test_a_middle_pipeline_stage_never_reads(jsonl_corpus, tmp_path):
     """pp3: the first and last stages read their batches (the naive ones, bit for bit); the
     middle stage reads none and receives none, yet its data position is theirs, so all resume alike."""
     from conftest import spawn
-    spawn(_loaders_on_ranks, 3, str(jsonl_corpus.path), jsonl_corpus.meta, "pp", str(tmp_path))
+    spawn(_loaders_on_ranks, 3, str(jsonl_corpus.path), jsonl_corpus.manifest, "pp", str(tmp_path))
     first, middle, last = (torch.load(tmp_path / f"rank{r}.pt") for r in range(3))
     for out in (first, last):
         assert all(torch.equal(g, w) for g, w in zip(out["got"] + out["again"], out["want"] + out["want"][3:]))
@@ -438,3 +442,221 @@ def test_a_stream_is_as_narrow_as_the_vocabulary_and_crosses_the_wire_intact():
         assert wire.dtype in (torch.uint8, torch.int32) and wire.element_size() * wire.shape[1] == 3 * stream.element_size()
         inputs, targets = sampling.to_device(wire.view(dtype), torch.device("cpu"))
         assert inputs.tolist() == rows[:, :-1].tolist() and targets.tolist() == rows[:, 1:].tolist()
+
+
+# --- The build (corpus/): workers, SLURM-array parts, resume, several shards ---
+
+import corpus.__main__ as corpus_cli  # noqa: E402
+from corpus import build as corpus_build, indexed  # noqa: E402
+
+
+def many_files(folder: Path, n: int = 6) -> Path:
+    folder.mkdir()
+    for i in range(n):  # zero-padded: sorted order is document order
+        write_jsonl(folder / f"part{i:02d}.jsonl", [f"file {i}, document {j}: " + d for j, d in enumerate(DOCS)])
+    return folder
+
+
+def built_files(cfg) -> dict:
+    """Every shard's bytes and the manifest (less the command, which names the cache) of a build."""
+    folder = corpus_build.directory(cfg)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.pop("command")
+    return {"manifest": manifest, **{p.name: p.read_bytes() for p in sorted(folder.glob("shard_*")) if ".verified" not in p.name}}
+
+
+SMALL_UNITS = dict(tokenizer="bpe", bpe_vocab_size=300, shard_bytes=4000)  # several units, several shards each
+
+
+def test_two_workers_build_the_bytes_of_one(tmp_path):
+    source = many_files(tmp_path / "src")
+    one = config(tmp_path, source, cache_dir=str(tmp_path / "one"), **SMALL_UNITS)
+    two = config(tmp_path, source, cache_dir=str(tmp_path / "two"), **SMALL_UNITS)
+    corpus_build.build(one, workers=1)
+    corpus_build.build(two, workers=2)
+    files = built_files(one)
+    assert len(files["manifest"]["shards"]) > 6 and files == built_files(two)
+
+
+def test_sharded_builds_and_merge_equal_one_job(tmp_path):
+    """Two SLURM-array jobs (--shard 0/2, 1/2) and --merge, through the command line, build what
+    one job builds; before the merge a job of 2 ranks finds no build."""
+    source = many_files(tmp_path / "src")
+    one = config(tmp_path, source, cache_dir=str(tmp_path / "one"), **SMALL_UNITS)
+    corpus_build.build(one)
+    keys = [f"data.source={source}", "data.tokenizer=bpe", "data.bpe_vocab_size=300", "data.shard_bytes=4000",
+            f"data.cache_dir={tmp_path / 'parts'}", "--workers", "1", "--quiet"]
+    parts = config(tmp_path, source, cache_dir=str(tmp_path / "parts"), **SMALL_UNITS)
+    for i in range(2):
+        assert corpus_cli.main(["build", *keys, "--shard", f"{i}/2"]) == 0
+        assert data.build_problem(parts, world=2, model_vocab=300).endswith(
+            f"never builds. Fix: build it first: {corpus_build.command(parts)}")
+    assert corpus_cli.main(["build", *keys, "--merge"]) == 0
+    assert built_files(parts) == built_files(one)
+    assert data.build_problem(parts, world=2, model_vocab=300) is None
+
+
+def test_a_killed_build_keeps_its_finished_units(tmp_path):
+    cfg = config(tmp_path, many_files(tmp_path / "src"), **SMALL_UNITS)
+    corpus_build.build(cfg)
+    folder, whole = corpus_build.directory(cfg), built_files(cfg)
+    kept = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard_00000_*")}
+    (folder / "manifest.json").unlink()  # killed after unit 0, during unit 1: its shards half-written
+    (folder / "unit_00001.json").unlink()
+    next(folder.glob("shard_00001_*.bin")).write_bytes(b"partial")
+    corpus_build.build(cfg)
+    assert built_files(cfg) == whole
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("shard_00000_*")} == kept  # not redone
+
+
+def test_several_shards_read_as_one_stream(tmp_path):
+    source = many_files(tmp_path / "src")
+    whole = data.prepare(config(tmp_path, source, tokenizer="bytes", val_fraction=0.1), seq_len=16)
+    sharded = data.prepare(config(tmp_path, source, tokenizer="bytes", val_fraction=0.1, shard_bytes=3000), seq_len=16)
+    assert whole.meta["shards"] == 1 and sharded.meta["shards"] > 6
+    np.testing.assert_array_equal(np.asarray(sharded.train), whole.train)
+    np.testing.assert_array_equal(np.asarray(sharded.val), whole.val)
+    rows, expected = sharded.sequences("train", 16), whole.sequences("train", 16)
+    picks = np.random.default_rng(0).permutation(len(expected))[:200]  # rows across shard boundaries too
+    assert len(rows) == len(expected)
+    np.testing.assert_array_equal(rows[picks], expected[picks])
+    assert sharded.decode(np.asarray(sharded.train)) == whole.decode(whole.train)
+    shard = indexed.IndexedShard(sharded.path / sharded.shards[1])  # the reader: header, tokens, documents
+    first = sharded.manifest["shards"][0]["tokens"]  # where shard 1 starts in the stream
+    assert shard.header["vocab_size"] == 257 and len(shard) == sharded.manifest["shards"][1]["tokens"]
+    np.testing.assert_array_equal(shard.document(0), whole.train[first: first + len(shard.document(0))])
+    assert shard.document(0)[-1] == whole.eot_id and (shard.tokens == whole.eot_id).sum() == shard.header["documents"]
+
+
+# --- Bad input: one line naming the file and the fix ---
+
+def one_line(err) -> str:
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("config error: ") and ". Fix: " in text, text
+    return text
+
+
+def test_the_check_catches_a_flipped_byte_and_a_truncated_shard(tmp_path):
+    cfg = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"))
+    corpus = data.prepare(cfg, seq_len=8)
+    corpus.verify()
+    shard = corpus.path / f"{corpus.shards[0]}.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ConfigError) as err:
+        data.open_built(cfg).verify()
+    assert f"{shard} fails its checksum" in one_line(err) and "python -m corpus build" in one_line(err)
+    shard.write_bytes(bytes(raw[:-2]))
+    with pytest.raises(ConfigError, match=r"holds \d+ bytes, not the \d+ of its \d+ tokens") as err:
+        data.open_built(cfg)
+    assert str(shard) in one_line(err)
+
+
+def test_a_shard_of_another_vocabulary_is_refused(tmp_path):
+    cfg = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"))
+    corpus = data.prepare(cfg, seq_len=8)
+    prefix = corpus.path / corpus.shards[0]
+    other = tmp_path / "other"
+    writer = indexed.ShardWriter(other, vocab_size=50257)
+    writer.add(np.asarray(corpus.train), np.asarray([len(corpus.train)]))
+    writer.finish()
+    Path(f"{prefix}.idx").write_bytes(Path(f"{other}.idx").read_bytes())
+    with pytest.raises(ConfigError) as err:
+        data.open_built(cfg).verify()
+    assert f"{prefix}.idx was written for a vocabulary of 50257 tokens" in one_line(err)
+
+
+def test_a_truncated_manifest_is_one_line(tmp_path):
+    cfg = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"))
+    manifest = data.prepare(cfg, seq_len=8).path / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    with pytest.raises(ConfigError) as err:
+        data.prepare(cfg, seq_len=8, world=2)
+    assert f"the corpus manifest {manifest} is unreadable" in one_line(err)
+    assert data.build_problem(cfg, 2, 257) == str(err.value)
+    data.prepare(cfg, seq_len=8)  # one process builds it again
+
+
+def test_an_empty_source_file_is_one_line(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ConfigError) as err:
+        data.prepare(config(tmp_path, tmp_path / "empty.txt"), seq_len=8)
+    assert "'" + str(tmp_path / "empty.txt") + "' contains no text" in one_line(err)
+
+
+def test_a_damaged_json_or_parquet_file_is_one_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": "cut he')
+    with pytest.raises(ConfigError) as err:
+        data.prepare(config(tmp_path, tmp_path / "a.jsonl"), seq_len=8)
+    assert f"{tmp_path / 'a.jsonl'}, line 2, is not JSON" in one_line(err)
+    (tmp_path / "b.parquet").write_bytes(b"PAR1 truncated")
+    with pytest.raises(ConfigError) as err:
+        data.prepare(config(tmp_path, tmp_path / "b.parquet"), seq_len=8)
+    assert f"{tmp_path / 'b.parquet'} is not a readable parquet file" in one_line(err)
+
+
+def test_token_ids_beyond_the_model_vocabulary_stop_the_job(tmp_path):
+    cfg = config(tmp_path, write_jsonl(tmp_path / "d.jsonl"))
+    data.prepare(cfg, seq_len=8)
+    assert data.build_problem(cfg, 2, model_vocab=257) is None
+    line = data.build_problem(cfg, 2, model_vocab=200)
+    assert line.startswith("config error: model.vocab_size: 200 is smaller than the corpus's vocabulary of 257")
+    assert line.endswith("Fix: set model.vocab_size>=257") and "\n" not in line
+
+
+def test_a_job_of_two_ranks_without_a_build_stops_at_once(tmp_path):
+    from conftest import SMALL, run_train
+    import time
+    started = time.monotonic()
+    proc = run_train(tmp_path / "run", SMALL + ["train.max_steps=1"], tmp_path / "empty_cache", nproc=2, check=False)
+    assert proc.returncode == 2 and time.monotonic() - started < 60
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("config error")]
+    assert len(lines) == 1 and "never builds. Fix: build it first: python -m corpus build " in lines[0]
+    assert "data.max_bytes=1500000" in lines[0] and "data.bpe_vocab_size=512" in lines[0]
+    assert not (tmp_path / "empty_cache" / "corpus").exists()  # nothing built, nothing started
+
+
+def test_a_ranks_start_up_file_system_calls_grow_with_the_shards_not_the_ranks(tmp_path, monkeypatch):
+    """What a rank of a W-rank job opens and stats to start (its build check, the config's data
+    check, the manifest, a memory map per shard, its share of the checksum markers), counted as
+    clustermodel/rank_costs.py models it: O(shards), and O(1) in the number of ranks."""
+    from clustermodel import rank_costs
+    cfg = config(tmp_path, many_files(tmp_path / "src"), tokenizer="bytes", shard_bytes=3000)
+    shards = data.prepare(cfg, seq_len=8).meta["shards"]
+    data.open_built(cfg).verify()  # the markers a first start leaves
+    calls = []
+    for name in ("stat", "fstat"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, _name=name, **k: (
+            calls.append((_name, a[0])) if counting else None) or _real(*a, **k))
+    sys.addaudithook(lambda event, args: calls.append(("open", args[0])) if event == "open" and counting else None)
+    for world in (2, 8, 64):
+        for rank in (0, 1, world - 1):
+            global counting
+            calls.clear()
+            counting = True
+            assert data.build_problem(cfg, world, 257) is None
+            data.check_config(cfg, world)
+            data.prepare(cfg, seq_len=8, world=world).verify(rank, world)
+            counting = False
+            assert len(calls) == rank_costs.corpus_start_fs_calls(shards, rank, world), (world, rank, "\n".join(map(str, calls)))
+
+
+counting = False
+
+
+def test_resuming_with_another_seq_len_is_one_line(tmp_path, cache_dir):
+    """The checkpoint's data position counts sequences of its corpus at its seq_len: a resume
+    where either changed stops before training, with one line naming resume and the fix."""
+    from conftest import SMALL, run_train
+    import checkpoint
+    saved = tmp_path / "saved"
+    run_train(saved, SMALL + ["train.max_steps=2", "checkpoint.interval=2"], cache_dir)
+    folder = checkpoint.step_dir(saved / "checkpoints", 2)
+    proc = run_train(tmp_path / "resumed", SMALL + ["train.max_steps=3", "train.seq_len=32", f"resume={folder}"],
+                     cache_dir, check=False)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("config error")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("config error: resume: the checkpoint's data position is for seed=")
+    assert "Fix: resume with the corpus, train.seq_len and train.seed it was saved with, or resume=none" in lines[0]

@@ -202,6 +202,23 @@ def check_perfmodel(args: list) -> None:
     assert rc == 0, f"python -m clustermodel {' '.join(args)}: exit {rc}: {err.getvalue().strip()}"
 
 
+def check_corpus(args: list) -> None:
+    """python -m corpus build|check: its options parsed and its overrides composed (nothing built)."""
+    import config
+    assert args and args[0] in ("build", "check"), f"python -m corpus {' '.join(args)}: build or check"
+    flags = {"--workers": 1, "--shard": 1, "--merge": 0, "--quiet": 0}
+    overrides, rest = [], iter(args[1:])
+    for a in rest:
+        name = a.split("=")[0]
+        if name in flags:
+            if flags[name] and "=" not in a:
+                next(rest)
+        else:
+            assert not a.startswith("-"), f"python -m corpus: unknown option {a}"
+            overrides.append(a)
+    config.compose(overrides)
+
+
 def check_python(argv: list, world: int | None = None, gpus: bool = False, var: str = "WORLD_SIZE",
                  remote: bool = False) -> None:
     script, args = argv[0], argv[1:]
@@ -209,6 +226,8 @@ def check_python(argv: list, world: int | None = None, gpus: bool = False, var: 
         check_train(args, world, gpus, var, remote)
     elif script == "-m" and args[0] == "clustermodel":
         check_perfmodel(args[1:])
+    elif script == "-m" and args[0] == "corpus":
+        check_corpus(args[1:])
     elif script == "-m" and args[0] == "pytest":
         paths = [a.split("::")[0] for a in args[1:] if a.startswith("tests/")]
         assert paths and all((ROOT / p).exists() for p in paths), f"pytest: no such test file in {args}"
@@ -261,6 +280,11 @@ def check_command(cmd: str) -> None:
             assert needed in opts, f"srun without {needed}"
         check_python(tail, int(opts["--nodes"]) * int(opts["--ntasks-per-node"]), gpus=True, var="SLURM_NTASKS",
                      remote=True)  # the ranks run on GPU nodes, not here
+    elif program == "sbatch" and "experiments/slurm/build_corpus.sbatch" in rest:
+        launcher, build_args = split_at_program(rest, "experiments/slurm/build_corpus.sbatch")
+        assert "--array" in options(launcher) or any(a.startswith("--array=") for a in launcher), "a build without --array is one part"
+        assert subprocess.run(["bash", "-n", "experiments/slurm/build_corpus.sbatch"], cwd=ROOT).returncode == 0
+        check_corpus(["build", *build_args])
     elif program == "sbatch":
         launcher, train_args = split_at_program(rest, "experiments/slurm/train.sbatch")
         opts = options(launcher)
