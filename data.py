@@ -62,8 +62,14 @@ class DataConfig:
     max_bytes: Optional[int] = None
     val_fraction: float = 0.01
     cache_dir: Optional[str] = None  # None: $MEGAREPRO_CACHE, else ~/.cache/megarepro
-    prefetch: int = 2
+    prefetch: int = 2             # batches prepared ahead, with asynchronous prefetch
+    # Table 3 step 7 is ONE switch, as the paper names it: data.pipeline=megascale turns on both of
+    # its data-loading optimisations. Each also has its own switch, unset (null) = as data.pipeline
+    # says, so that one can be measured without the other (e.g. data.pipeline=naive
+    # data.tp_shared=true) while the ablation step stays a single override.
     pipeline: str = "naive"       # naive | megascale
+    prefetch_async: Optional[bool] = None  # prepare the next batches in the background while a step computes
+    tp_shared: Optional[bool] = None       # one reader per TP group, broadcasting the batch to the others
     subset: Optional[str] = None  # hub datasets: the configuration name (load_dataset's `name`)
     split: str = "train"          # hub datasets: the split to read; val is carved from its tail
     # A weighted blend (corpus/blend.py), e.g. [{source: a, weight: 0.3}, {source: b, weight: 0.7}];
@@ -97,6 +103,9 @@ def check_config(cfg: DataConfig, world: int = 1) -> None:
             raise ConfigError(key, f"{value} < 1", "use a positive byte count" + (", or null for no cap" if key == "data.max_bytes" else ""))
     if cfg.prefetch < 0:
         raise ConfigError("data.prefetch", f"{cfg.prefetch} < 0", "use 0 (synchronous) or a positive depth")
+    if cfg.prefetch_async and cfg.prefetch == 0:
+        raise ConfigError("data.prefetch", "0 with data.prefetch_async=true prefetches nothing",
+                          "use a depth >= 1, or data.prefetch_async=false")
     if not cfg.text_field:
         raise ConfigError("data.text_field", "is empty", "name the column that holds the text, e.g. text")
     _check_tokenizer(cfg)
@@ -106,6 +115,15 @@ def check_config(cfg: DataConfig, world: int = 1) -> None:
             raise ConfigError("data.source", f"{cfg.source!r} is not a hub name and matches no local file",
                               "give an existing file, folder or glob, a hub dataset name, or stdlib")
         sources.local_format(cfg.format, files)
+
+
+def data_parts(cfg: DataConfig) -> tuple[bool, bool]:
+    """(prefetch asynchronously, one reader per TP group): each as its own switch says, or, unset,
+    as data.pipeline says (megascale: both). Prefetching needs a depth (data.prefetch > 0)."""
+    megascale = cfg.pipeline == "megascale"
+    prefetch_async = megascale if cfg.prefetch_async is None else cfg.prefetch_async
+    tp_shared = megascale if cfg.tp_shared is None else cfg.tp_shared
+    return prefetch_async and cfg.prefetch > 0, tp_shared
 
 
 def _check_tokenizer(cfg: DataConfig) -> None:

@@ -6,8 +6,11 @@ builds once in the data cache and every rank memory-maps; a DP rank takes a cont
 each global batch, so dp ranks together read exactly what one process reads on the same global
 batch. Its position is counted in sequences, so a resume may change the batch or the DP
 degree. Loader prefetches in a thread but reports the position the training loop consumed, so
-resuming from a checkpoint is bit-identical. train_loader builds what data.pipeline asks for
-(MegaScale's: one reader per TP group, prefetching). The corpus itself is data.py's.
+resuming from a checkpoint is bit-identical. A batch is one token stream [local_batch, seq_len + 1]
+in the narrowest integer dtype that holds the vocabulary; to_device turns it into int64 inputs and
+targets on the device, views of one tensor shifted by a token. train_loader builds what data.pipeline
+asks for (MegaScale's: one reader per TP group, prefetching); middle pipeline stages never read. The
+corpus itself is data.py's.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 
 from corpus.blend import SampleIndex, held_out_rows, shares
-from data import Corpus, DataConfig
+from data import Corpus, DataConfig, data_parts
 from errors import ConfigError
 
 
@@ -70,17 +73,39 @@ class Sampler:
         self.consumed = int(state["consumed"])
 
 
-def _rows_to_batch(rows: np.ndarray, pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = torch.from_numpy(rows.astype(np.int64))
-    inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-    if pin_memory:
-        inputs, targets = inputs.pin_memory(), targets.pin_memory()
-    return inputs, targets
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The narrowest dtype a batch's token ids travel in: uint16 below 2**16 ids, else int32. A
+    broadcast of it moves 4x (resp. 2x) fewer bytes than int64; a collective ships it as bytes
+    (wire_view), since NCCL has no 16-bit integer type."""
+    return torch.uint16 if vocab_size <= 2**16 else torch.int32
+
+
+_NUMPY = {torch.uint16: np.uint16, torch.int32: np.int32}
+
+
+def _rows_to_stream(rows: np.ndarray, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+    """[n, seq_len + 1] token ids (a row's inputs are its first seq_len, its targets its last)."""
+    stream = torch.from_numpy(np.ascontiguousarray(rows, dtype=_NUMPY[dtype]))
+    return stream.pin_memory() if pin_memory else stream
+
+
+def to_device(stream: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), int64 on the device: the narrow stream is copied (asynchronously when
+    pinned), widened there, and both are views of it, one token apart."""
+    tokens = stream.to(device, non_blocking=True).long()
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def wire_view(stream: torch.Tensor) -> torch.Tensor:
+    """The stream as a broadcast sends it: uint16 as its bytes (uint8: NCCL and gloo have no 16-bit
+    integer type, and a broadcast does no arithmetic), int32 as it is."""
+    return stream.view(torch.uint8) if stream.dtype == torch.uint16 else stream
 
 
 class Loader:
-    """Batches (inputs, targets), int64 [local_batch, seq_len], forever. A background thread keeps up
-    to `prefetch` batches ready; state_dict() is the position after the batches handed out."""
+    """Batches (token streams [local_batch, seq_len + 1], token_dtype), forever. A background thread
+    keeps up to `prefetch` batches ready; state_dict() is the position after the batches handed out.
+    `reads` counts the batches read from the corpus."""
 
     def __init__(self, corpus: Corpus, split: str, seq_len: int, sampler: Sampler, prefetch: int = 2,
                  pin_memory: bool = False):
@@ -88,13 +113,15 @@ class Loader:
         if sampler.num_sequences != len(self.rows):
             raise ValueError(f"the sampler covers {sampler.num_sequences} sequences, the {split} split has {len(self.rows)}")
         self.sampler, self.prefetch, self.pin_memory = sampler, prefetch, pin_memory
+        self.dtype, self.reads = token_dtype(corpus.vocab_size), 0
         self._consumed = sampler.state_dict()
         self._queue: Optional[queue.Queue] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
     def _make(self):
-        batch = _rows_to_batch(self.rows[self.sampler.next_indices()], self.pin_memory)
+        self.reads += 1
+        batch = _rows_to_stream(self.rows[self.sampler.next_indices()], self.dtype, self.pin_memory)
         return batch, self.sampler.state_dict()
 
     def _produce(self) -> None:
@@ -121,7 +148,7 @@ class Loader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> torch.Tensor:
         if self.prefetch == 0:
             batch, self._consumed = self._make()
             return batch
@@ -162,10 +189,10 @@ class Loader:
 
 
 class TPSharedLoader:
-    """data.pipeline=megascale with TP > 1. The TP ranks of a DP slice need identical batches, and
-    reading them once per rank repeats the work tp times. MegaScale has one reader per host that
-    writes into shared memory; here TP rank 0 reads (with background prefetch) and broadcasts the
-    [2, batch, seq] tokens to its TP group. The other ranks advance their own sampler without
+    """Redundant-loader elimination (data.tp_shared). The TP ranks of a DP slice need identical
+    batches, and reading them once per rank repeats the work tp times. MegaScale has one reader per
+    host that writes into shared memory; here TP rank 0 reads and broadcasts the narrow token stream
+    (as bytes: wire_view) to its TP group. The other ranks advance their own sampler without
     reading, so every rank's checkpointed data position stays the same."""
 
     def __init__(self, loader: Loader, group, is_reader: bool, shape: tuple, device: torch.device):
@@ -176,16 +203,43 @@ class TPSharedLoader:
     def __iter__(self) -> "TPSharedLoader":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> torch.Tensor:
         import torch.distributed as dist
-        tokens = torch.empty((2, *self.shape), dtype=torch.int64, device=self.device)
-        if self.is_reader:  # straight from the loader's (pinned, on CUDA) batch: no pageable stack between
-            for row, part in zip(tokens, next(self.loader)):
-                row.copy_(part, non_blocking=True)
+        stream = torch.empty(self.shape, dtype=self.loader.dtype, device=self.device)
+        if self.is_reader:  # straight from the loader's (pinned, on CUDA) batch: no pageable copy between
+            stream.copy_(next(self.loader), non_blocking=True)
         else:
             self.loader.skip()
-        dist.broadcast(tokens, src=self.src, group=self.group)
-        return tokens[0], tokens[1]
+        dist.broadcast(wire_view(stream), src=self.src, group=self.group)
+        return stream
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+class NoTokens:
+    """A middle pipeline stage's batches: its layers take the previous stage's activations, never
+    tokens (only the first stage needs inputs and the last targets, as in Megatron-LM), so it
+    neither reads nor receives a batch. It still advances its sampler, so that its checkpointed
+    data position is every other rank's. What it hands out has the batch's shape and nothing else
+    (one int64 zero, expanded: no memory, no copy, and to_device leaves it where it is)."""
+
+    def __init__(self, loader: Loader, shape: tuple, device: torch.device):
+        self.loader = loader
+        self.placeholder = torch.zeros((), dtype=torch.int64, device=device).expand(shape)
+
+    def __iter__(self) -> "NoTokens":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        self.loader.skip()
+        return self.placeholder
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -198,28 +252,31 @@ class TPSharedLoader:
 
 
 def train_loader(corpus: Corpus, cfg: DataConfig, seq_len: int, sampler: Sampler, tp_group=None,
-                 tp_rank: int = 0, device: torch.device = torch.device("cpu")):
+                 tp_rank: int = 0, device: torch.device = torch.device("cpu"), pp_rank: int = 0, pp: int = 1):
     """The training batches as data.pipeline asks (ablation step 7, "misc"):
     naive:     every rank reads and prepares its own batch, in the training loop, when it needs it.
     megascale: the next batches are prepared in the background (data.prefetch deep) while the
-               current step computes and synchronises gradients, and under TP one rank per TP
-               group reads them for the whole group (TPSharedLoader)."""
+               current step computes and synchronises gradients (data.prefetch_async), and under
+               TP one rank per TP group reads them for the whole group (data.tp_shared).
+    Either way a middle pipeline stage reads nothing (NoTokens)."""
     pin = device.type == "cuda"  # a pinned batch is copied to the GPU asynchronously, a pageable one with a host sync
-    if cfg.pipeline == "naive":
-        return Loader(corpus, "train", seq_len, sampler, prefetch=0, pin_memory=pin)
-    reader = tp_group is None or tp_rank == 0
-    loader = Loader(corpus, "train", seq_len, sampler, prefetch=cfg.prefetch if reader else 0, pin_memory=pin)
-    if tp_group is None:
-        return loader
-    return TPSharedLoader(loader, tp_group, reader, (sampler.global_batch // sampler.dp_size, seq_len), device)
+    prefetch_async, tp_shared = data_parts(cfg)
+    shape = (sampler.global_batch // sampler.dp_size, seq_len + 1)
+    if 0 < pp_rank < pp - 1:
+        return NoTokens(Loader(corpus, "train", seq_len, sampler, prefetch=0), shape, device)
+    shared = tp_shared and tp_group is not None
+    reader = not shared or tp_rank == 0
+    loader = Loader(corpus, "train", seq_len, sampler, prefetch=cfg.prefetch if prefetch_async and reader else 0,
+                    pin_memory=pin)
+    return TPSharedLoader(loader, tp_group, reader, shape, device) if shared else loader
 
 
 def eval_batches(corpus: Corpus, seq_len: int, n_batches: int, global_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same held-out batches on every call: n_batches * global_batch sequences spread evenly over
-    the val split (repeating only if it is smaller), each global batch sliced per DP rank (pinned
-    with pin_memory, for asynchronous copies to a GPU). A blend draws them from every source's own
-    val split, each at its weight."""
+                 dp_rank: int = 0, dp_size: int = 1, pin_memory: bool = False) -> list[torch.Tensor]:
+    """The same held-out batches (token streams, as Loader's) on every call: n_batches * global_batch
+    sequences spread evenly over the val split (repeating only if it is smaller), each global batch
+    sliced per DP rank (pinned with pin_memory, for asynchronous copies to a GPU). A blend draws them
+    from every source's own val split, each at its weight."""
     sizes, units, _ = shares(corpus, "val", seq_len)
     if min(sizes) < 1:
         raise ValueError(f"the val split has no sequence of length {seq_len}: raise data.val_fraction or disable eval")
@@ -227,6 +284,6 @@ def eval_batches(corpus: Corpus, seq_len: int, n_batches: int, global_batch: int
         raise ValueError(f"global_batch={global_batch} must be divisible by dp_size={dp_size}")
     total = n_batches * global_batch
     picks = held_out_rows(sizes, units, total)  # each source's share of every batch, by its weight
-    rows, local = corpus.sequences("val", seq_len), global_batch // dp_size
-    return [_rows_to_batch(rows[picks[b * global_batch + dp_rank * local: b * global_batch + (dp_rank + 1) * local]], pin_memory)
-            for b in range(n_batches)]
+    rows, local, dtype = corpus.sequences("val", seq_len), global_batch // dp_size, token_dtype(corpus.vocab_size)
+    return [_rows_to_stream(rows[picks[b * global_batch + dp_rank * local: b * global_batch + (dp_rank + 1) * local]],
+                            dtype, pin_memory) for b in range(n_batches)]

@@ -192,7 +192,8 @@ def set_up_data(cfg: config.Config, layout, device: torch.device) -> tuple:
     sampler = sampling.Sampler(shared_sample_index(cfg, corpus, layout.rank, layout.world), cfg.train.batch_size,
                                layout.dp_rank, layout.dp)
     loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler,
-                                   layout.group("tp") if layout.tp > 1 else None, layout.tp_rank, device)
+                                   layout.group("tp") if layout.tp > 1 else None, layout.tp_rank, device,
+                                   layout.pp_rank, layout.pp)
     return corpus, loader
 
 
@@ -244,10 +245,10 @@ def open_run_log(run: Run, start: int) -> None:
 
 
 class Step:
-    """One training step, as the loop's body sees it: its batch (on the host), the seconds the
+    """One training step, as the loop's body sees it: its batch (a token stream on the host), the seconds the
     loader took to hand it over, and its one read."""
 
-    def __init__(self, batch: tuple, data_s: float, clock, device: torch.device, recorder):
+    def __init__(self, batch, data_s: float, clock, device: torch.device, recorder):
         self.batch, self.data_s, self.clock, self.device, self.recorder = batch, data_s, clock, device, recorder
         self.timing: dict = {}  # the wait clock's figures, once read
 
@@ -377,7 +378,7 @@ class Loop:
         agreed to stop, and the step (its timing, its data loader's time)."""
         run = self.run
         with self.steps.enter(step) as current:
-            inputs, targets = (t.to(run.device, non_blocking=True) for t in current.batch)
+            inputs, targets = sampling.to_device(current.batch, run.device)
             loss, grad_norm = parallel.train_step(run.engine, run.optimizer, inputs, targets, run.cfg,
                                                   run.autocast_dtype)
             run.scheduler.step()
@@ -496,8 +497,8 @@ def health(step: int, timing: dict, data_s: float, collector, detector, rank: in
 
 @torch.no_grad()
 def evaluate(engine, batches, device, autocast_dtype, layout) -> float:
-    total = sum(engine.forward_backward(x.to(device, non_blocking=True), y.to(device, non_blocking=True), autocast_dtype,
-                                        backward=False) for x, y in batches)
+    total = sum(engine.forward_backward(*sampling.to_device(stream, device), autocast_dtype, backward=False)
+                for stream in batches)
     return parallel.read_agreed(parallel.agree(total / len(batches), False, layout), layout)[0]
 
 

@@ -416,7 +416,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     step["bubble"] += 2 * (lay.pp - 1) * send if ov.pp else 0.0
     step.update(dp_time(cfg, lay, net, fwd_s, bwd_s))
     step["optimizer"] = optimizer_time(cfg, lay, r)
-    step["data"] = hw.perfmodel.loader_step_s if cfg.data.pipeline != "megascale" else 0.0
+    step["data"] = data_time(cfg, hw, lay.tp)
     hidden = step.pop("hidden", 0.0) + step.pop("dp_hidden", 0.0)
     step["overlap_slowdown"] = hw.perfmodel.overlap_slowdown * hidden
     step_s = sum(step.values())
@@ -425,6 +425,21 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     exposed = step.get("tp_comm", 0.0) + step.get("pp_comm", 0.0) + step.get("dp_comm", 0.0)
     return Prediction(step_s, tokens / step_s, mfu, step, exposed, hidden,
                       memory(cfg, lay, machine.tensor_memory_gib(hw)), lay)
+
+
+def data_time(cfg, hw, tp: int) -> float:
+    """What reading the batch adds to a step (data.pipeline's parts: data.data_parts). Prefetched in
+    the background, it hides behind the step's compute: 0. Otherwise the step waits for it:
+    loader_step_s with every rank of a host reading its own (naive), loader_step_shared_s with one
+    reader per TP group (experiments/bench_loader.py measures both)."""
+    import data
+    prefetch_async, tp_shared = data.data_parts(cfg.data)
+    if prefetch_async:
+        return 0.0
+    p = hw.perfmodel
+    if tp_shared and tp > 1 and p.loader_step_shared_s is not None:
+        return p.loader_step_shared_s
+    return p.loader_step_s
 
 
 # --- What a rank moves, computes and holds per step: checked against the code's rehearsal ---

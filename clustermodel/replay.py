@@ -264,8 +264,7 @@ def predict(records: List[dict], cfg, hw, gpus: int) -> dict:
                     weight=lay.gpus / len(records))
     replay.run()
     out = replay.step(max(rec["steps"] for rec in records))
-    data = hw.perfmodel.loader_step_s if cfg.data.pipeline != "megascale" else 0.0
-    out["step_s"] += data
+    out["step_s"] += pm.data_time(cfg, hw, lay.tp)
     out["host_s"] = host
     return out
 

@@ -50,6 +50,9 @@ class PerfModelHardware:
     # a CPU, this machine's `calibrate_comm.py --sharing` (its ranks' threads must be scheduled).
     collective_host_us: Optional[float] = None
     loader_step_s: float = 0.0                # host time the naive data loader adds to every step
+    # The same with one reader per TP group and no prefetch (data.tp_shared alone). None: not
+    # measured apart, loader_step_s is charged (an upper bound: one reader contends with no other).
+    loader_step_shared_s: Optional[float] = None
     collective_algo: str = "ring"             # ring | tree (hierarchical: inside hosts, then across)
 
 

@@ -43,9 +43,10 @@ def main() -> int:
         if checked:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            inputs, _ = sampling._rows_to_batch(rows, pin_memory=on_cuda)  # the loader's batch (pinned on CUDA)
+            stream = sampling._rows_to_stream(rows, torch.uint16, pin_memory=on_cuda)  # the loader's batch (pinned on CUDA)
+            inputs, _ = sampling.to_device(stream, device)
             # token ids as features: no embedding, whose CUDA backward reads a count back (a sync of torch's own)
-            x = inputs.to(device, non_blocking=True).float() / 64
+            x = inputs.float() / 64
             loss = model(x).square().mean()
             loss.backward()
             norm = optim.clip_grad_norm_(model.parameters(), 1.0)

@@ -150,16 +150,16 @@ def test_validation_batches_come_from_every_sources_held_out_split(two_sources):
     rows = lambda c, split: c.sequences(split, 16)[np.arange(c.num_sequences(split, 16))]
     val, train = ([rows(c, split) for c in corpus.corpora] for split in ("val", "train"))
     sources = []
-    for x, y in batches:
-        for row_x, row_y in zip(x, y):
-            full = torch.cat([row_x, row_y[-1:]]).numpy()
+    for stream in batches:  # [local batch, seq_len + 1] token streams: inputs and targets shifted views
+        for row in stream.long():
+            full = row.numpy()
             j = source_of_row(full)
             assert any(np.array_equal(full, v) for v in val[j])
             assert not any(np.array_equal(full, t) for t in train[j])  # (a row of every split would do)
             sources.append(j)
     assert sources.count(0) == 6 and sources.count(1) == 14  # 0.3 and 0.7 of 20
     halves = [sampling.eval_batches(corpus, 16, 2, 10, dp_rank=r, dp_size=2) for r in range(2)]
-    assert torch.equal(torch.cat([halves[0][1][0], halves[1][1][0]]), batches[1][0])
+    assert torch.equal(torch.cat([halves[0][1], halves[1][1]]), batches[1])
 
 
 def test_bad_sources_are_one_line_config_errors(tmp_path):

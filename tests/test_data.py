@@ -78,7 +78,9 @@ def test_sequences_and_targets_are_shifted_windows(jsonl_corpus):
     for i in (0, 1, len(rows) - 1):
         np.testing.assert_array_equal(rows[i], jsonl_corpus.train[i * T: i * T + T + 1])
     sampler = sampling.Sampler(len(rows), global_batch=4, seed=3)
-    inputs, targets = next(sampling.Loader(jsonl_corpus, "train", T, sampler, prefetch=0))
+    stream = next(sampling.Loader(jsonl_corpus, "train", T, sampler, prefetch=0))
+    assert stream.dtype == torch.uint16 and stream.shape == (4, T + 1)  # one narrow stream, not int64 pairs
+    inputs, targets = sampling.to_device(stream, torch.device("cpu"))
     idx = sampling.Sampler(len(rows), global_batch=4, seed=3).next_indices()
     assert inputs.dtype == targets.dtype == torch.int64 and inputs.shape == targets.shape == (4, T)
     train = torch.from_numpy(jsonl_corpus.train.astype(np.int64))
@@ -247,6 +249,7 @@ def test_check_config_rejects_bad_input_without_loading(tmp_path):
     assert key_of(tokenizer="bpe", bpe_vocab_size=100) == "data.bpe_vocab_size"
     assert key_of(tokenizer=str(tmp_path / "no_tokenizer")) == "data.tokenizer"
     assert key_of(pipeline="fast") == "data.pipeline"
+    assert key_of(prefetch_async=True, prefetch=0) == "data.prefetch"
     write_jsonl(tmp_path / "a.jsonl")
     (tmp_path / "b.txt").write_text("text")
     assert key_of(source=str(tmp_path / "*")) == "data.format"  # mixed json and text
@@ -317,16 +320,13 @@ def _loader(corpus, prefetch, seed=5, **kw):
 def test_prefetch_gives_the_same_stream_and_the_consumed_state(jsonl_corpus):
     sync, ahead = _loader(jsonl_corpus, prefetch=0), _loader(jsonl_corpus, prefetch=3)
     for step in range(7):
-        x0, y0 = next(sync)
-        x1, y1 = next(ahead)
-        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+        assert torch.equal(next(sync), next(ahead))
         # The thread has run ahead, yet the state is what the loop consumed.
         assert ahead.state_dict() == sync.state_dict() == {"sampler": {"consumed": 4 * (step + 1), "seed": 5,
                                                                        "num_sequences": sync.sampler.num_sequences}}
     ahead.close()
     assert ahead.sampler.consumed == 28  # prefetched batches were given back
-    x0, _ = next(sync)
-    assert torch.equal(next(ahead)[0], x0)  # iterating after close() resumes where it stopped
+    assert torch.equal(next(ahead), next(sync))  # iterating after close() resumes where it stopped
     ahead.close()
 
 
@@ -340,8 +340,8 @@ def test_loader_resume_is_bit_identical(jsonl_corpus, prefetch):
     run.close()
     resumed = _loader(jsonl_corpus, prefetch)
     resumed.load_state_dict(state)
-    for (x, y), (rx, ry) in zip(uninterrupted, (next(resumed) for _ in range(6))):
-        assert torch.equal(x, rx) and torch.equal(y, ry)
+    for stream, again in zip(uninterrupted, (next(resumed) for _ in range(6))):
+        assert torch.equal(stream, again)
     resumed.close()
 
 
@@ -349,9 +349,7 @@ def test_dp_loaders_concatenate_to_the_single_process_batch(jsonl_corpus):
     single = _loader(jsonl_corpus, prefetch=0)
     ranks = [_loader(jsonl_corpus, prefetch=1, dp_rank=r, dp_size=2) for r in range(2)]
     for _ in range(4):
-        x, y = next(single)
-        parts = [next(r) for r in ranks]
-        assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+        assert torch.equal(torch.cat([next(r) for r in ranks]), next(single))
     for r in ranks:
         r.close()
 
@@ -359,15 +357,91 @@ def test_dp_loaders_concatenate_to_the_single_process_batch(jsonl_corpus):
 def test_eval_batches_are_fixed_held_out_and_dp_sliced(jsonl_corpus):
     first = sampling.eval_batches(jsonl_corpus, 16, n_batches=2, global_batch=4)
     again = sampling.eval_batches(jsonl_corpus, 16, n_batches=2, global_batch=4)
-    assert len(first) == 2 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
+    assert len(first) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
     val_rows = torch.from_numpy(jsonl_corpus.sequences("val", 16).astype(np.int64))
-    for x, y in first:  # every row is a val sequence, never a training one
-        for row_x, row_y in zip(x, y):
-            full = torch.cat([row_x, row_y[-1:]])
-            assert any(torch.equal(full, v) for v in val_rows)
+    for stream in first:  # every row is a val sequence, never a training one
+        for row in stream.long():
+            assert any(torch.equal(row, v) for v in val_rows)
     halves = [sampling.eval_batches(jsonl_corpus, 16, 2, 4, dp_rank=r, dp_size=2) for r in range(2)]
     for b in range(2):
-        assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), first[b][0])
+        assert torch.equal(torch.cat([halves[0][b], halves[1][b]]), first[b])
+
+
+# --- Who reads: one reader per TP group, none on a middle pipeline stage (spawned gloo ranks) ---
+
+def _loaders_on_ranks(rank, world, port, path, manifest, layout, out):
+    """One gloo rank: the megascale loader of `layout` ("tp" or "pp") and, beside it, the naive
+    loader every rank would have on one process; writes what each handed out and how often each read."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    sent = []  # what each broadcast put on the wire: (dtype, shape)
+    broadcast = dist.broadcast
+    dist.broadcast = lambda tensor, *a, **kw: (sent.append((str(tensor.dtype), list(tensor.shape))), broadcast(tensor, *a, **kw))[1]
+    try:
+        corpus = data.Corpus(Path(path), manifest, 0.2)
+        n = corpus.num_sequences("train", 16)
+        cfg = data.DataConfig(pipeline="megascale", prefetch=2)
+        tp = dict(tp_group=dist.group.WORLD, tp_rank=rank) if layout == "tp" else dict(pp_rank=rank, pp=world)
+        build = lambda: sampling.train_loader(corpus, cfg, 16, sampling.Sampler(n, 4, seed=5), **tp)
+        shared, naive = build(), sampling.Loader(corpus, "train", 16, sampling.Sampler(n, 4, seed=5), prefetch=0)
+        got, want = [next(shared) for _ in range(3)], [next(naive) for _ in range(3)]
+        state = json.loads(json.dumps(shared.state_dict()))  # a checkpoint here ...
+        got += [next(shared) for _ in range(3)]
+        want += [next(naive) for _ in range(3)]
+        reads = getattr(shared, "loader", shared).reads
+        shared.close()
+        resumed = build()  # ... resumed: the same next batches
+        resumed.load_state_dict(state)
+        again = [next(resumed) for _ in range(3)]
+        resumed.close()
+        torch.save({"got": got, "want": want, "again": again, "reads": reads, "sent": sent, "state": state},
+                   Path(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_reader_per_tp_group_broadcasts_a_narrow_stream(jsonl_corpus, tmp_path):
+    """tp2 with data.pipeline=megascale: rank 0 reads (prefetching), rank 1 reads nothing, and
+    both get bit for bit the batches they would have read themselves, across a resume. The
+    broadcast is one [4, 17] uint16 stream (as its bytes), not int64 inputs and targets."""
+    from conftest import spawn
+    spawn(_loaders_on_ranks, 2, str(jsonl_corpus.path), jsonl_corpus.manifest, "tp", str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r, out in enumerate(ranks):
+        assert all(g.dtype == torch.uint16 and g.shape == (4, 17) and torch.equal(g, w)
+                   for g, w in zip(out["got"], out["want"])), r
+        assert all(torch.equal(a, w) for a, w in zip(out["again"], out["want"][3:])), r
+        assert out["sent"] == [("torch.uint8", [4, 2 * 17])] * 9, r  # 2 bytes a token
+    assert [out["reads"] for out in ranks][1] == 0 and ranks[0]["reads"] >= 6
+    assert ranks[0]["state"] == ranks[1]["state"]
+
+
+def test_a_middle_pipeline_stage_never_reads(jsonl_corpus, tmp_path):
+    """pp3: the first and last stages read their batches (the naive ones, bit for bit); the
+    middle stage reads none and receives none, yet its data position is theirs, so all resume alike."""
+    from conftest import spawn
+    spawn(_loaders_on_ranks, 3, str(jsonl_corpus.path), jsonl_corpus.manifest, "pp", str(tmp_path))
+    first, middle, last = (torch.load(tmp_path / f"rank{r}.pt") for r in range(3))
+    for out in (first, last):
+        assert all(torch.equal(g, w) for g, w in zip(out["got"] + out["again"], out["want"] + out["want"][3:]))
+        assert out["reads"] >= 6 and out["sent"] == []
+    assert middle["reads"] == 0 and middle["sent"] == []
+    assert all(g.shape == (4, 17) for g in middle["got"])  # the shape the schedule asks, no tokens
+    assert first["state"] == middle["state"] == last["state"]
+
+
+def test_a_stream_is_as_narrow_as_the_vocabulary_and_crosses_the_wire_intact():
+    """uint16 up to 2**16 ids (GPT-2's 50257), int32 above (Llama 3's 128256); a uint16 stream is
+    broadcast as its bytes (no collective library has a 16-bit integer) and read back unchanged."""
+    assert sampling.token_dtype(50257) == sampling.token_dtype(2**16) == torch.uint16
+    assert sampling.token_dtype(2**16 + 1) == sampling.token_dtype(128256) == torch.int32
+    rows = np.array([[0, 1, 65535], [50256, 7, 2]], dtype=np.uint32)
+    for dtype in (torch.uint16, torch.int32):
+        stream = sampling._rows_to_stream(rows, dtype, pin_memory=False)
+        wire = sampling.wire_view(stream)
+        assert wire.dtype in (torch.uint8, torch.int32) and wire.element_size() * wire.shape[1] == 3 * stream.element_size()
+        inputs, targets = sampling.to_device(wire.view(dtype), torch.device("cpu"))
+        assert inputs.tolist() == rows[:, :-1].tolist() and targets.tolist() == rows[:, 1:].tolist()
 
 
 # --- The build (corpus/): workers, SLURM-array parts, resume, several shards ---

@@ -37,6 +37,8 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     # background prefetch must hand every rank the very batches it would have read itself.
     "tp2_recompute_full_megascale_data": (2, ["parallel.tp=2", "train.recompute=full", "data.pipeline=megascale"]),
     "recompute_selective_megascale_data": (1, ["train.recompute=selective", "data.pipeline=megascale"]),
+    # Two middle stages, which read no batch (a shaped placeholder), between two that do.
+    "pp4_megascale_data": (4, ["parallel.pp=4", "parallel.microbatches=4", "data.pipeline=megascale"]),
 }
 
 # The Llama block (llama_tiny: RMSNorm, SwiGLU, 4 query heads sharing 2 KV heads, no biases)
@@ -121,6 +123,17 @@ def test_llama_with_every_switch_learns_and_pp2_dp2_equals_one_process(tmp_path,
     assert weights[0].keys() == weights[1].keys()
     for key in weights[0]:
         assert relative_error(weights[1][key], weights[0][key]) < 1e-4, key
+
+
+def test_the_megascale_data_pipeline_changes_no_bit_at_tp2(tmp_path, cache_dir):
+    """tp2: one reader per TP group prefetching and broadcasting the narrow token stream gives
+    the very losses each rank reading its own batch gives, bit for bit (tests/test_data.py
+    checks the batches, the bytes broadcast, and who reads)."""
+    losses = {}
+    for pipeline in ("naive", "megascale"):
+        run_train(tmp_path / pipeline, EXACT + ["parallel.tp=2", f"data.pipeline={pipeline}"], cache_dir, nproc=2)
+        losses[pipeline] = [(row["loss"], row.get("val_loss")) for row in read_metrics(tmp_path / pipeline)]
+    assert len(losses["naive"]) == STEPS and losses["megascale"] == losses["naive"]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

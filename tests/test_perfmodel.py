@@ -242,6 +242,26 @@ def test_overlap_on_is_never_slower(megatron_175b, megascale_175b):
             assert pm.predict(on_cfg, gpus, hw).step_s <= pm.predict(off_cfg, gpus, hw).step_s, (key, gpus)
 
 
+def test_the_data_step_is_priced_by_the_parts_that_are_on(megatron_175b):
+    """Prefetched, the read hides behind the step (0); waited for, it costs loader_step_s, or
+    loader_step_shared_s with one reader per TP group where that is measured."""
+    hw = copy.deepcopy(pm.resolve_hardware(megatron_175b.hardware))
+    hw.perfmodel.loader_step_s, hw.perfmodel.loader_step_shared_s = 0.05, None
+    gpus = 256
+
+    def data_s(**switches):
+        cfg = copy.deepcopy(cli.with_batch(megatron_175b, 256, gpus, 1))  # Table 3's layout
+        for key, value in switches.items():
+            setattr(cfg.data, key, value)
+        return pm.predict(cfg, gpus, hw).breakdown["data"]
+    assert data_s(pipeline="naive") == 0.05 and data_s(pipeline="megascale") == 0.0
+    assert data_s(pipeline="naive", prefetch_async=True) == 0.0
+    assert data_s(pipeline="naive", tp_shared=True) == 0.05  # not measured apart: the naive figure
+    hw.perfmodel.loader_step_shared_s = 0.01
+    assert data_s(pipeline="naive", tp_shared=True) == 0.01 and data_s(pipeline="megascale", prefetch_async=False) == 0.01
+    assert data_s(pipeline="megascale", prefetch=0) == 0.01  # no depth: read in the step, by one reader
+
+
 @pytest.fixture(scope="module")
 def cluster_ablation():
     return cli.ablation()
