@@ -380,10 +380,12 @@ def test_every_gathered_piece_is_gathered_again_for_backward(mode, tmp_path):
     assert min(hidden) >= 2, hidden  # at least one output projection's two GEMMs
 
 
-def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir):
+@pytest.mark.parametrize("base", ["gpt", "llama_mqa"])
+def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(base, tmp_path, cache_dir):
     """Per-tensor trust ratios need the norms of whole logical tensors: the TP slices and ZeRO
-    shards' partial norms are summed in one all-reduce over the stage's dp x tp ranks."""
-    lamb = EXACT + ["optim=lamb", "optim.trust_clamp=null"]
+    shards' partial norms are summed in one all-reduce over the stage's dp x tp ranks (with one
+    KV head, QKV's ZeRO shards summed over TP first, then reduce-scattered over DP)."""
+    lamb = {"gpt": EXACT, "llama_mqa": LLAMA_MQA}[base] + ["optim=lamb", "optim.trust_clamp=null"]
     run_train(tmp_path / "one", lamb, cache_dir)
     run_train(tmp_path / "four", lamb + ["parallel.tp=2", "parallel.zero_stage=2"], cache_dir, nproc=4)
     one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
