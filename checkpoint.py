@@ -6,8 +6,8 @@ hold it), so a checkpoint does not know the layout that wrote it: a run at any o
 vpp, dp, zero_stage) asks for its own pieces and DCP reads the overlapping parts. That is what
 torchtitan #811/#850 and Megatron's optimizer-state resharding ask for.
 
-What a rank holds, in logical coordinates: TP slices a parameter along tp_shard_dim (an offset of
-tp_rank x the slice); ZeRO 1/2 then keeps a flat range of that slice's values (zero.py), which is
+What a rank holds, in logical coordinates: TP slices a parameter along its split dim (the offset
+and the number of ranks holding the same slice in sharding.py's registry); ZeRO 1/2 then keeps a flat range of that slice's values (zero.py), which is
 up to three rectangles: a partial row, whole rows, a partial row. DTensor cannot express a flat
 range of a TP slice, so those rectangles are written as DCP write items directly (Chunks, below).
 
@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from errors import ConfigError
+from sharding import shard_info
 
 log = logging.getLogger("checkpoint")
 
@@ -198,14 +199,14 @@ def flat_range_rectangles(shape, lo: int, hi: int) -> list:
     return out
 
 
-def _logical(name: str, local: torch.Size, layout) -> tuple:
-    """(logical shape, offsets of this TP rank's slice) of parameter `name`."""
-    from tensor_parallel import tp_shard_dim
-    dim = tp_shard_dim(name.removeprefix("_orig_mod."))
-    shape, base = list(local), [0] * len(local)
-    if dim is not None and layout.tp > 1:
-        shape[dim] *= layout.tp
-        base[dim] = layout.tp_rank * local[dim]
+def _logical(p: torch.Tensor, layout) -> tuple:
+    """(logical shape, offsets of this TP rank's slice) of model parameter p. A slice that several
+    TP ranks hold (a KV group's QKV rows) is written by each, and DCP keeps one copy."""
+    info = shard_info(p)
+    shape, base = list(p.shape), [0] * p.dim()
+    if info.split_dim is not None:
+        shape[info.split_dim] *= layout.tp // info.tp_replicas
+        base[info.split_dim] = info.offset
     return shape, base
 
 
@@ -238,7 +239,7 @@ def model_chunks(engine) -> dict:
         if engine.zero.mixed:
             out[f"model/{name}"] = _placed(engine, i, engine.zero.shards[i].detach())
         else:
-            shape, base = _logical(name, p.shape, engine.layout)
+            shape, base = _logical(p, engine.layout)
             out[f"model/{name}"] = _whole(shape, base, p.detach())
     return out
 
@@ -246,8 +247,7 @@ def model_chunks(engine) -> dict:
 def _placed(engine, i: int, tensor: torch.Tensor) -> Chunks:
     """A tensor shaped like optimizer shard i (the whole parameter at ZeRO-0, a flat range of it
     at ZeRO 1/2), placed in the logical parameter."""
-    name = engine.names[i]
-    shape, base = _logical(name, engine.zero.params[i].shape, engine.layout)
+    shape, base = _logical(engine.zero.params[i], engine.layout)
     if engine.zero.stage == 0:
         return _whole(shape, base, tensor)
     lo, hi = engine.zero.shard_ranges[i]

@@ -74,9 +74,10 @@ def validate(cfg, world: int, overlap_switches: bool = True) -> None:
     if m.n_heads % p.tp or m.d_model % p.tp or m.vocab_size % p.tp:
         raise ConfigError("parallel.tp", f"tp={p.tp} must divide model.n_heads={m.n_heads}, d_model={m.d_model} "
                           f"and vocab_size={m.vocab_size}", "choose tp that divides all three")
-    if kv_heads(m) % p.tp:  # a TP rank holds whole KV groups: its query heads with their k and v
-        raise ConfigError("parallel.tp", f"tp={p.tp} does not divide model.n_kv_heads={kv_heads(m)}, and a rank holds "
-                          "whole KV heads (none is copied onto several ranks)", "parallel.tp must divide model.n_kv_heads")
+    if kv_heads(m) % p.tp and p.tp % kv_heads(m):  # a rank holds whole KV groups, or a share of one group's query heads
+        raise ConfigError("parallel.tp", f"tp={p.tp} neither divides model.n_kv_heads={kv_heads(m)} nor is a multiple "
+                          "of it, and a rank holds whole KV groups or one group shared evenly",
+                          "choose parallel.tp that divides model.n_kv_heads or is a multiple of it")
     if ffn_width(m) % p.tp:
         raise ConfigError("parallel.tp", f"tp={p.tp} does not divide the MLP's width "
                           f"model.ffn_hidden_size={ffn_width(m)}", "choose tp that divides model.ffn_hidden_size")
@@ -130,6 +131,7 @@ class Layout:
     pp_channels: dict = field(default_factory=dict)  # pipeline messages: (kind, direction) -> group
     clock: WaitClock = field(default_factory=WaitClock)  # where this rank's step goes: every wait is timed on it
     _tp_group: Optional[TPGroup] = field(default=None, repr=False)
+    _tp_replica_groups: dict = field(default_factory=dict, repr=False)
 
     def group(self, dim: str):
         """The process group of one mesh dimension (None when single-process)."""
@@ -141,6 +143,21 @@ class Layout:
         if self._tp_group is None:
             self._tp_group = TPGroup(self.group("tp"), self.tp, self.clock)
         return self._tp_group
+
+    def tp_replica_group(self, replicas: int):
+        """The process group of this rank's run of `replicas` consecutive TP ranks, which hold the
+        same tensor and sum its gradient (sharding's ShardInfo.tp_replicas): the TP group itself
+        when replicas == tp. The first call makes every TP group's runs, as DeviceMesh makes its
+        groups: every rank must make it, at the same point and in the same order (NCCL's rule)."""
+        if replicas == self.tp or self.mesh is None:
+            return self.group("tp")
+        if replicas not in self._tp_replica_groups:
+            names = self.mesh.mesh_dim_names
+            tp_groups = self.mesh.mesh.movedim(names.index("tp"), -1).reshape(-1, self.tp)
+            runs = tp_groups.reshape(-1, replicas).tolist()
+            self._tp_replica_groups[replicas], _ = dist.new_subgroups_by_enumeration(
+                runs, timeout=None if self.group_options is None else self.group_options._timeout)
+        return self._tp_replica_groups[replicas]
 
     def coordinates(self) -> dict:
         return {"rank": self.rank, "dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}

@@ -2,7 +2,7 @@
 in one registry that every file reads.
 
 tensor_parallel.py's plan slices parameters and zero.py cuts them into the optimizer's flat
-pieces; ZeRO's TP sum, the optimizer's weight decay and its norms summed over ranks each need to
+pieces; ZeRO's TP sum of replicas' gradients, the optimizer's weight decay and its norms summed over ranks each need to
 know what a tensor is a part of (parallel.py describes the TP slices, zero.py the pieces), and the
 TP layers' backward where a weight's gradient accumulates (zero.py describes its buckets' views). A tensor with
 no entry is a whole parameter, counted once.
@@ -26,14 +26,15 @@ class ShardInfo:
     # holds all of it), and where the slice starts along that dim.
     split_dim: Optional[int] = None
     offset: int = 0
-    # Held whole by every TP rank, with a partial gradient on each (every rank sees its slice of
-    # the sequence): the norms and the biases added after a reduce-scatter. Their gradients are
-    # summed over the TP group.
-    tp_replicated: bool = False
+    # How many consecutive TP ranks hold this same tensor, each with a partial gradient of it; the
+    # gradients are summed over them. tp for the norms and the biases added after a reduce-scatter
+    # (every rank sees its slice of the sequence); tp/n_kv_heads for QKV when tp exceeds the KV
+    # heads (a KV group's rows on several ranks, each computing some of its query heads); else 1.
+    tp_replicas: int = 1
     # The parameter's own ndim, for a flat ZeRO piece of a matrix (weight decay goes by it).
     logical_ndim: Optional[int] = None
     # Whether this tensor's elements count in a norm summed over ranks: False on a copy whose
-    # elements another rank of the sum also holds (a TP-replicated norm off tp-rank 0).
+    # elements another rank of the sum also holds (a TP replica off the first rank of its replicas).
     norm_owner: bool = True
     # Where a backward that computes this parameter's gradient itself (the TP layers' weight GEMMs,
     # overlap.weight_gradient) accumulates it instead of handing autograd a .grad: ZeRO's

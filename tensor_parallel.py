@@ -7,8 +7,9 @@ SequenceParallel. apply_tp walks it: each rank keeps its slice of every split pa
 where a style runs a module differently, a TP module takes the plain one's place under the same
 name, holding the same parameters, so parameter names (and checkpoints) do not depend on the
 layout. What other files need to know about a TP slice comes from the same plan: tp_shard_dim
-(the checkpoint's logical coordinates) and tp_shard_infos (which parallel.py records in
-sharding.py's registry).
+(the dim it splits) and tp_shard_infos (where this rank's slice lies and how many ranks hold
+it, which parallel.py records in sharding.py's registry: the checkpoint's logical coordinates,
+ZeRO's sums of replicated gradients, the norms that count each element once).
 
 The layers are written here by hand rather than taken from torch.distributed.tensor.parallel:
 the ablations control when each all-gather and reduce-scatter runs (parallel.overlap.tp: off,
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 import kernels
 import overlap
-from model import Block
+from model import Block, kv_heads
 from overlap import TPGroup
 from sharding import ShardInfo
 
@@ -142,6 +143,31 @@ class RowParallelLinear(torch.nn.Module):
         return cls(linear.weight, linear.bias)
 
 
+class KVGroupQKV(torch.nn.Module):
+    """QKV where tp exceeds the KV heads: this rank holds the rows of one whole KV group ([its
+    query heads, k, v]), as do the other `replicas` ranks sharing the group, and computes its
+    share of the query heads (the index-th of `replicas` equal runs) with the group's k and v.
+    The gradient of a row it does not compute is zero here; ZeRO sums the group's gradient over
+    its replicas (ShardInfo.tp_replicas), so each holds the whole gradient and takes the same step.
+    Megatron-LM and torchtitan refuse this layout; vLLM replicates the KV heads for inference."""
+
+    def __init__(self, linear: torch.nn.Linear, q_heads: int, head_dim: int, index: int, replicas: int):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        share = q_heads // replicas * head_dim
+        self.q_rows, self.kv_rows = slice(index * share, (index + 1) * share), slice(q_heads * head_dim, None)
+
+    def computed_rows(self) -> tuple:
+        """(weight, bias) of the rows this rank computes, as one GEMM's. A new tensor each call,
+        so the gradient goes to autograd's .grad (no gradient sink), where ZeRO adds it."""
+        def rows(t):
+            return None if t is None else torch.cat([t[self.q_rows], t[self.kv_rows]])
+        return rows(self.weight), rows(self.bias)
+
+    def forward(self, x):
+        return F.linear(x, *self.computed_rows())
+
+
 class VocabParallelHead(torch.nn.Module):
     """The output projection split along the vocabulary: sequence-sharded input, gathered, and
     this rank's slice of the logits."""
@@ -214,10 +240,10 @@ def _megatron_block(block: SequenceParallelBlock, x):
     g, attn, mlp, keep_full = block.group, block.attn, block.mlp, block.recompute
     h = kernels.layer_norm(x, block.ln_1, fused=block.fused)
     if block.parallel:  # PTB: one gather for QKV and MLP-in, one reduce-scatter of their summed outputs
-        qkv, f = overlap.GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias, mlp.fc_in.weight, None)
+        qkv, f = overlap.GatheredLinears.apply(h, g, keep_full, *_qkv_weights(attn), mlp.fc_in.weight, None)
         y = ReduceScatterSeq.apply(attn.out(attn.mix(qkv)) + mlp.activate_and_project(f), g)
         return x + block.drop(_add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias))
-    qkv, = overlap.GatheredLinears.apply(h, g, keep_full, attn.qkv.weight, attn.qkv.bias)
+    qkv, = overlap.GatheredLinears.apply(h, g, keep_full, *_qkv_weights(attn))
     a = ReduceScatterSeq.apply(attn.out(attn.mix(qkv)), g)
     x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn.out.bias)), block.ln_2, fused=block.fused)
     f, = overlap.GatheredLinears.apply(h, g, keep_full, mlp.fc_in.weight, None)
@@ -260,7 +286,14 @@ def _chunked_block(block: SequenceParallelBlock, x):
 
 
 def _qkv(attn, x):
-    return linear(x, attn.qkv.weight, attn.qkv.bias)
+    return linear(x, *_qkv_weights(attn))
+
+
+def _qkv_weights(attn) -> tuple:
+    """(weight, bias) of the QKV rows this rank computes: all it holds, or, where it holds a KV
+    group that other ranks hold too, its share of the group's query rows with the k and v rows."""
+    qkv = attn.qkv
+    return qkv.computed_rows() if isinstance(qkv, KVGroupQKV) else (qkv.weight, qkv.bias)
 
 
 def _attention(attn, x):
@@ -284,19 +317,23 @@ def _add_bias(x, bias):
 class Style:
     """How TP treats one module: the dim along which each split parameter is sliced, the
     parameters every rank holds whole but gets a partial gradient for (it sees only its slice of
-    the sequence: summed over the TP group), and the TP module that takes the plain one's place
-    (None: the plain module runs on its slices)."""
+    the sequence: summed over the TP group), the TP module that takes the plain one's place
+    (None: the plain module runs on its slices), and whether the split runs along whole KV groups
+    (QKV: with fewer KV heads than TP ranks, tp/n_kv_heads ranks hold each group, KVGroupQKV)."""
     split: tuple = ()          # (parameter name, dim), ...
     replicated: tuple = ()     # parameter names
     module: Optional[Callable] = None  # (plain module, TPSettings) -> its replacement
+    kv_groups: bool = False
 
 
 # Column-parallel: output features split; the block gathers the sequence-sharded input before it.
 # model.py groups the fused weights' rows so that a contiguous slice is whole units: QKV's rows
-# per KV head (a slice is whole KV groups, each its query heads with the k and v they share:
-# parallel.validate asks that tp divide n_kv_heads), SwiGLU's fc_in rows interleaved per unit
+# per KV head (a slice is whole KV groups, each its query heads with the k and v they share;
+# with fewer KV heads than ranks, one group held by tp/n_kv_heads ranks: parallel.validate asks
+# that tp divide n_kv_heads or n_kv_heads divide tp), SwiGLU's fc_in rows interleaved per unit
 # (a slice holds matching gate and up rows: one GEMM, as GeLU's fc_in).
 COLWISE = Style(split=(("weight", 0), ("bias", 0)))
+COLWISE_QKV = Style(split=COLWISE.split, kv_groups=True)
 # Row-parallel: input features split, partial sums out; the bias is added once, after the
 # reduce-scatter.
 ROWWISE = Style(split=(("weight", 1),), replicated=("bias",), module=RowParallelLinear.from_plain)
@@ -313,7 +350,7 @@ TP_PLAN = {
     "blocks.*": SEQUENCE_PARALLEL_BLOCK,
     "blocks.*.ln_1": SEQUENCE_PARALLEL,
     "blocks.*.ln_2": SEQUENCE_PARALLEL,
-    "blocks.*.attn.qkv": COLWISE,
+    "blocks.*.attn.qkv": COLWISE_QKV,
     "blocks.*.attn.out": ROWWISE,
     "blocks.*.mlp.fc_in": COLWISE,
     "blocks.*.mlp.fc_out": ROWWISE,
@@ -336,6 +373,13 @@ def tp_shard_dim(name: str) -> Optional[int]:
     return None if style is None else dict(style.split).get(param)
 
 
+def tp_replicas(model: torch.nn.Module, style: Style, tp_size: int) -> int:
+    """How many consecutive TP ranks hold the same slice of the style's split parameters: 1,
+    except QKV with fewer KV heads than TP ranks (tp/n_kv_heads ranks a KV group)."""
+    groups = kv_heads(model.cfg)
+    return tp_size // groups if style.kv_groups and tp_size > groups else 1
+
+
 def tp_shard_infos(model: torch.nn.Module, tp: TPSettings) -> dict:
     """Parameter name -> ShardInfo of this rank's tensor, by the plan, for a model apply_tp has
     sliced (tp.size > 1)."""
@@ -343,9 +387,9 @@ def tp_shard_infos(model: torch.nn.Module, tp: TPSettings) -> dict:
     for name, p in model.named_parameters():
         module, _, param = name.rpartition(".")
         style = style_of(module)
-        dim = dict(style.split).get(param)
-        infos[name] = ShardInfo(split_dim=dim, offset=0 if dim is None else tp.rank * p.shape[dim],
-                                tp_replicated=param in style.replicated)
+        dim, replicas = dict(style.split).get(param), tp_replicas(model, style, tp.size)
+        infos[name] = ShardInfo(split_dim=dim, offset=0 if dim is None else tp.rank // replicas * p.shape[dim],
+                                tp_replicas=tp.size if param in style.replicated else replicas)
     return infos
 
 
@@ -359,8 +403,13 @@ def apply_tp(model: torch.nn.Module, tp: TPSettings) -> None:
         raise ValueError(f"modules with parameters but no TP style: {unplanned}; add them to TP_PLAN")
     planned = [(name, module, style_of(name)) for name, module in model.named_modules()]
     for name, module, style in sorted((m for m in planned if m[2] is not None), key=lambda m: -m[0].count(".")):
+        replicas = tp_replicas(model, style, tp.size)
         for param, dim in style.split:
-            _keep_slice(module, param, dim, tp.rank, tp.size)
+            _keep_slice(module, param, dim, tp.rank // replicas, tp.size // replicas)
+        if replicas > 1:  # QKV's KV group on several ranks, each computing its share of the query heads
+            attn = model.get_submodule(name.rpartition(".")[0])
+            attn.qkv = KVGroupQKV(module, attn.group, attn.head_dim, tp.rank % replicas, replicas)
+            attn.group //= replicas  # the query heads per KV head in this rank's projections (Attention.mix)
         if style.module is not None:
             if module._forward_pre_hooks or module._forward_hooks:  # they would go with the plain module
                 raise ValueError(f"{name} has forward hooks: apply_tp before anything hooks the model")

@@ -72,8 +72,17 @@ class Bucket:
         self.grad_views: list = None        # each parameter's view of `grads`, shaped as the parameter
         self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1/2) or everything (ZeRO-0)
         self.arrived = 0                    # gradients added this step (DP overlap launches at the last)
-        replicated = [k for k, i in enumerate(indices) if shard_info(params[i]).tp_replicated]
-        self.replicated_start = self.offsets[replicated[0]] if replicated else None  # the TP-summed tail
+        # The TP-summed tail (_replicas_last): (start, end, replicas) of each run of parameters
+        # whose gradients are summed over the same number of TP replicas.
+        self.replica_runs = []
+        for k, i in enumerate(indices):
+            replicas = shard_info(params[i]).tp_replicas
+            if replicas == 1:
+                continue
+            if self.replica_runs and self.replica_runs[-1][2] == replicas:
+                self.replica_runs[-1][1] = self.offsets[k] + params[i].numel()
+            else:
+                self.replica_runs.append([self.offsets[k], self.offsets[k] + params[i].numel(), replicas])
 
     def param_shard(self, k: int, n: int) -> tuple:
         """(lo, hi): which of the k-th parameter's n flat elements fall in this rank's shard (lo == hi
@@ -127,7 +136,9 @@ class ZeroDataParallel:
         self.dtype = params[0].dtype
         self.mixed = self.dtype != torch.float32
         dp, r = layout.dp, layout.dp_rank
-        self.buckets = [Bucket(_replicated_last(b, params), params, dp, r) for b in buckets]
+        self.buckets = [Bucket(_replicas_last(b, params), params, dp, r) for b in buckets]
+        for replicas in sorted({shard_info(p).tp_replicas for p in params} - {1}):
+            layout.tp_replica_group(replicas)  # made now, on every rank in the same order (NCCL's rule)
         self.where = {}  # parameter index -> (bucket, position in it)
         for b, bucket in enumerate(self.buckets):
             for k, i in enumerate(bucket.indices):
@@ -180,7 +191,7 @@ class ZeroDataParallel:
             shard = torch.nn.Parameter(bucket.master[start:start + hi - lo])
             describe(shard, logical_ndim=p.ndim)  # a flat shard of a matrix is still a matrix's (weight decay)
         # LAMB and gradient clipping sum squared norms over ranks: count each element once.
-        tp_owner = not shard_info(p).tp_replicated or self.layout.tp_rank == 0
+        tp_owner = self.layout.tp_rank % shard_info(p).tp_replicas == 0
         describe(shard, norm_owner=tp_owner and (self.stage > 0 or self.layout.dp_rank == 0))
         return shard
 
@@ -301,15 +312,16 @@ class ZeroDataParallel:
             self._add(b, late)
 
     def _launch_reduction(self, b: int) -> None:
-        """TP-sum the bucket's replicated gradients (norms, row-parallel biases: each TP rank
-        saw a slice of the sequence; they sit at the bucket's end), then launch its DP all-reduce
-        (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1/2)."""
+        """Sum the bucket's TP-replicated gradients over their replicas (norms, row-parallel
+        biases: each TP rank saw a slice of the sequence; QKV's KV group shared by several ranks:
+        each computed some of its query heads; they sit at the bucket's end), then launch its DP
+        all-reduce (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1/2)."""
         bucket = self.buckets[b]
         self._grad_views(bucket)
         grads = bucket.grads
-        if self.layout.tp > 1 and bucket.replicated_start is not None:
+        for start, end, replicas in bucket.replica_runs:
             with self.clock.waiting("comm", grads.device):
-                dist.all_reduce(grads[bucket.replicated_start:], group=self.layout.group("tp"))
+                dist.all_reduce(grads[start:end], group=self.layout.tp_replica_group(replicas))
         work, out = None, grads
         if self.stage > 0:  # in place: this rank's shard of the buffer receives its sum
             out = grads[bucket.shard_start:bucket.shard_end]
@@ -403,11 +415,10 @@ class ZeroDataParallel:
             self.gather_all()
 
 
-def _replicated_last(indices: list, params: list) -> list:
-    """The bucket's order: TP-replicated parameters last, so their TP all-reduce is one call on
-    the buffer's tail."""
-    return ([i for i in indices if not shard_info(params[i]).tp_replicated]
-            + [i for i in indices if shard_info(params[i]).tp_replicated])
+def _replicas_last(indices: list, params: list) -> list:
+    """The bucket's order: TP-replicated parameters last, by their number of replicas, so that
+    the sum over each set of replicas is one call on a run of the buffer's tail."""
+    return sorted(indices, key=lambda i: shard_info(params[i]).tp_replicas)  # stable: forward order within
 
 
 def plan_buckets(modules: list, params: list, bucket_size: int, per_module: bool) -> list:

@@ -48,13 +48,20 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
 # runs its own schedule of the block: off here, domino, and chunked inside the tp2 x pp2 run (two
 # blocks a stage). tests/test_tp_layers.py checks the block alone in every mode, sequential and
 # PTB; resume (a one-process checkpoint read back as TP slices) is tests/test_checkpoint.py's.
+# With one KV head (multi-query) both tp2 ranks hold its QKV rows, each computing two query heads:
+# ZeRO sums the rows' gradients over the two, and the gradient norm counts them once. At tp4 each
+# of llama_tiny's 2 KV groups is on 2 of the 4 ranks: the sum runs over those two (a sub-group of TP).
 LLAMA = ["model=llama_tiny" if o == "model=tiny" else o for o in EXACT]
+LLAMA_MQA = LLAMA + ["model.n_kv_heads=1"]
 LLAMA_LAYOUTS = {
     "llama_tp2": (2, ["parallel.tp=2"]),
     "llama_tp2_overlap_domino": (2, ["parallel.tp=2", "parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"]),
     "llama_tp2_pp2_overlap_chunked": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
                                           "parallel.overlap.tp=chunked", "parallel.overlap.tp_chunks=2"]),
+    "llama_mqa_tp2": (2, ["parallel.tp=2"]),
+    "llama_tp4": (4, ["parallel.tp=4"]),
 }
+BASES = {**{name: EXACT for name in LAYOUTS}, **{name: LLAMA for name in LLAMA_LAYOUTS}, "llama_mqa_tp2": LLAMA_MQA}
 
 STRESSED = {"pp2_vpp2_overlap"}  # layouts whose run here is the first of the CI stress pass's
 
@@ -76,7 +83,7 @@ def references(tmp_path_factory, cache_dir):
 
 @pytest.mark.parametrize("name", list(LAYOUTS) + list(LLAMA_LAYOUTS))
 def test_layout_equals_single_process(name, references, tmp_path, cache_dir, request):
-    base = LLAMA if name in LLAMA_LAYOUTS else EXACT
+    base = BASES[name]
     ranks, overrides = LAYOUTS.get(name) or LLAMA_LAYOUTS[name]
     if overrides is EIGHT_RANKS:
         tmp_path = request.getfixturevalue("eight_rank_run")
@@ -89,6 +96,8 @@ def test_layout_equals_single_process(name, references, tmp_path, cache_dir, req
     assert len(rows) == STEPS
     for got, want in zip(rows, ref_rows):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (name, got["step"])
+        if name in LLAMA_LAYOUTS:  # each element of the gradient counted once, a replicated one too
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (name, got["step"])
     assert rows[-1]["val_loss"] == pytest.approx(ref_rows[-1]["val_loss"], rel=1e-5)
     weights = checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))
     assert weights.keys() == ref_weights.keys()
@@ -228,7 +237,8 @@ INVALID_LAYOUTS = [
     (["parallel.microbatches=3"], 2, "train.batch_size"),       # 8 sequences over dp2 x 3
     (["parallel.zero_stage=3"], 2, "parallel.zero_stage"),
     (["parallel.order=[dp,tp]"], 2, "parallel.order"),
-    (["model=llama_tiny", "parallel.tp=4"], 4, "parallel.tp: tp=4 does not divide model.n_kv_heads"),
+    (["model=llama_tiny", "model.n_heads=12", "model.n_kv_heads=6", "model.d_model=384", "parallel.tp=4"], 4,
+     "parallel.tp: tp=4 neither divides model.n_kv_heads=6 nor is a multiple"),  # 4 ranks cannot share 6 KV heads
     (["model=llama_tiny", "model.n_kv_heads=4", "model.ffn_hidden_size=702", "parallel.tp=4"], 4,
      "parallel.tp: tp=4 does not divide the MLP's width"),
 ]
@@ -407,10 +417,12 @@ def test_every_gathered_piece_is_gathered_again_for_backward(mode, tmp_path):
     assert min(hidden) >= 2, hidden  # at least one output projection's two GEMMs
 
 
-def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(tmp_path, cache_dir):
+@pytest.mark.parametrize("base", ["gpt", "llama_mqa"])
+def test_lamb_under_tp2_dp2_zero2_equals_single_process_lamb(base, tmp_path, cache_dir):
     """Per-tensor trust ratios need the norms of whole logical tensors: the TP slices and ZeRO
-    shards' partial norms are summed in one all-reduce over the stage's dp x tp ranks."""
-    lamb = EXACT + ["optim=lamb", "optim.trust_clamp=null"]
+    shards' partial norms are summed in one all-reduce over the stage's dp x tp ranks (with one
+    KV head, QKV's ZeRO shards summed over TP first, then reduce-scattered over DP)."""
+    lamb = {"gpt": EXACT, "llama_mqa": LLAMA_MQA}[base] + ["optim=lamb", "optim.trust_clamp=null"]
     run_train(tmp_path / "one", lamb, cache_dir)
     run_train(tmp_path / "four", lamb + ["parallel.tp=2", "parallel.zero_stage=2"], cache_dir, nproc=4)
     one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")

@@ -355,6 +355,9 @@ LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off an
     # gradient) posts what GPT's does, in shapes of its own: its tp2 x pp2 layout.
     "llama_tp2_pp2_overlap": ["model=llama_tiny", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
                               "parallel.overlap.tp=chunked", "parallel.overlap.pp=true"],
+    # Its 2 KV groups at tp4: each on 2 ranks, whose QKV gradients a sub-group of TP sums, the
+    # sub-groups made on every rank in the same order.
+    "llama_tp4": ["model=llama_tiny", "parallel.tp=4"],
 }
 
 

@@ -177,10 +177,13 @@ def fused_accumulation(tp, layer: str, dtype: torch.dtype) -> float:
 
 # The sequence-parallel block against model.Block, in each TP overlap mode: GPT's (LayerNorm, GeLU)
 # and Llama's (RMSNorm, SwiGLU, grouped-query attention with a KV head per rank at tp2), also as
-# PTB (one gather and one reduce-scatter shared by attention and the MLP).
+# PTB (one gather and one reduce-scatter shared by attention and the MLP), and multi-query
+# attention, whose one KV head both ranks hold (each computing two of the four query heads).
 GPT_BLOCK = dict(n_layers=1, n_heads=4, d_model=32, vocab_size=64)
 LLAMA_BLOCK = dict(GPT_BLOCK, norm="rmsnorm", mlp="swiglu", ffn_hidden_size=24, n_kv_heads=2, bias=False)
-SHAPES = {"gpt": GPT_BLOCK, "llama": LLAMA_BLOCK, "llama_ptb": dict(LLAMA_BLOCK, block="parallel")}
+MQA_BLOCK = dict(LLAMA_BLOCK, n_kv_heads=1, bias=True)
+SHAPES = {"gpt": GPT_BLOCK, "llama": LLAMA_BLOCK, "llama_ptb": dict(LLAMA_BLOCK, block="parallel"),
+          "mqa": MQA_BLOCK, "mqa_ptb": dict(MQA_BLOCK, block="parallel")}
 BLOCKS = {f"{model}_block_{mode}": (shape, mode) for model, shape in SHAPES.items() for mode in ("off", "chunked", "domino")}
 
 
@@ -188,7 +191,8 @@ def sequence_parallel_block(tp, shape: dict, mode: str) -> float:
     """apply_tp's SequenceParallelBlock on this rank's slice of the sequence against the plain
     block on all of it: its output and input gradient are this rank's slices of the reference's,
     each split parameter's gradient its slice (the plan's dim), and each replicated one's (the
-    norms', summed by ZeRO in a run) summed over the TP group the whole gradient."""
+    norms', a shared KV group's: summed by ZeRO in a run) summed over its replicas (at tp2 the
+    TP group) the whole gradient."""
     import copy
     import torch.distributed as dist
     import tensor_parallel as tpl
@@ -212,7 +216,8 @@ def sequence_parallel_block(tp, shape: dict, mode: str) -> float:
     for name, p in model.blocks["0"].named_parameters():
         info, full = infos[f"blocks.0.{name}"], wanted[f"blocks.0.{name}"].grad
         grad = p.grad
-        if info.tp_replicated:
+        if info.tp_replicas > 1:
+            assert info.tp_replicas == tp.size
             dist.all_reduce(grad, group=tp.group.pg)
         if info.split_dim is not None:
             full = full.narrow(info.split_dim, info.offset, p.shape[info.split_dim])
@@ -264,10 +269,11 @@ def test_fused_weight_gradient_equals_the_unfused_accumulation(primitive, errors
         assert found[primitive] == 0.0 if exact else found[primitive] < 1e-6, (primitive, rank, found[primitive])
 
 
-@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+@pytest.mark.parametrize("model_name", ["gpt", "llama", "mqa"])
 def test_apply_tp_walks_the_plan_and_keeps_every_name(model_name):
     """apply_tp on a meta-built GPT (or Llama): the same parameter names in the same order, each
-    split one 1/tp of its plan's dim, the TP modules in the plain ones' places."""
+    split one 1/tp of its plan's dim (QKV's whole with one KV head, on both ranks), the TP modules
+    in the plain ones' places."""
     import tensor_parallel as tpl
     from model import GPT, ModelConfig
     shape = dict(SHAPES[model_name], n_layers=2, d_model=64, vocab_size=128)
@@ -276,10 +282,11 @@ def test_apply_tp_walks_the_plan_and_keeps_every_name(model_name):
     tpl.apply_tp(model, tpl.TPSettings(rank=1, size=2))
     before, after = dict(plain.named_parameters()), dict(model.named_parameters())
     assert list(before) == list(after)
+    mqa_qkv = model_name == "mqa"
     for name, p in after.items():
         dim = tpl.tp_shard_dim(name)
         want = list(before[name].shape)
-        if dim is not None:
+        if dim is not None and not (mqa_qkv and ".attn.qkv." in name):
             want[dim] //= 2
         assert list(p.shape) == want, name
     assert isinstance(model.blocks["0"], tpl.SequenceParallelBlock)
@@ -287,8 +294,13 @@ def test_apply_tp_walks_the_plan_and_keeps_every_name(model_name):
     assert isinstance(model.embed, tpl.VocabParallelEmbedding) and isinstance(model.head, tpl.VocabParallelHead)
     infos = tpl.tp_shard_infos(model, tpl.TPSettings(rank=1, size=2))
     assert infos["embed.weight"].offset == 64 and infos["blocks.0.attn.out.weight"].offset == 32
-    assert {n for n, i in infos.items() if i.tp_replicated} == {
-        n for n in after if ".ln_" in n or n.startswith("norm.") or n.endswith(("attn.out.bias", "mlp.fc_out.bias"))}
+    assert {n for n, i in infos.items() if i.tp_replicas == 2} == {
+        n for n in after if ".ln_" in n or n.startswith("norm.") or n.endswith(("attn.out.bias", "mlp.fc_out.bias"))
+        or (mqa_qkv and ".attn.qkv." in n)}
+    assert all(i.tp_replicas in (1, 2) for i in infos.values())
+    if mqa_qkv:
+        assert isinstance(model.blocks["0"].attn.qkv, tpl.KVGroupQKV) and model.blocks["0"].attn.group == 2
+        assert infos["blocks.0.attn.qkv.weight"].offset == 0
 
 
 def test_recompute_and_tp_apply_in_either_order():
