@@ -16,7 +16,8 @@ in a ModuleDict (a pipeline stage deletes the blocks it doesn't own and every pa
 name, so checkpoints stay layout-free):
 - attn.qkv: rows grouped per KV head as (kv head, [its n_heads/n_kv_heads query heads, then k,
   then v], head_dim). Without GQA that is (head, q|k|v, head_dim), GPT-NeoX's and Megatron's
-  layout; a TP shard of the rows is a whole set of KV groups.
+  layout; a TP shard of the rows is a whole set of KV groups (with more TP ranks than KV heads,
+  each rank holds its group's whole block and computes its share of the query heads).
 - mlp.fc_in with SwiGLU: gate and up in one GEMM, rows interleaved per unit as (unit, gate|up),
   [g0, u0, g1, u1, ...]; a TP shard of the rows holds matching gate/up pairs. The MLP computes
   fc_out(silu(gate) * up).
@@ -145,7 +146,7 @@ class Attention(nn.Module):
         self.impl, self.block_size = ops.attention, ops.attention_block
         self.dropout = cfg.dropout
         # Rows grouped per KV head as (kv head, [group q heads, k, v], head_dim) (the docstring above):
-        # a tensor-parallel shard of the rows is a whole set of KV groups.
+        # a tensor-parallel shard of the rows is a whole set of KV groups (or one group's block).
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * kv_heads(cfg)) * self.head_dim, bias=cfg.bias)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.recompute_core = False  # train.recompute=selective (parallel.apply_recompute)
