@@ -21,9 +21,11 @@ from typing import Optional
 import numpy as np
 import torch
 
+import data
+from corpus import blend, build
 from corpus.blend import SampleIndex, held_out_rows, shares
 from data import Corpus, DataConfig, data_parts
-from errors import ConfigError
+from errors import ConfigError, fail
 
 
 class Sampler:
@@ -287,3 +289,33 @@ def eval_batches(corpus: Corpus, seq_len: int, n_batches: int, global_batch: int
     rows, local, dtype = corpus.sequences("val", seq_len), global_batch // dp_size, token_dtype(corpus.vocab_size)
     return [_rows_to_stream(rows[picks[b * global_batch + dp_rank * local: b * global_batch + (dp_rank + 1) * local]],
                             dtype, pin_memory) for b in range(n_batches)]
+
+
+# --- A run's corpus and stream index, on every rank ---
+
+def open_corpus(cfg: DataConfig, seq_len: int, rank: int, world: int):
+    """The corpus (data.sources' blend, or data.source): built on first use by one process; opened
+    by every rank of a larger job (its manifest and a memory map per shard), which never builds.
+    Each rank checks its share of the shards' checksums, once (data.Corpus.verify); a data
+    problem stops the job with one line."""
+    try:
+        corpora = [data.prepare(source, seq_len, world) for source in blend.source_configs(cfg)]
+        for corpus in corpora:
+            corpus.verify(rank, world)
+        return blend.combine(corpora, cfg)
+    except ConfigError as err:
+        fail(str(err))
+
+
+def shared_index(corpus, cfg: DataConfig, seq_len: int, seed: int, samples: int, rank: int, world: int) -> SampleIndex:
+    """The training stream's index (corpus/blend.py) for the samples the run needs (max_steps x
+    global batch), built once by rank 0 into the data cache and memory-mapped by every rank; a rank
+    whose cache lacks the file (a node-local cache) builds it there under the file lock."""
+    import torch.distributed as dist
+
+    def shared():
+        return blend.sample_index(corpus, seq_len, seed, samples, build.cache_root(cfg) / "index")
+    index = shared() if rank == 0 else None
+    if world > 1:
+        dist.broadcast_object_list([None], src=0)  # the others map it once rank 0 has written it
+    return index if rank == 0 else shared()

@@ -46,7 +46,7 @@ import parallel
 import sampling
 import spans
 import stragglers
-from corpus import blend, build
+from corpus import blend
 from errors import ConfigError, fail
 from model import GPT, count_params, flops_per_token, matmul_params
 
@@ -179,8 +179,8 @@ def seed_generators(seed: int, rank: int) -> None:
 
 def set_up_data(cfg: config.Config, layout, device: torch.device) -> tuple:
     """(the corpus, the training batches). One process builds the corpus on first use; the ranks
-    of a larger job open its build (prepare_data)."""
-    corpus = prepare_data(cfg, layout.rank, layout.world)
+    of a larger job open its build (sampling.open_corpus)."""
+    corpus = sampling.open_corpus(cfg.data, cfg.train.seq_len, layout.rank, layout.world)
     if cfg.model.vocab_size < corpus.vocab_size:
         fail(f"config error: model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
              f"{corpus.vocab_size}. Fix: set model.vocab_size>={corpus.vocab_size}")
@@ -189,8 +189,9 @@ def set_up_data(cfg: config.Config, layout, device: torch.device) -> tuple:
         log.warning("data: the training split holds %d sequences of %d tokens, fewer than one global batch of %d: "
                     "each step repeats sequences (%.1f times each)", sequences, cfg.train.seq_len,
                     cfg.train.batch_size, cfg.train.batch_size / sequences)
-    sampler = sampling.Sampler(shared_sample_index(cfg, corpus, layout.rank, layout.world), cfg.train.batch_size,
-                               layout.dp_rank, layout.dp)
+    index = sampling.shared_index(corpus, cfg.data, cfg.train.seq_len, cfg.train.seed,
+                                  cfg.train.max_steps * cfg.train.batch_size, layout.rank, layout.world)
+    sampler = sampling.Sampler(index, cfg.train.batch_size, layout.dp_rank, layout.dp)
     loader = sampling.train_loader(corpus, cfg.data, cfg.train.seq_len, sampler,
                                    layout.group("tp") if layout.tp > 1 else None, layout.tp_rank, device,
                                    layout.pp_rank, layout.pp)
@@ -435,33 +436,6 @@ def finish(run: Run, loop: Loop) -> dict:
     if loop.status == "interrupted":
         loop.stop.hand_back()
     return final
-
-
-def prepare_data(cfg: config.Config, rank: int, world: int):
-    """The corpus (data.sources' blend, or data.source): built on first use by one process; opened
-    by every rank of a larger job (its manifest and a memory map per shard), which never builds.
-    Each rank checks its share of the shards' checksums, once (data.Corpus.verify); a data
-    problem stops the job with one line."""
-    try:
-        corpora = [data.prepare(source, cfg.train.seq_len, world) for source in blend.source_configs(cfg.data)]
-        for corpus in corpora:
-            corpus.verify(rank, world)
-        return blend.combine(corpora, cfg.data)
-    except ConfigError as err:
-        fail(str(err))
-
-
-def shared_sample_index(cfg: config.Config, corpus, rank: int, world: int):
-    """The training stream's index (corpus/blend.py) for the samples the run needs (max_steps x
-    global batch), built once by rank 0 into the data cache and memory-mapped by every rank; a rank
-    whose cache lacks the file (a node-local cache) builds it there under the file lock."""
-    def shared():
-        return blend.sample_index(corpus, cfg.train.seq_len, cfg.train.seed, cfg.train.max_steps * cfg.train.batch_size,
-                                  build.cache_root(cfg.data) / "index")
-    index = shared() if rank == 0 else None
-    if world > 1:
-        dist.broadcast_object_list([None], src=0)  # the others map it once rank 0 has written it
-    return index if rank == 0 else shared()
 
 
 def predicted_stage_compute(cfg: config.Config, layout, device: torch.device) -> Optional[list]:
