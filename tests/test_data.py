@@ -662,3 +662,18 @@ def test_resuming_with_another_seq_len_is_one_line(tmp_path, cache_dir):
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert lines[0].startswith("config error: resume: the checkpoint's data position is for seed=")
     assert "Fix: resume with the corpus, train.seq_len and train.seed it was saved with, or resume=none" in lines[0]
+
+
+def test_a_corpus_smaller_than_one_global_batch_warns_with_the_repeat_count(tmp_path, cache_dir):
+    """5 sequences for a global batch of 8: the run trains, and says each step repeats sequences
+    (1.6 times each) rather than handing out duplicates silently."""
+    from conftest import run_train
+    source = tmp_path / "small.jsonl"
+    source.write_text(json.dumps({"text": "x" * 330}) + "\n")  # 331 tokens: 5 sequences of 64 (+1)
+    proc = run_train(tmp_path / "run", ["model=tiny", "model.vocab_size=257", "data.tokenizer=bytes",
+                                        f"data.source={source}", "data.val_fraction=0", "train.seq_len=64",
+                                        "train.batch_size=8", "train.max_steps=2", "train.eval_interval=0",
+                                        "logging.wandb.mode=disabled", "logging.progress=false"], cache_dir)
+    out = proc.stdout + proc.stderr
+    assert "the training split holds 5 sequences of 64 tokens, fewer than one global batch of 8" in out, out[-2000:]
+    assert "(1.6 times each)" in out
