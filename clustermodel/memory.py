@@ -64,11 +64,13 @@ def norm_params(m: gpt.ModelConfig) -> int:
 def mlp_kept(cfg: config.Config) -> int:
     """Values per token (whole, before TP) the MLP keeps for its backward. GeLU: fc_in's output and
     the GeLU's. SwiGLU: fc_in's output (gate and up), silu(gate) and the product fc_out reads; the
-    fused kernel recomputes silu(gate) in its backward, so keeps no silu output."""
+    Triton kernel (kernels.fused=triton) recomputes silu(gate) in its backward. A compiled step's
+    is counted as eager code keeps it, as the rehearsal counts it: what inductor recomputes
+    instead of keeping is its own choice (an upper bound by ffn values a token)."""
     ff = gpt.ffn_width(cfg.model)
     if not swiglu(cfg.model):
         return 2 * ff
-    return (3 if cfg.kernels.fused else 4) * ff
+    return (3 if cfg.kernels.fused == "triton" else 4) * ff
 
 
 def layer_params(m: gpt.ModelConfig, tp: int = 1) -> Tuple[int, int]:
@@ -95,8 +97,11 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     h, kv = m.d_model, kv_width(m)
     norms = 1 if m.block == "parallel" else 2
     # norm in/out, the q k v projection (alive while v, a view of it, is), q and k after RoPE,
-    # attention out, the MLP's (mlp_kept)
-    kept = 2 * norms * h + (h + 2 * kv) + (h + kv) + h + mlp_kept(cfg)
+    # attention out, the MLP's (mlp_kept). Materialized attention under GQA repeats k and v to
+    # every query head first (kernels._repeat_kv) and keeps those copies instead: the projection
+    # and k after RoPE then go once the forward is past them.
+    heads = 3 * h if cfg.kernels.attention in MATERIALIZED and kv < h else (h + 2 * kv) + (h + kv)
+    kept = 2 * norms * h + heads + h + mlp_kept(cfg)
     masks = (1 if m.block == "parallel" else 2) * h if m.dropout else 0   # residual dropout, a byte each
     if cfg.kernels.attention in MATERIALIZED:  # the probabilities (and after dropout, the kept ones and the mask)
         return (e * kept + masks) / tp + square_bytes(cfg) * m.n_heads / tp * seq

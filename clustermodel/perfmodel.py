@@ -184,6 +184,9 @@ ELEMENTWISE = {
     "rope": {False: (5, 6, 6, 7), True: (2, 3, 1, 1)},
     "copy": {False: (2, 2, 1, 1), True: (2, 2, 1, 1)},        # attention output back to [tokens, h]
     "add": {False: (3, 3, 1, 1), True: (3, 3, 1, 1)},         # PTB's three-way residual sum
+    # GQA into materialized attention: k and v repeated to every query head (read H_kv, write H
+    # heads; back, the group's gradients summed), in units of h + h_kv
+    "repeat_kv": {False: (2, 2, 2, 2), True: (2, 2, 2, 2)},
     # model.Block.drop: read the branch, write it and a byte mask; back, read grad and mask, write.
     # (In bf16 units: 2.5 passes each way.) Not fused into the residual add (Megatron fuses them).
     "dropout": {False: (2.5, 2.5, 1, 1), True: (2.5, 2.5, 1, 1)},
@@ -274,6 +277,8 @@ def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
              ("rope", (h + kv_width(m)) // t), ("copy", h // t)]
     if ptb:
         items.append(("add", shard))
+    if cfg.kernels.attention in MATERIALIZED and kv_width(m) < h:
+        items.append(("repeat_kv", (h + kv_width(m)) // t))
     if m.dropout:  # each residual branch (PTB: their sum), on the sequence shard
         items += [("dropout", shard)] * (1 if ptb else 2)
     for name, width in items:
