@@ -4,7 +4,10 @@ Switches: kernels.attention=auto|flash|banded|sdpa|unfused|reference and
 kernels.fused=false|true|triton.
 The eager reference always stays, so tests can compare every fast path with it.
 
-Attention takes and returns [B, H, T, D] and is always causal. With a sliding window W, query i
+Attention takes q [B, H, T, D] and k, v [B, H_kv, T, D], returns [B, H, T, D], and is always
+causal. With grouped-query attention (GQA) H_kv divides H and query head h reads KV head
+h // (H / H_kv), the layout model.Attention's projection has; every backend takes it (SDPA's
+enable_gqa, flash-attn's own, the unfused ones repeat k and v as Megatron-LM does). With a sliding window W, query i
 attends key j iff i - W < j <= i: W keys, the query's own position included, so W=1 is "attend to
 yourself only" and any W >= T is plain causal attention. window=None means full causal. Every
 backend obeys exactly this rule (flash-attn spells it window_size=(W-1, 0)):
@@ -19,8 +22,8 @@ backend obeys exactly this rule (flash-attn spells it window_size=(W-1, 0)):
 - auto:      flash where it can run, else banded where the window skips enough, else sdpa.
 
 kernels.fused=true fuses inside a compiled step (train.compile=true; auto compiles on CUDA):
-there inductor turns each elementwise chain (residual add + LayerNorm, bias + GeLU, the heads with
-RoPE) into one read-and-write pass forward and one backward, with its neighbours, and the loss
+there inductor turns each elementwise chain (residual add + LayerNorm or RMSNorm, bias + GeLU or
+SwiGLU, the heads with RoPE) into one read-and-write pass forward and one backward, with its neighbours, and the loss
 takes the form whose fp32 upcast stays in registers (_cross_entropy). From eager code it runs the
 eager ops, so that it costs nothing there: a kernel inductor builds can only be called through
 Python wrappers. A torch.compile'd function per op pays dynamo's frame evaluation and
@@ -33,7 +36,8 @@ backward, an autograd.Function ~9. So eager code calls no inductor kernel, and t
 below stay behind autograd.Functions rather than custom ops.
 
 kernels.fused=triton runs hand-written Triton kernels from eager code (CUDA, the optional
-`triton` extra, kernels_triton.py): residual add + LayerNorm and bias + GeLU forward and backward,
+`triton` extra, kernels_triton.py): residual add + LayerNorm or RMSNorm, bias + GeLU and SwiGLU
+forward and backward,
 and the cross-entropy, each one pass over its rows, each behind one autograd.Function. Inside a
 compiled step inductor fuses the same ops itself. Triton is imported on first use; on CPU it runs
 only in its interpreter (TRITON_INTERPRET=1), which is how the tests check it against the eager
@@ -94,6 +98,7 @@ def band_mask(n_q: int, n_k: int, q_offset: int, window: Optional[int], device) 
 def attention_reference(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
     """Naive softmax attention, [B, H, T, D] in and out. The oracle for every other backend, so it
     shares no code with them (attention_unfused included; test_model checks it per token)."""
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
     scores = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
     scores = scores.masked_fill(~window_mask(q.shape[-2], window, q.device), float("-inf"))
     return (F.dropout(scores.softmax(-1), dropout) @ v.float()).to(q.dtype)
@@ -105,12 +110,24 @@ def attention_unfused(q, k, v, window: Optional[int] = None, dropout: float = 0.
     in q's dtype, the softmax in fp32, the probabilities go back to q's dtype for the second GEMM.
     Dropout on the probabilities is one more pass over the square each way, plus its mask. What
     backward keeps per score is Megatron's too: the probabilities in q's dtype, a byte of mask and
-    the dropped probabilities (5 bytes in bf16; autograd's fp32 softmax and dtype-sized mask kept 8)."""
+    the dropped probabilities (5 bytes in bf16; autograd's fp32 softmax and dtype-sized mask kept 8).
+    GQA: k and v repeated to q's heads first, as Megatron-LM's core attention does."""
+    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
     scores = q @ k.transpose(-1, -2)
     probs = _ScaledMaskedSoftmax.apply(scores, window_mask(q.shape[-2], window, q.device), q.shape[-1] ** -0.5)
     if dropout:
         probs = torch.native_dropout(probs, dropout, True)[0]  # keeps a bool mask, as CUDA's F.dropout does
     return probs @ v
+
+
+def _repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """GQA's k or v [B, H_kv, T, D] with each head repeated for its H/H_kv query heads: [B, H, T, D]."""
+    group = q.shape[1] // kv.shape[1]
+    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+
+
+def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return q.shape[1] != k.shape[1]
 
 
 class _ScaledMaskedSoftmax(torch.autograd.Function):
@@ -136,11 +153,13 @@ class _ScaledMaskedSoftmax(torch.autograd.Function):
 
 def attention_sdpa(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
     """One SDPA call. Full causal uses is_causal, which lets the kernel skip the upper triangle;
-    a window needs an explicit mask, and then every score of the [T, T] square is computed."""
-    T = q.shape[-2]
+    a window needs an explicit mask, and then every score of the [T, T] square is computed. GQA:
+    SDPA's enable_gqa, which reads each KV head for its group of query heads without copying it."""
+    T, gqa = q.shape[-2], _gqa(q, k)
     if window is None or window >= T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(T, window, q.device), dropout_p=dropout)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(T, window, q.device), dropout_p=dropout,
+                                          enable_gqa=gqa)
 
 
 def mean_keys(T: int, window: Optional[int]) -> float:
@@ -173,7 +192,8 @@ def banded_keys(window: Optional[int], block: int, T: int) -> Optional[float]:
 
 
 def attention_flash(q, k, v, window: Optional[int] = None, dropout: float = 0.0) -> torch.Tensor:
-    """flash-attn (Dao et al.). Its layout is [B, T, H, D]; its window is (left, right) keys."""
+    """flash-attn (Dao et al.). Its layout is [B, T, H, D]; its window is (left, right) keys; it
+    takes GQA's fewer k and v heads as they are."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(f"kernels.attention=flash needs CUDA tensors in bf16/fp16, got {q.dtype} on "
                            f"{q.device.type}; use kernels.attention=banded or sdpa on this device")
@@ -214,8 +234,14 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
     single call; the split runs at 0.75-0.93x of it in fp32 (what precision=auto trains in on a
     CPU without native bf16) and 1.02-1.06x in bf16: three calls, the merge and the pieces'
     gradient copies cost about what the mask's one add per score does.
+
+    GQA: the G = H/H_kv query heads of a KV head read the same windows of keys, so the middle call
+    stacks their query blocks, [G·block] rows against one window and the mask repeated G times:
+    one call over B·H_kv windows, which SDPA's kernels take whether or not they support GQA.
     """
     B, H, T, D = q.shape
+    H_kv = k.shape[1]
+    group = H // H_kv
     if window is None or window >= T:
         return attention_sdpa(q, k, v, window, dropout)
     window_len = _round_up(block + window - 1, 16)
@@ -228,25 +254,30 @@ def attention_banded(q, k, v, window: Optional[int] = None, block: int = DEFAULT
 
     outs = [attention_sdpa(q[:, :, :head], k[:, :, :head], v[:, :, :head], window, dropout)] if head else []
 
-    # [B*H, T, D] with a uniform stride over B*H, so that the unfolded windows reshape as a view.
-    # (For q, k, v sliced out of a fused QKV projection this is the one copy, O(T·D).)
-    kf, vf = k.reshape(B * H, T, D), v.reshape(B * H, T, D)
+    # [B*H_kv, T, D] with a uniform stride over B*H_kv, so that the unfolded windows reshape as a
+    # view. (For q, k, v sliced out of a fused QKV projection this is the one copy, O(T·D).)
+    kf, vf = k.reshape(B * H_kv, T, D), v.reshape(B * H_kv, T, D)
     # band_mask with q_offset=lead: query a of a block is at position lead + a of its window.
     mask = band_mask(block, window_len, lead, window, q.device)
     mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
 
-    def windows(x):  # [B*H, n_mid, window_len, D], overlapping, a view of x
+    def windows(x):  # [B*H_kv, n_mid, window_len, D], overlapping, a view of x
         return x[:, head - lead: mid_end].unfold(1, window_len, block).transpose(-1, -2)
 
-    q_mid = q[:, :, head:mid_end].reshape(B * H, n_mid, block, D)
-    out = F.scaled_dot_product_attention(q_mid, windows(kf), windows(vf), attn_mask=mask, dropout_p=dropout)
-    outs.append(out.reshape(B, H, n_mid * block, D))  # a view on CPU; CUDA's SDPA may lay it out otherwise
+    # [B*H_kv, n_mid, G*block, D]: a block's rows of the group's G query heads (a view when G = 1)
+    q_mid = q[:, :, head:mid_end].reshape(B, H_kv, group, n_mid, block, D).transpose(2, 3)
+    q_mid = q_mid.reshape(B * H_kv, n_mid, group * block, D)
+    out = F.scaled_dot_product_attention(q_mid, windows(kf), windows(vf), attn_mask=mask.repeat(group, 1),
+                                         dropout_p=dropout)
+    # back to [B, H, n_mid*block, D]: a view on CPU when G = 1; CUDA's SDPA may lay it out otherwise
+    outs.append(out.reshape(B, H_kv, n_mid, group, block, D).transpose(2, 3).reshape(B, H, n_mid * block, D))
 
     if mid_end < T:  # the last, partial block: the top rows and leftmost columns of the same mask
         n_tail = T - mid_end
         keys = slice(mid_end - lead, T)
         outs.append(F.scaled_dot_product_attention(q[:, :, mid_end:], k[:, :, keys], v[:, :, keys],
-                                                   attn_mask=mask[:n_tail, :lead + n_tail], dropout_p=dropout))
+                                                   attn_mask=mask[:n_tail, :lead + n_tail], dropout_p=dropout,
+                                                   enable_gqa=group > 1))
     return torch.cat(outs, dim=2)
 
 
@@ -349,9 +380,11 @@ def attention(q, k, v, window: Optional[int] = None, impl: str = "auto",
 
 # --- Attention's inputs: the heads of the QKV projection, q and k rotated (RoPE) ---
 
-def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-    """[B, T, 3*d] projections, rows grouped (head, q|k|v, head_dim) -> q, k, v, each [B, H, T, D],
-    q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
+def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                    group: int = 1) -> tuple:
+    """[B, T, (H + 2·H_kv)·D] projections, rows grouped per KV head as (kv head, [its `group` =
+    H/H_kv query heads, k, v], head_dim) -> q [B, H, T, D], k and v [B, H_kv, T, D]; with group=1
+    (no GQA) that is (head, q|k|v, head_dim). q and k rotated by RoPE (GPT-NeoX layout, the two halves rotated: apply_rope, the
     reference) with the fp32 cos/sin tables [T, D] rounded to qkv's dtype.
 
     Written out rather than left to autograd (one layer at bench_step's default shape, fp32, forward
@@ -364,15 +397,15 @@ def heads_with_rope(qkv: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     pointwise ops (_HeadsWithRopeTraced), one kernel each way: the written-out op's in-place
     half-width multiply-adds run at ~1 GB/s on a CPU, and out= ops do not compile."""
     if torch.compiler.is_compiling():
-        return _HeadsWithRopeTraced.apply(qkv, head_dim, cos, sin)
-    return _HeadsWithRope.apply(qkv, head_dim, cos, sin)
+        return _HeadsWithRopeTraced.apply(qkv, head_dim, cos, sin, group)
+    return _HeadsWithRope.apply(qkv, head_dim, cos, sin, group)
 
 
-def _heads(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """[B, T, 3*d] -> [B, T, H, 3, D] (a view): the head count comes from the tensor, so under TP
-    a rank's slice of the heads works alike."""
+def _heads(qkv: torch.Tensor, head_dim: int, group: int = 1) -> torch.Tensor:
+    """[B, T, (H + 2·H_kv)·D] -> [B, T, H_kv, group + 2, D] (a view): the head count comes from the
+    tensor, so under TP a rank's slice of the KV groups works alike."""
     B, T, _ = qkv.shape
-    return qkv.view(B, T, -1, 3, head_dim)
+    return qkv.view(B, T, -1, group + 2, head_dim)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -387,9 +420,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], dim=-1)
 
 
-def _heads_then_rope(qkv, head_dim, cos, sin):
+def _heads_then_rope(qkv, head_dim, cos, sin, group: int = 1):
     """heads_with_rope's reference: plain ops, autograd's backward."""
-    q, k, v = _heads(qkv, head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+    heads = _heads(qkv, head_dim, group).transpose(1, 2)  # [B, H_kv, T, group + 2, D]
+    q = heads[:, :, :, :group].permute(0, 1, 3, 2, 4).flatten(1, 2)
+    k, v = heads[:, :, :, group], heads[:, :, :, group + 1]
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -407,29 +442,41 @@ def _rotate(x, cos, sin, out, sign: float = 1.0):
 
 class _HeadsWithRope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, head_dim, cos, sin):
-        heads = _heads(qkv, head_dim)
+    def forward(ctx, qkv, head_dim, cos, sin, group):
+        heads = _heads(qkv, head_dim, group)
         cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)  # no copies when the tables come in qkv's dtype
         ctx.save_for_backward(cos, sin)
-        ctx.shape = heads.shape
-        # q and k rotated together, into one buffer whose halves are each laid out [B, T, H, D], as
-        # the projection and flash-attn have it (a view swaps H and T): three kernels for both
-        B, T, H, _, D = heads.shape
-        qk = heads.new_empty(2, B, T, H, D)
-        _rotate(heads[:, :, :, :2], cos[:, None, None], sin[:, None, None], qk.permute(1, 2, 3, 0, 4))
-        q, k = qk.unbind(0)
-        return q.transpose(1, 2), k.transpose(1, 2), heads[:, :, :, 2].transpose(1, 2)
+        ctx.shape, ctx.group = heads.shape, group
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        B, T, H_kv, _, D = heads.shape
+        if group == 1:
+            # q and k rotated together, into one buffer whose halves are each laid out [B, T, H, D], as
+            # the projection and flash-attn have it (a view swaps H and T): three kernels for both
+            qk = heads.new_empty(2, B, T, H_kv, D)
+            _rotate(heads[:, :, :, :2], cos, sin, qk.permute(1, 2, 3, 0, 4))
+            q, k = qk.unbind(0)
+        else:  # GQA: q's heads are not evenly spaced among k's, so each gets its buffer and rotation
+            q, k = heads.new_empty(B, T, H_kv, group, D), heads.new_empty(B, T, H_kv, 1, D)
+            _rotate(heads[:, :, :, :group], cos, sin, q)
+            _rotate(heads[:, :, :, group:group + 1], cos, sin, k)
+            q, k = q.flatten(2, 3), k.squeeze(3)
+        return q.transpose(1, 2), k.transpose(1, 2), heads[:, :, :, -1].transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
+        cos, sin, group = cos[:, None, None], sin[:, None, None], ctx.group
         grad = torch.empty(ctx.shape, dtype=cos.dtype, device=cos.device)  # the projection's layout
         # (an output left unused gets zeros: autograd's default)
-        dqk = torch.stack([dq.transpose(1, 2), dk.transpose(1, 2)], dim=3)  # [B, T, H, 2, D]
-        _rotate(dqk, cos[:, None, None], sin[:, None, None], grad[:, :, :, :2], sign=-1.0)
-        grad[:, :, :, 2].copy_(dv.transpose(1, 2))
+        if group == 1:
+            dqk = torch.stack([dq.transpose(1, 2), dk.transpose(1, 2)], dim=3)  # [B, T, H, 2, D]
+            _rotate(dqk, cos, sin, grad[:, :, :, :2], sign=-1.0)
+        else:
+            _rotate(dq.transpose(1, 2).unflatten(2, (-1, group)), cos, sin, grad[:, :, :, :group], sign=-1.0)
+            _rotate(dk.transpose(1, 2)[:, :, :, None], cos, sin, grad[:, :, :, group:group + 1], sign=-1.0)
+        grad[:, :, :, -1].copy_(dv.transpose(1, 2))
         B, T = ctx.shape[:2]
-        return grad.view(B, T, -1), None, None, None
+        return grad.view(B, T, -1), None, None, None, None
 
 
 def _rotation_tables(cos, sin, dtype):
@@ -457,21 +504,24 @@ class _HeadsWithRopeTraced(torch.autograd.Function):
     there (bf16, one thread); a CPU runs eager by default (train.compile=auto)."""
 
     @staticmethod
-    def forward(ctx, qkv, head_dim, cos, sin):
-        heads = _heads(qkv, head_dim)
+    def forward(ctx, qkv, head_dim, cos, sin, group):
+        heads = _heads(qkv, head_dim, group)
         cos, forward, inverse = _rotation_tables(cos, sin, qkv.dtype)
         ctx.save_for_backward(cos, inverse)
-        qk = heads[:, :, :, :2]
-        q, k = (qk * cos + qk.roll(head_dim // 2, dims=-1) * forward).unbind(3)
-        return q.transpose(1, 2), k.transpose(1, 2), heads[:, :, :, 2].transpose(1, 2)
+        ctx.group = group
+        qk = heads[:, :, :, :group + 1]
+        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * forward
+        q, k = qk[:, :, :, :group].flatten(2, 3), qk[:, :, :, group]
+        return q.transpose(1, 2), k.transpose(1, 2), heads[:, :, :, -1].transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, inverse = ctx.saved_tensors
-        dq, dk, dv = (g.transpose(1, 2)[:, :, :, None] for g in (dq, dk, dv))  # [B, T, H, 1, D]
+        dq = dq.transpose(1, 2).unflatten(2, (-1, ctx.group))  # [B, T, H_kv, group, D]
+        dk, dv = (g.transpose(1, 2)[:, :, :, None] for g in (dk, dv))  # [B, T, H_kv, 1, D]
         half = dv.shape[-1] // 2
         grad = torch.cat([g * cos + g.roll(half, dims=-1) * inverse for g in (dq, dk)] + [dv], dim=3)
-        return grad.flatten(2), None, None, None
+        return grad.flatten(2), None, None, None, None
 
 
 # --- Fused elementwise operators and the loss ---
@@ -487,6 +537,14 @@ def _bias_gelu(x, bias):
     return F.gelu(x)  # exact erf GeLU, GPT-NeoX's "gelu"
 
 
+def _swiglu(x, bias):
+    # fc_in's rows interleave gate and up per unit (model.MLP), so its output pairs them: [g0, u0, ...]
+    if bias is not None:
+        x = x + bias.to(x.dtype)
+    gate, up = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return F.silu(gate) * up
+
+
 def _cross_entropy(logits, targets):
     # logsumexp - target logit, in fp32. Compiled, the upcast happens in registers inside the two
     # reductions, so the fp32 copy of [N, V] logits that eager F.cross_entropy needs never exists,
@@ -500,18 +558,29 @@ def _cross_entropy(logits, targets):
     return (torch.logsumexp(logits, dim=-1) - target_logit).mean()
 
 
-def layer_norm(x: torch.Tensor, norm: nn.LayerNorm, fused=False) -> torch.Tensor:
-    """fused: a value of KernelsConfig.fused (False, True or "triton"), for every function here.
+def layer_norm(x: torch.Tensor, norm: nn.LayerNorm | nn.RMSNorm, fused=False) -> torch.Tensor:
+    """norm(x), for GPT's LayerNorm and Llama's RMSNorm alike. fused: a value of
+    KernelsConfig.fused (False, True or "triton"), for every function here.
 
     A lone LayerNorm is already one ATen kernel forward and one backward, so there is nothing to
     fuse; on a CPU inductor's LayerNorm loops run at 0.40-0.70x of ATen's (1 thread, bf16 and fp32,
-    experiments/bench_kernels.py). Only Triton replaces it."""
+    experiments/bench_kernels.py). RMSNorm is one kernel each way on CUDA (aten::_fused_rms_norm),
+    a few elementwise ops on a CPU. Only Triton replaces either from eager code; inside a compiled
+    step inductor fuses them."""
     if _use_triton(fused, x):
-        return kernels_triton.TritonLayerNorm.apply(x, None, norm.weight, norm.bias, norm.eps)
+        return kernels_triton.TritonLayerNorm.apply(x, None, norm.weight, *_norm_args(norm, x))
     return _norm(x, norm)
 
 
-def _norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+def _norm_args(norm: nn.Module, x: torch.Tensor) -> tuple:
+    """The Triton norm's (bias, eps, rms) for an nn.LayerNorm or nn.RMSNorm (whose eps=None means
+    the dtype's machine epsilon, as torch's)."""
+    rms = isinstance(norm, nn.RMSNorm)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    return (None if rms else norm.bias), eps, rms
+
+
+def _norm(x: torch.Tensor, norm: nn.LayerNorm | nn.RMSNorm) -> torch.Tensor:
     """norm(x), in x's dtype where x and the weights share a low-precision one. CUDA's autocast runs
     layer_norm in fp32: it casts a bf16 input and bf16 weights up (a kernel each, each way) and
     returns fp32, which the next GEMM casts down again. ATen's bf16 LayerNorm computes in fp32
@@ -523,11 +592,11 @@ def _norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     return norm(x)
 
 
-def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm, fused=False):
-    """Residual add then LayerNorm: returns (x + delta, LN(x + delta)). Inside a compiled step
-    inductor fuses the two, whatever fused says."""
+def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm | nn.RMSNorm, fused=False):
+    """Residual add then LayerNorm or RMSNorm: returns (x + delta, norm(x + delta)). Inside a
+    compiled step inductor fuses the two, whatever fused says."""
     if _use_triton(fused, x):
-        return kernels_triton.TritonLayerNorm.apply(x, delta, norm.weight, norm.bias, norm.eps)
+        return kernels_triton.TritonLayerNorm.apply(x, delta, norm.weight, *_norm_args(norm, x))
     x = x + delta
     return x, _norm(x, norm)
 
@@ -540,6 +609,15 @@ def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], fused=False) -> tor
     if _use_triton(fused, x):
         return kernels_triton.TritonBiasGelu.apply(x, bias)
     return _bias_gelu(x, bias)
+
+
+def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor], fused=False) -> torch.Tensor:
+    """SwiGLU of fc_in's output (+ bias), gate and up interleaved [..., 2F] -> silu(gate) * up
+    [..., F]. Inside a compiled step inductor fuses it into one pass each way, whatever fused says;
+    eager runs a SiLU and a product (and their backward), Triton one kernel each way."""
+    if _use_triton(fused, x):
+        return kernels_triton.TritonSwiGLU.apply(x, bias)
+    return _swiglu(x, bias)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, fused=False) -> torch.Tensor:

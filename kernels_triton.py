@@ -1,9 +1,10 @@
 """Hand-written Triton kernels for kernels.fused=triton (CUDA, the optional `triton` extra):
-residual add + LayerNorm and bias + GeLU, forward and backward, and the cross-entropy.
+residual add + LayerNorm or RMSNorm, bias + GeLU and SwiGLU, forward and backward, and the
+cross-entropy.
 
 Each op is one pass over its rows forward and one backward, computing in fp32 whatever the
-tensors' dtype, and saving only its input and two floats per row (the LayerNorm's mean and
-1/std, the cross-entropy's log-sum-exp): the backward recomputes the rest, which costs less
+tensors' dtype, and saving only its input and at most two floats per row (the LayerNorm's mean
+and 1/std, RMSNorm's 1/rms, the cross-entropy's log-sum-exp): the backward recomputes the rest, which costs less
 than reading it back. The kernels are defined inside jit_kernels(), so `import triton` happens on
 first use and a run without the optional extra never needs it. kernels.py decides when they run
 (kernels._use_triton); on CPU only Triton's interpreter (TRITON_INTERPRET=1) runs them, for tests.
@@ -23,8 +24,9 @@ def jit_kernels():
 
     @triton.jit
     def layer_norm_fwd(x_ptr, delta_ptr, w_ptr, b_ptr, sum_ptr, y_ptr, mean_ptr, rstd_ptr, N, eps,
-                       HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        # One program per row, the whole row in registers.
+                       HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row, the whole row in registers. RMS: RMSNorm, x / rms(x) * w (no mean taken
+        # out, no bias), else LayerNorm.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -35,19 +37,22 @@ def jit_kernels():
             s = (x + tl.load(delta_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(sum_ptr.dtype.element_ty)
             tl.store(sum_ptr + offs, s, mask=mask)
             x = s.to(tl.float32)
-        mean = tl.sum(x, axis=0) / N
-        xc = tl.where(mask, x - mean, 0.0)
+        if RMS:
+            xc = x  # masked columns loaded as 0
+        else:
+            mean = tl.sum(x, axis=0) / N
+            xc = tl.where(mask, x - mean, 0.0)
+            tl.store(mean_ptr + row, mean)
         rstd = 1 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
         y = xc * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
     def layer_norm_bwd(s_ptr, w_ptr, mean_ptr, rstd_ptr, dy_ptr, dsum_ptr, ds_ptr, dw_ptr, db_ptr, M, N,
-                       HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_DSUM: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr):
         # Program p takes rows p, p + P, p + 2P, ...: it writes their input gradient and sums their
         # dw and db in registers, stored once as row p of [P, N] partials (torch adds the P rows).
         pid = tl.program_id(0)
@@ -61,10 +66,14 @@ def jit_kernels():
             offs = tl.cast(row, tl.int64) * N + cols
             s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + row)
-            xhat = tl.where(mask, (s - tl.load(mean_ptr + row)) * rstd, 0.0)
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             wdy = w * dy
-            ds = (wdy - (xhat * tl.sum(wdy * xhat, axis=0) + tl.sum(wdy, axis=0)) / N) * rstd
+            if RMS:  # no mean taken out: no sum of wdy in the gradient
+                xhat = s * rstd
+                ds = (wdy - xhat * tl.sum(wdy * xhat, axis=0) / N) * rstd
+            else:
+                xhat = tl.where(mask, (s - tl.load(mean_ptr + row)) * rstd, 0.0)
+                ds = (wdy - (xhat * tl.sum(wdy * xhat, axis=0) + tl.sum(wdy, axis=0)) / N) * rstd
             if HAS_DSUM:  # the residual stream's own gradient joins the LayerNorm's
                 ds += tl.load(dsum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(ds_ptr + offs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
@@ -96,6 +105,39 @@ def jit_kernels():
             tl.store(out_ptr + offs, dz.to(out_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:  # this tile's column sums: row program_id(0) of [M / BLOCK_M, N] partials
                 tl.store(db_ptr + tl.program_id(0) * N + cols, tl.sum(dz, axis=0), mask=cols < N)
+
+    @triton.jit
+    def swiglu(x_ptr, b_ptr, dy_ptr, out_ptr, db_ptr, M, F, HAS_BIAS: tl.constexpr, BACKWARD: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # x is [M, 2F] with gate and up interleaved (unit j: columns 2j, 2j+1); a tile is
+        # [BLOCK_M, BLOCK_N] units. Forward writes silu(g)·u [M, F]; backward, from dy [M, F], the
+        # gradient of x in x's layout, and the tile's bias column sums as bias_gelu's. Backward
+        # recomputes silu from x rather than saving it, as bias_gelu does.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        units = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (units[None, :] < F)
+        g_offs = rows[:, None].to(tl.int64) * (2 * F) + 2 * units[None, :]
+        g = tl.load(x_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + g_offs + 1, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # the bias rounded to x's dtype first, as eager's bias.to(x.dtype)
+            bg = tl.load(b_ptr + 2 * units, mask=units < F, other=0.0).to(x_ptr.dtype.element_ty)
+            bu = tl.load(b_ptr + 2 * units + 1, mask=units < F, other=0.0).to(x_ptr.dtype.element_ty)
+            g += bg.to(tl.float32)[None, :]
+            u += bu.to(tl.float32)[None, :]
+        sig = 1 / (1 + tl.exp(-g))
+        y_offs = rows[:, None].to(tl.int64) * F + units[None, :]
+        if not BACKWARD:
+            tl.store(out_ptr + y_offs, (g * sig * u).to(out_ptr.dtype.element_ty), mask=mask)
+        else:  # d/dg silu(g) = sig·(1 + g·(1 - sig))
+            dy = tl.load(dy_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
+            dg = dy * u * sig * (1 + g * (1 - sig))
+            du = dy * g * sig
+            tl.store(out_ptr + g_offs, dg.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + g_offs + 1, du.to(out_ptr.dtype.element_ty), mask=mask)
+            if HAS_BIAS:  # row program_id(0) of [M / BLOCK_M, 2F] partials
+                part = db_ptr + tl.program_id(0) * (2 * F) + 2 * units
+                tl.store(part, tl.sum(dg, axis=0), mask=units < F)
+                tl.store(part + 1, tl.sum(du, axis=0), mask=units < F)
 
     @triton.jit
     def cross_entropy_fwd(logits_ptr, targets_ptr, loss_ptr, lse_ptr, V, BLOCK_V: tl.constexpr):
@@ -156,10 +198,10 @@ def _partial_programs(device: torch.device, rows: int) -> int:
 
 
 class TritonLayerNorm(torch.autograd.Function):
-    """(x + delta, LN(x + delta)), or LN(x) when delta is None."""
+    """(x + delta, LN(x + delta)), or LN(x) when delta is None; RMSNorm for rms=True (bias None)."""
 
     @staticmethod
-    def forward(ctx, x, delta, weight, bias, eps):
+    def forward(ctx, x, delta, weight, bias, eps, rms=False):
         k = jit_kernels()
         rows = _rows(x)
         M, N = rows.shape
@@ -171,9 +213,10 @@ class TritonLayerNorm(torch.autograd.Function):
         # Unused pointers (no delta, no bias) get any tensor: the constexpr flags compile them out.
         k.layer_norm_fwd[(M,)](rows, rows if delta is None else _rows(delta), weight,
                                weight if bias is None else bias, s, y, mean, rstd, N, eps,
-                               HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, BLOCK=block,
+                               HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, BLOCK=block,
                                num_warps=_warps(block))
         ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.rms = rms
         ctx.shape, ctx.x_dtype = x.shape, x.dtype
         ctx.delta_dtype = None if delta is None else delta.dtype
         y = y.view(x.shape)
@@ -191,11 +234,11 @@ class TritonLayerNorm(torch.autograd.Function):
         ds = torch.empty_like(s)
         dw, db = (torch.empty(P, N, dtype=torch.float32, device=s.device) for _ in range(2))
         k.layer_norm_bwd[(P,)](s, weight, mean, rstd, dy, dy if dsum is None else dsum, ds, dw, db, M, N,
-                               HAS_DSUM=dsum is not None, BLOCK=block, num_warps=_warps(block))
+                               HAS_DSUM=dsum is not None, RMS=ctx.rms, BLOCK=block, num_warps=_warps(block))
         ds = ds.view(ctx.shape)
         d_delta = None if ctx.delta_dtype is None else ds.to(ctx.delta_dtype)
         d_bias = None if bias is None else db.sum(0).to(bias.dtype)
-        return ds.to(ctx.x_dtype), d_delta, dw.sum(0).to(weight.dtype), d_bias, None
+        return ds.to(ctx.x_dtype), d_delta, dw.sum(0).to(weight.dtype), d_bias, None, None
 
 
 class TritonBiasGelu(torch.autograd.Function):
@@ -228,6 +271,39 @@ class TritonBiasGelu(torch.autograd.Function):
                              device=rows.device)
         TritonBiasGelu._launch(rows, bias, _rows(dy), dx, db)
         return dx.view(dy.shape), None if bias is None else db.sum(0).to(bias.dtype)
+
+
+class TritonSwiGLU(torch.autograd.Function):
+    """silu(gate) * up of x [..., 2F] (+ bias), gate and up interleaved, in tiles of [M, F] units."""
+    BLOCK_M, BLOCK_N = 32, 64
+
+    @staticmethod
+    def _launch(rows, bias, dy, out, db):
+        M, F = rows.shape[0], rows.shape[1] // 2
+        bm, bn = TritonSwiGLU.BLOCK_M, TritonSwiGLU.BLOCK_N
+        jit_kernels().swiglu[(_cdiv(M, bm), _cdiv(F, bn))](
+            rows, rows if bias is None else bias, rows if dy is None else dy, out, out if db is None else db,
+            M, F, HAS_BIAS=bias is not None, BACKWARD=dy is not None, BLOCK_M=bm, BLOCK_N=bn)
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        rows = _rows(x)
+        y = rows.new_empty(rows.shape[0], rows.shape[1] // 2)
+        TritonSwiGLU._launch(rows, bias, None, y, None)
+        ctx.save_for_backward(rows, bias)
+        ctx.shape = x.shape
+        return y.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, bias = ctx.saved_tensors
+        dx = torch.empty_like(rows)
+        db = None
+        if bias is not None:
+            db = torch.empty(_cdiv(rows.shape[0], TritonSwiGLU.BLOCK_M), rows.shape[1], dtype=torch.float32,
+                             device=rows.device)
+        TritonSwiGLU._launch(rows, bias, _rows(dy), dx, db)
+        return dx.view(ctx.shape), None if bias is None else db.sum(0).to(bias.dtype)
 
 
 def _vocab_block(V: int) -> int:

@@ -1,5 +1,7 @@
 """A GPT decoder as MegaScale trains it: pre-LN LayerNorm, GeLU MLP of width 4h, rotary
-positions, causal attention.
+positions, causal attention. Or Llama's block (model.norm=rmsnorm, model.mlp=swiglu,
+model.n_kv_heads): RMSNorm, a SwiGLU MLP and grouped-query attention (GQA), as transformers'
+LlamaForCausalLM computes it (tests/test_llama.py).
 
 Two switches belong to the ablation:
 - block=sequential|parallel. The parallel transformer block (PTB, as in GPT-J and PaLM) computes
@@ -8,10 +10,17 @@ Two switches belong to the ablation:
   tokens before it, in every attention backend of kernels.py.
 
 This file holds no collectives and no process groups. parallel.py shards this model from outside
-(torchtitan-style; tensor_parallel.py's plan names its modules), which is why the QKV rows are
-grouped per head (so a TP shard is a contiguous slice of heads) and why blocks live in a
-ModuleDict (a pipeline stage deletes the blocks it doesn't own and every parameter keeps its name,
-so checkpoints stay layout-free).
+(torchtitan-style; tensor_parallel.py's plan names its modules), which is why the fused weights'
+rows are grouped so that a contiguous slice of them is a whole set of units, and why blocks live
+in a ModuleDict (a pipeline stage deletes the blocks it doesn't own and every parameter keeps its
+name, so checkpoints stay layout-free):
+- attn.qkv: rows grouped per KV head as (kv head, [its n_heads/n_kv_heads query heads, then k,
+  then v], head_dim). Without GQA that is (head, q|k|v, head_dim), GPT-NeoX's and Megatron's
+  layout; a TP shard of the rows is a whole set of KV groups.
+- mlp.fc_in with SwiGLU: gate and up in one GEMM, rows interleaved per unit as (unit, gate|up),
+  [g0, u0, g1, u1, ...]; a TP shard of the rows holds matching gate/up pairs. The MLP computes
+  fc_out(silu(gate) * up).
+The norms keep their names (ln_1, ln_2, norm) whichever kind they are.
 """
 from __future__ import annotations
 
@@ -129,14 +138,15 @@ def _constant_rope_tables(seq_len: int, head_dim: int, theta: float, device,
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = head_dim(cfg)
+        self.group = cfg.n_heads // kv_heads(cfg)  # query heads per KV head
         self.window = cfg.attention.window
         self.rope_theta, self.max_seq_len = cfg.rope_theta, cfg.max_seq_len
         self.impl, self.block_size = ops.attention, ops.attention_block
         self.dropout = cfg.dropout
-        # Rows grouped as (head, q|k|v, head_dim), the GPT-NeoX/Megatron layout: a tensor-parallel
-        # shard of the rows is a whole set of heads.
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        # Rows grouped per KV head as (kv head, [group q heads, k, v], head_dim) (the docstring above):
+        # a tensor-parallel shard of the rows is a whole set of KV groups.
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * kv_heads(cfg)) * self.head_dim, bias=cfg.bias)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.recompute_core = False  # train.recompute=selective (parallel.apply_recompute)
 
@@ -144,12 +154,12 @@ class Attention(nn.Module):
         return self.out(self.mix(self.qkv(x)))
 
     def mix(self, qkv: torch.Tensor) -> torch.Tensor:
-        """[B, T, 3*d] projections -> [B, T, d] attention output before the output projection: the
-        only part that needs the whole sequence (TP overlap chunks the token-wise rest)."""
+        """[B, T, (H + 2·H_kv)·D] projections -> [B, T, d] attention output before the output
+        projection: the only part that needs the whole sequence (TP overlap chunks the token-wise rest)."""
         B, T, _ = qkv.shape
         cos, sin = rope_tables(T, self.head_dim, self.rope_theta, qkv.device, self.max_seq_len, qkv.dtype)
         # The head count comes from qkv, not the config: under TP this rank holds a slice.
-        q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin)  # kernels.apply_rope on q and k
+        q, k, v = kernels.heads_with_rope(qkv, self.head_dim, cos, sin, self.group)  # kernels.apply_rope on q and k
         if self.recompute_core:  # stored: q, k, v; the core's activations are recomputed in backward
             o = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
@@ -164,19 +174,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GeLU: fc_out(gelu(fc_in(x))). SwiGLU: fc_in computes gate and up in one GEMM, its rows
+    interleaved per unit (the docstring above), and fc_out(silu(gate) * up)."""
+
     def __init__(self, cfg: ModelConfig, ops: KernelsConfig):
         super().__init__()
         self.fused = ops.fused
-        self.fc_in = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
-        self.fc_out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.swiglu = cfg.mlp == "swiglu"
+        width = ffn_width(cfg)
+        self.fc_in = nn.Linear(cfg.d_model, 2 * width if self.swiglu else width, bias=cfg.bias)
+        self.fc_out = nn.Linear(width, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is left out of the GEMM so the fused kernel can add it inside the GeLU.
+        # The bias is left out of the GEMM so the fused kernel can add it inside the activation.
         return self.activate_and_project(F.linear(x, self.fc_in.weight))
 
     def activate_and_project(self, h: torch.Tensor) -> torch.Tensor:
         """fc_in's GEMM output, without its bias -> the MLP's output (TP runs fc_in's GEMM itself)."""
-        return self.fc_out(kernels.bias_gelu(h, self.fc_in.bias, fused=self.fused))
+        activate = kernels.swiglu if self.swiglu else kernels.bias_gelu
+        return self.fc_out(activate(h, self.fc_in.bias, fused=self.fused))
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """GPT's LayerNorm (with a bias where model.bias) or Llama's RMSNorm (which has none)."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class Block(nn.Module):
@@ -184,10 +207,10 @@ class Block(nn.Module):
         super().__init__()
         self.parallel = cfg.block == "parallel"
         self.fused = ops.fused
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln_1 = build_norm(cfg)
         self.attn = Attention(cfg, ops)
-        # PTB shares one LayerNorm between attention and MLP; the sequential block has two.
-        self.ln_2 = None if self.parallel else nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        # PTB shares one norm between attention and MLP; the sequential block has two.
+        self.ln_2 = None if self.parallel else build_norm(cfg)
         self.mlp = MLP(cfg, ops)
         self.dropout = cfg.dropout
         self.recompute = False  # train.recompute=full (parallel.apply_recompute): see GPT.forward
@@ -218,7 +241,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, ops) for i in range(cfg.n_layers)})
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.norm = build_norm(cfg)
         # Untied output projection, as in GPT-NeoX and Megatron with untied embeddings.
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.fused = ops.fused

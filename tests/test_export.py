@@ -1,6 +1,8 @@
-"""export_hf.py: transformers' GPTNeoXForCausalLM, loaded from the export, gives our logits.
+"""export_hf.py: transformers' GPTNeoXForCausalLM (GPT's block) or LlamaForCausalLM (Llama's),
+loaded from the export, gives our logits, and a trained model's loss on held-out text.
 
 transformers is the external oracle here: nothing of it is patched."""
+import json
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ from omegaconf import OmegaConf
 import checkpoint
 import config
 import export_hf
-from conftest import ROOT
+from conftest import ROOT, SMALL, run_train
 from model import GPT, AttentionConfig, ModelConfig
 from tensor_parallel import tp_shard_dim
 
@@ -51,22 +53,29 @@ def tiny(**overrides) -> ModelConfig:
                        rope_theta=500.0, **overrides)
 
 
-@pytest.mark.parametrize("block,bias,tp,compiled", [
-    ("sequential", True, 1, False), ("parallel", True, 1, False),
-    ("sequential", False, 2, False), ("parallel", False, 2, True)])
-def test_hf_gpt_neox_gives_our_logits(tmp_path, block, bias, tp, compiled):
-    from transformers import GPTNeoXForCausalLM
-    model = save_like_train(tmp_path / "checkpoints", tiny(block=block, bias=bias), tp, compiled)
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", n_kv_heads=2, ffn_hidden_size=96)
+
+
+@pytest.mark.parametrize("block,bias,tp,compiled,llama", [
+    ("sequential", True, 1, False, False), ("parallel", True, 1, False, False),
+    ("sequential", False, 2, False, False), ("parallel", False, 2, True, False),
+    ("sequential", False, 2, False, True), ("sequential", True, 1, True, True)])
+def test_hf_model_gives_our_logits(tmp_path, block, bias, tp, compiled, llama):
+    from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM, LlamaForCausalLM
+    model = save_like_train(tmp_path / "checkpoints", tiny(block=block, bias=bias, **(LLAMA if llama else {})), tp,
+                            compiled)
     # The checkpoints dir, not a step folder: the export takes its newest complete checkpoint.
     assert export_hf.export_hf(tmp_path / "checkpoints", tmp_path / "hf") == checkpoint.step_dir(tmp_path / "checkpoints", STEP)
-    hf, info = GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, output_loading_info=True)
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
-    assert hf.config.use_parallel_residual == (block == "parallel")
+    assert isinstance(hf, LlamaForCausalLM if llama else GPTNeoXForCausalLM)
+    if not llama:
+        assert hf.config.use_parallel_residual == (block == "parallel")
     tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ours, theirs = model.eval()(tokens), hf.eval()(tokens).logits
     diff = (ours - theirs).abs().max().item()
-    print(f"{block} bias={bias} tp={tp}: max abs logit diff {diff:.2e} (logit std {ours.std():.2f})")
+    print(f"{'llama' if llama else 'neox'} {block} bias={bias} tp={tp}: max abs logit diff {diff:.2e} (logit std {ours.std():.2f})")
     assert ours.std() > 0.5
     assert diff <= 1e-4
 
@@ -83,6 +92,58 @@ def test_swa_is_refused_in_one_line(tmp_path):
     assert proc.stderr.startswith("config error: model.attention.window:") and "Fix:" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (dict(LLAMA, block="parallel"), "model.block"),                       # Llama has no PTB
+    (dict(LLAMA, attention=AttentionConfig(window=8)), "model.attention.window"),
+    (dict(norm="layernorm", mlp="swiglu"), "model.norm"),                 # neither model's block
+    (dict(n_kv_heads=2), "model.n_kv_heads"),                             # GPT-NeoX has no GQA
+])
+def test_what_neither_model_computes_is_refused_in_one_line(tmp_path, capsys, overrides, key):
+    save_like_train(tmp_path / "checkpoints", tiny(**overrides))
+    with pytest.raises(SystemExit) as exit:
+        export_hf.main([str(tmp_path / "checkpoints"), str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith(f"config error: {key}:") and "Fix:" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
+
+
+def test_trained_llama_exports_with_its_held_out_loss(tmp_path, cache_dir):
+    """llama_tiny trained a few steps by train.py, exported: LlamaForCausalLM's loss on the held-out
+    batches equals the val_loss training logged after its last step (same weights), and its greedy
+    generation is our model's."""
+    import data
+    import sampling
+    from transformers import LlamaForCausalLM
+    steps, args = 4, [a for a in SMALL if a != "model=tiny"] + ["model=llama_tiny", "precision=fp32"]
+    args += [f"train.max_steps={steps}", f"checkpoint.interval={steps}", f"train.eval_interval={steps}",
+             "train.eval_batches=2"]
+    run_train(tmp_path, args, cache_dir)
+    trained = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val_loss = next(row["val_loss"] for row in trained if row.get("step") == steps and "val_loss" in row)
+
+    folder = export_hf.export_hf(tmp_path / "checkpoints", tmp_path / "hf")
+    cfg = config.compose(args)
+    cfg.data.cache_dir = str(cache_dir)
+    batches = sampling.eval_batches(data.prepare(cfg.data, cfg.train.seq_len), cfg.train.seq_len,
+                                    cfg.train.eval_batches, cfg.train.batch_size)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()) for x, y in batches]
+    exported = torch.stack(losses).mean().item()
+    print(f"llama_tiny after {steps} steps: val_loss {val_loss:.8f} in training, {exported:.8f} exported")
+    assert exported == pytest.approx(val_loss, abs=1e-5)
+
+    ours = GPT(checkpoint.saved_model_config(folder)).eval()
+    ours.load_state_dict(checkpoint.consolidate_model(folder))
+    prompt = batches[0][0][:1, :8]
+    generated = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            tokens = torch.cat([tokens, ours(tokens)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, tokens)
 
 
 def test_incomplete_checkpoints_are_refused(tmp_path, capsys):

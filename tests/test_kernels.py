@@ -26,9 +26,12 @@ WINDOWS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 40, T_ODD, None]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def qkv(T, dtype, seed=0):
+HEADS = [(3, 3), (6, 2)]         # (query heads, KV heads): multi-head, and GQA with groups of 3
+
+
+def qkv(T, dtype, seed=0, heads=(3, 3)):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, 3, T, 16, generator=g).to(dtype).requires_grad_() for _ in range(3)]
+    return [torch.randn(2, h, T, 16, generator=g).to(dtype).requires_grad_() for h in (heads[0], heads[1], heads[1])]
 
 
 def out_and_grads(fn, q, k, v, grad_out):
@@ -42,10 +45,12 @@ def out_and_grads(fn, q, k, v, grad_out):
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("impl", ["banded", "sdpa", "unfused", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_backend_equals_reference(impl, window, T, dtype):
-    q, k, v = qkv(T, dtype)
+@pytest.mark.parametrize("heads", HEADS)
+def test_attention_backend_equals_reference(impl, window, T, dtype, heads):
+    q, k, v = qkv(T, dtype, heads=heads)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    # The oracle sees the same (rounded) inputs, in fp32: the error left is the backend's own.
+    # The oracle sees the same (rounded) inputs, in fp32: the error left is the backend's own. With
+    # GQA it repeats each KV head for its group (test_gqa_reference_is_each_group_on_its_kv_head).
     ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
     expected = out_and_grads(lambda a, b, c: kernels.attention_reference(a, b, c, window), *ref_inputs,
                              grad_out.float())
@@ -54,6 +59,15 @@ def test_attention_backend_equals_reference(impl, window, T, dtype):
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
         assert g.dtype == dtype, name
         torch.testing.assert_close(g.float(), e, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+
+
+def test_gqa_reference_is_each_group_on_its_kv_head():
+    """Query head h attends KV head h // (H/H_kv): the oracle with GQA equals multi-head attention
+    with each KV head copied for its group."""
+    q, k, v = (t.detach() for t in qkv(T_ODD, torch.float32, heads=(6, 2)))
+    want = torch.cat([kernels.attention_reference(q[:, 3 * g:3 * g + 3], k[:, g:g + 1].expand(-1, 3, -1, -1),
+                                                  v[:, g:g + 1].expand(-1, 3, -1, -1), 40) for g in range(2)], dim=1)
+    torch.testing.assert_close(kernels.attention_reference(q, k, v, 40), want)
 
 
 DROPOUT_IMPLS = ["banded", "sdpa", "unfused", "reference"]
@@ -118,16 +132,17 @@ def test_banded_computes_only_the_band(monkeypatch):
 
     monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", counting_sdpa)
     B, H, T, W, block = 1, 2, 1024, 64, 32
-    q, k, v = (torch.randn(B, H, T, 8) for _ in range(3))
-    out = kernels.attention_banded(q, k, v, W, block)
-    monkeypatch.undo()
-    torch.testing.assert_close(out, kernels.attention_reference(q, k, v, W), atol=2e-5, rtol=1e-4)
-    scores = sum(n for n, _, _ in calls)
-    window_len = -(-(W + block - 1) // 16) * 16
-    assert scores <= B * H * (T * window_len + window_len ** 2)
-    assert scores < B * H * T * T / 8                     # vs T²/2 for causal SDPA
-    assert len(calls) == 2                                # first blocks (causal) + all the rest at once
-    assert calls[0][2] and not calls[0][1]                # the first blocks fit the window: no mask
+    for kv_heads in (H, 1):  # multi-head, and GQA's groups stacked into the one middle call
+        calls.clear()
+        q, k, v = torch.randn(B, H, T, 8), torch.randn(B, kv_heads, T, 8), torch.randn(B, kv_heads, T, 8)
+        out = kernels.attention_banded(q, k, v, W, block)
+        torch.testing.assert_close(out, kernels.attention_reference(q, k, v, W), atol=2e-5, rtol=1e-4)
+        scores = sum(n for n, _, _ in calls)
+        window_len = -(-(W + block - 1) // 16) * 16
+        assert scores <= B * H * (T * window_len + window_len ** 2)
+        assert scores < B * H * T * T / 8                 # vs T²/2 for causal SDPA
+        assert len(calls) == 2                            # first blocks (causal) + all the rest at once
+        assert calls[0][2] and not calls[0][1]            # the first blocks fit the window: no mask
 
 
 def test_auto_picks_banded_only_where_it_skips_enough():
@@ -197,8 +212,9 @@ def test_unknown_impl_is_an_error():
 @pytest.mark.skipif(not (torch.cuda.is_available() and kernels.flash_attn_importable()),
                     reason="flash-attn needs CUDA and the optional flash-attn package")
 @pytest.mark.parametrize("window", [1, 63, 64, 65, 300, None])
-def test_flash_equals_reference(window):
-    q, k, v = [t.detach().cuda().requires_grad_() for t in qkv(300, torch.bfloat16)]
+@pytest.mark.parametrize("heads", HEADS)
+def test_flash_equals_reference(window, heads):
+    q, k, v = [t.detach().cuda().requires_grad_() for t in qkv(300, torch.bfloat16, heads=heads)]
     grad_out = torch.randn_like(q)
     ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
     expected = out_and_grads(lambda a, b, c: kernels.attention_reference(a, b, c, window), *ref_inputs,
@@ -250,49 +266,56 @@ def check_same(fn_eager, fn_fused, inputs, norm=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_heads_with_rope_equals_the_plain_ops(dtype):
+@pytest.mark.parametrize("group", [1, 3])
+def test_heads_with_rope_equals_the_plain_ops(dtype, group):
     """q and k rotated, v, and the projection's gradient, against the plain ops and autograd's
-    backward of them. 5 heads, as a TP rank's slice may hold: the count comes from the tensor."""
-    B, T, H, D = 2, 12, 5, 8
+    backward of them. 5 KV heads, as a TP rank's slice may hold: the count comes from the tensor;
+    with GQA each has 3 query heads."""
+    B, T, H_kv, D = 2, 12, 5, 8
     cos, sin = rope_tables(T, D, 10000.0, "cpu")
-    check_same(lambda x: kernels._heads_then_rope(x, D, cos, sin), lambda x: kernels.heads_with_rope(x, D, cos, sin),
-               [leaf(B, T, 3 * H * D, dtype=dtype)])
+    check_same(lambda x: kernels._heads_then_rope(x, D, cos, sin, group),
+               lambda x: kernels.heads_with_rope(x, D, cos, sin, group), [leaf(B, T, (group + 2) * H_kv * D, dtype=dtype)])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_heads_with_rope_equals_the_plain_ops(dtype):
+@pytest.mark.parametrize("dtype,group", [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 3)])
+def test_fused_heads_with_rope_equals_the_plain_ops(dtype, group):
     """The heads and rotation inside a compiled step (inductor's one kernel each way of the plain
     ops), forward and backward, against the plain ops in fp64: as accurate as the written-out op.
-    5 heads, as a TP rank's slice may hold."""
-    B, T, H, D = 2, 12, 5, 8
+    5 KV heads, as a TP rank's slice may hold; with GQA each has 3 query heads."""
+    B, T, H_kv, D = 2, 12, 5, 8
     cos, sin = rope_tables(T, D, 10000.0, "cpu")
-    check_same(lambda x: kernels.heads_with_rope(x, D, cos, sin),
-               compiled(lambda x: kernels.heads_with_rope(x, D, cos, sin)), [leaf(B, T, 3 * H * D, dtype=dtype)])
+    check_same(lambda x: kernels.heads_with_rope(x, D, cos, sin, group),
+               compiled(lambda x: kernels.heads_with_rope(x, D, cos, sin, group)),
+               [leaf(B, T, (group + 2) * H_kv * D, dtype=dtype)])
 
 
-def test_heads_with_rope_rotates_q_and_k_only():
+@pytest.mark.parametrize("group", [1, 2])
+def test_heads_with_rope_rotates_q_and_k_only(group):
     """Against the definition itself: position t's q and k turned by the angles t * theta^(-2i/D),
-    v untouched, in the projection's (head, q|k|v, head_dim) layout."""
-    B, T, H, D = 1, 6, 2, 4
+    v untouched, in the projection's layout: per KV head g, its `group` query heads (heads
+    g·group ...), then k, then v; (head, q|k|v, head_dim) without GQA."""
+    B, T, H_kv, D = 1, 6, 2, 4
     cos, sin = rope_tables(T, D, 10000.0, "cpu")
-    x = torch.randn(B, T, 3 * H * D)
-    q, k, v = kernels.heads_with_rope(x, D, cos, sin)
-    heads = x.view(B, T, H, 3, D)
+    x = torch.randn(B, T, (group + 2) * H_kv * D)
+    q, k, v = kernels.heads_with_rope(x, D, cos, sin, group)
+    assert q.shape == (B, group * H_kv, T, D) and k.shape == v.shape == (B, H_kv, T, D)
+    rows = x.view(B, T, H_kv, group + 2, D)
     for t in range(T):
         angle = t * 10000.0 ** (-torch.arange(0, D, 2) / D)
         c, s = torch.cos(angle), torch.sin(angle)
-        for got, i in ((q, 0), (k, 1)):
-            a, b = heads[0, t, :, i, :D // 2], heads[0, t, :, i, D // 2:]
-            want = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
-            torch.testing.assert_close(got[0, :, t], want, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(v[0, :, t], heads[0, t, :, 2])
+        for g in range(H_kv):
+            for got, i in [(q[0, g * group + j], j) for j in range(group)] + [(k[0, g], group)]:
+                a, b = rows[0, t, g, i, :D // 2], rows[0, t, g, i, D // 2:]
+                torch.testing.assert_close(got[t], torch.cat([a * c - b * s, b * c + a * s]), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v[0, g, t], rows[0, t, g, group + 1])
 
 
-def layer_norm_module(bias: bool, dtype):
-    norm = nn.LayerNorm(HIDDEN, bias=bias).to(dtype)
+def layer_norm_module(bias: bool, dtype, rms: bool = False):
+    """nn.LayerNorm, or with rms=True nn.RMSNorm (Llama's, which has no bias)."""
+    norm = (nn.RMSNorm(HIDDEN, eps=1e-5) if rms else nn.LayerNorm(HIDDEN, bias=bias)).to(dtype)
     with torch.no_grad():  # not the identity init, so the weight and bias gradients matter
         norm.weight.copy_(torch.randn(HIDDEN).to(dtype) * 0.5 + 1)
-        if bias:
+        if bias and not rms:
             norm.bias.copy_(torch.randn(HIDDEN).to(dtype) * 0.1)
     return norm
 
@@ -305,6 +328,15 @@ def test_fused_add_layer_norm(x_dtype):
     check_same(lambda x, d, n: kernels.add_layer_norm(x, d, n),
                compiled(lambda x, d, n: kernels.add_layer_norm(x, d, n, fused=True)), inputs,
                norm=layer_norm_module(True, x_dtype))
+
+
+def test_fused_add_rms_norm():
+    """Llama's residual add + RMSNorm inside a compiled step, as under autocast: an fp32 residual
+    stream, a bf16 branch output and fp32 weights."""
+    inputs = [leaf(*ROWS, HIDDEN), leaf(*ROWS, HIDDEN, dtype=torch.bfloat16, seed=1)]
+    check_same(lambda x, d, n: kernels.add_layer_norm(x, d, n),
+               compiled(lambda x, d, n: kernels.add_layer_norm(x, d, n, fused=True)), inputs,
+               norm=layer_norm_module(False, torch.float32, rms=True))
 
 
 def test_fused_add_layer_norm_returns_the_sum():
@@ -322,6 +354,21 @@ def test_fused_bias_gelu(dtype, bias):
     eager = (lambda x, b=None: kernels.bias_gelu(x, b))
     fused = compiled(lambda x, b=None: kernels.bias_gelu(x, b, fused=True))
     check_same(eager, fused, inputs)
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
+def test_fused_swiglu(dtype, bias):
+    inputs = [leaf(*ROWS, 4 * HIDDEN, dtype=dtype, scale=2.0)] + ([leaf(4 * HIDDEN, seed=1)] if bias else [])
+    check_same(lambda x, b=None: kernels.swiglu(x, b),
+               compiled(lambda x, b=None: kernels.swiglu(x, b, fused=True)), inputs)
+
+
+def test_swiglu_is_silu_of_the_gate_times_up_interleaved():
+    """fc_in's output pairs gate and up per unit, [g0, u0, g1, u1, ...]: unit j is silu(g_j) * u_j."""
+    x, b = torch.randn(5, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    z = x + b
+    gate, up = z[:, 0::2], z[:, 1::2]
+    torch.testing.assert_close(kernels.swiglu(x, b), gate * torch.sigmoid(gate) * up)
 
 
 def test_bias_gelu_is_exact_erf_gelu():
@@ -353,11 +400,13 @@ def test_fused_cross_entropy_matches_eager_in_fp32():
 
 def test_model_with_every_fast_path_equals_eager_model():
     """kernels.fused=true and kernels.attention=banded change speed, not the maths: the same
-    weights give the same loss and gradients as the eager model, both block types, with SWA."""
+    weights give the same loss and gradients as the eager model, both block types, with SWA, for
+    GPT's block and Llama's (RMSNorm, SwiGLU, GQA)."""
     from model import GPT, ModelConfig, AttentionConfig
-    for block in ("sequential", "parallel"):
-        cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, vocab_size=64, block=block,
-                          attention=AttentionConfig(window=20))
+    llama = dict(n_heads=4, n_kv_heads=2, norm="rmsnorm", mlp="swiglu", ffn_hidden_size=48, bias=False)
+    for block, shape in (("sequential", {}), ("parallel", {}), ("sequential", llama), ("parallel", llama)):
+        cfg = ModelConfig(n_layers=2, d_model=32, vocab_size=64, block=block, attention=AttentionConfig(window=20),
+                          **{"n_heads": 2, **shape})
         eager = GPT(cfg)
         eager.init_weights(seed=0)
         fast = GPT(cfg, kernels.KernelsConfig(attention="banded", fused=True, attention_block=16))
@@ -410,11 +459,12 @@ def triton_interpreter(monkeypatch):
 
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
 @pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.usefixtures("triton_interpreter")
 @needs_triton
-def test_triton_layer_norm(dtype, bias, residual):
-    """LayerNorm and residual add + LayerNorm, all in one dtype."""
-    norm = layer_norm_module(bias, dtype)
+def test_triton_layer_norm(dtype, bias, residual, rms):
+    """LayerNorm or RMSNorm, and residual add + either, all in one dtype."""
+    norm = layer_norm_module(bias, dtype, rms)
     if residual:
         inputs = [leaf(*T_ROWS, HIDDEN, dtype=dtype, scale=3.0, shift=2.0), leaf(*T_ROWS, HIDDEN, dtype=dtype, seed=1)]
         check_same(lambda x, d, n: kernels.add_layer_norm(x, d, n),
@@ -442,6 +492,15 @@ def test_triton_bias_gelu(dtype, bias):
     inputs = [leaf(40, 200, dtype=dtype, scale=2.0)] + ([leaf(200, seed=1)] if bias else [])
     check_same(lambda x, b=None: kernels.bias_gelu(x, b), lambda x, b=None: kernels.bias_gelu(x, b, fused="triton"),
                inputs)
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, True), (torch.float32, False)])
+@pytest.mark.usefixtures("triton_interpreter")
+@needs_triton
+def test_triton_swiglu(dtype, bias):
+    # 40 rows and 100 units (200 columns): partial tiles in both directions (32 x 64 units).
+    inputs = [leaf(40, 200, dtype=dtype, scale=2.0)] + ([leaf(200, seed=1)] if bias else [])
+    check_same(lambda x, b=None: kernels.swiglu(x, b), lambda x, b=None: kernels.swiglu(x, b, fused="triton"), inputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -482,10 +541,15 @@ def test_fused_switch_values():
 
 @pytest.mark.usefixtures("triton_interpreter")
 @needs_triton
-def test_model_with_triton_kernels_equals_eager_model():
-    """kernels.fused=triton reaches every fused op of the model: the sequential block runs all four."""
+@pytest.mark.parametrize("llama", [False, True])
+def test_model_with_triton_kernels_equals_eager_model(llama):
+    """kernels.fused=triton reaches every fused op of the model: the sequential block runs all four
+    (with Llama's block: its RMSNorms and SwiGLU)."""
     from model import GPT, ModelConfig
     cfg = ModelConfig(n_layers=1, n_heads=2, d_model=32, vocab_size=64, block="sequential")
+    if llama:
+        cfg = ModelConfig(n_layers=1, n_heads=2, n_kv_heads=1, d_model=32, vocab_size=64, norm="rmsnorm",
+                          mlp="swiglu", ffn_hidden_size=48, bias=False)
     eager = GPT(cfg)
     eager.init_weights(seed=0)
     fast = GPT(cfg, kernels.KernelsConfig(fused="triton"))
@@ -505,8 +569,12 @@ import kernels_triton
 k, f32 = kernels_triton.jit_kernels(), "*fp32"
 for t in ("*bf16", "*fp32"):
     for fn, types, consts in [
-        (k.layer_norm_fwd, [t, t, f32, f32, t, t, f32, f32, "i32", "fp32"], dict(HAS_DELTA=True, HAS_BIAS=True, BLOCK=1024)),
-        (k.layer_norm_bwd, [t, f32, f32, f32, t, t, t, f32, f32, "i32", "i32"], dict(HAS_DSUM=True, BLOCK=1024)),
+        (k.layer_norm_fwd, [t, t, f32, f32, t, t, f32, f32, "i32", "fp32"], dict(HAS_DELTA=True, HAS_BIAS=True, RMS=False, BLOCK=1024)),
+        (k.layer_norm_bwd, [t, f32, f32, f32, t, t, t, f32, f32, "i32", "i32"], dict(HAS_DSUM=True, RMS=False, BLOCK=1024)),
+        (k.layer_norm_fwd, [t, t, f32, f32, t, t, f32, f32, "i32", "fp32"], dict(HAS_DELTA=True, HAS_BIAS=False, RMS=True, BLOCK=1024)),
+        (k.layer_norm_bwd, [t, f32, f32, f32, t, t, t, f32, f32, "i32", "i32"], dict(HAS_DSUM=True, RMS=True, BLOCK=1024)),
+        (k.swiglu, [t, f32, t, t, f32, "i32", "i32"], dict(HAS_BIAS=True, BACKWARD=False, BLOCK_M=32, BLOCK_N=64)),
+        (k.swiglu, [t, f32, t, t, f32, "i32", "i32"], dict(HAS_BIAS=True, BACKWARD=True, BLOCK_M=32, BLOCK_N=64)),
         (k.bias_gelu, [t, f32, t, t, f32, "i32", "i32"], dict(HAS_BIAS=True, BACKWARD=False, BLOCK_M=32, BLOCK_N=128)),
         (k.bias_gelu, [t, f32, t, t, f32, "i32", "i32"], dict(HAS_BIAS=True, BACKWARD=True, BLOCK_M=32, BLOCK_N=128)),
         (k.cross_entropy_fwd, [t, "*i64", f32, f32, "i32"], dict(BLOCK_V=4096)),

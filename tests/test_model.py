@@ -9,6 +9,10 @@ from kernels import apply_rope
 from model import GPT, AttentionConfig, ModelConfig, flops_per_token, matmul_params, rope_tables
 
 
+# Llama's block on the tiny shape: RMSNorm, SwiGLU, 2 KV heads for 4 query heads, no biases.
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", n_kv_heads=2, ffn_hidden_size=96, bias=False)
+
+
 def tiny(**overrides) -> ModelConfig:
     cfg = ModelConfig(n_layers=2, n_heads=4, d_model=64, vocab_size=128, max_seq_len=64)
     for key, value in overrides.items():
@@ -16,9 +20,10 @@ def tiny(**overrides) -> ModelConfig:
     return cfg
 
 
+@pytest.mark.parametrize("llama", [False, True])
 @pytest.mark.parametrize("block", ["sequential", "parallel"])
-def test_forward_shapes_and_finite(block):
-    model = GPT(tiny(block=block))
+def test_forward_shapes_and_finite(block, llama):
+    model = GPT(tiny(block=block, **(LLAMA if llama else {})))
     model.init_weights(0)
     tokens = torch.randint(0, 128, (3, 17))
     logits = model(tokens)
@@ -28,17 +33,23 @@ def test_forward_shapes_and_finite(block):
     assert (model.blocks["0"].ln_2 is None) == (block == "parallel")
 
 
-def test_parallel_block_is_x_plus_attn_plus_mlp_of_one_ln():
-    model = GPT(tiny(block="parallel"))
+@pytest.mark.parametrize("llama", [False, True])
+def test_parallel_block_is_x_plus_attn_plus_mlp_of_one_ln(llama):
+    model = GPT(tiny(block="parallel", **(LLAMA if llama else {})))
     model.init_weights(1)
     block = model.blocks["0"]
     x = torch.randn(2, 9, 64)
-    h = torch.nn.functional.layer_norm(x, (64,), block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
+    F = torch.nn.functional
+    if llama:
+        h = F.rms_norm(x, (64,), block.ln_1.weight, block.ln_1.eps)
+    else:
+        h = F.layer_norm(x, (64,), block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
     torch.testing.assert_close(block(x), x + block.attn(h) + block.mlp(h))
 
 
-def test_sequential_block_is_pre_ln():
-    model = GPT(tiny())
+@pytest.mark.parametrize("llama", [False, True])
+def test_sequential_block_is_pre_ln(llama):
+    model = GPT(tiny(**(LLAMA if llama else {})))
     model.init_weights(1)
     block = model.blocks["0"]
     x = torch.randn(2, 9, 64)
@@ -174,6 +185,24 @@ def test_flops_per_token_175B_matches_megascale_table2():
     cfg = ModelConfig(n_layers=96, n_heads=128, d_model=12288, vocab_size=64000)
     assert matmul_params(cfg) == 12 * 96 * 12288**2 + 64000 * 12288
     assert flops_per_token(cfg, 2048) == pytest.approx(1.077e12, rel=0.005)
+
+
+def test_llama_block_shapes():
+    """GQA's projection holds H query heads and H_kv heads each of k and v; SwiGLU's fc_in both
+    gate and up; the norms are RMSNorms without biases, under the GPT block's names."""
+    model = GPT(tiny(**LLAMA))
+    block, D = model.blocks["0"], 64 // 4
+    assert block.attn.qkv.weight.shape == ((4 + 2 * 2) * D, 64) and block.attn.out.weight.shape == (64, 64)
+    assert block.mlp.fc_in.weight.shape == (2 * 96, 64) and block.mlp.fc_out.weight.shape == (64, 96)
+    assert all(isinstance(n, torch.nn.RMSNorm) for n in (block.ln_1, block.ln_2, model.norm))
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+
+
+def test_llama3_8B_builds_on_meta_with_the_published_size():
+    import config
+    with torch.device("meta"):
+        model = GPT(config.compose(["model=llama3_8B"]).model)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
 
 
 def test_175B_builds_on_meta_with_the_expected_size():
