@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import spans
 from errors import ConfigError
+from model import ffn_width, kv_heads
 from overlap import TPGroup, WaitClock
 from pipeline import Pipeline, autocast, split_for_pipeline
 from sharding import describe
@@ -73,6 +74,12 @@ def validate(cfg, world: int, overlap_switches: bool = True) -> None:
     if m.n_heads % p.tp or m.d_model % p.tp or m.vocab_size % p.tp:
         raise ConfigError("parallel.tp", f"tp={p.tp} must divide model.n_heads={m.n_heads}, d_model={m.d_model} "
                           f"and vocab_size={m.vocab_size}", "choose tp that divides all three")
+    if kv_heads(m) % p.tp:  # a TP rank holds whole KV groups: its query heads with their k and v
+        raise ConfigError("parallel.tp", f"tp={p.tp} does not divide model.n_kv_heads={kv_heads(m)}, and a rank holds "
+                          "whole KV heads (none is copied onto several ranks)", "parallel.tp must divide model.n_kv_heads")
+    if ffn_width(m) % p.tp:
+        raise ConfigError("parallel.tp", f"tp={p.tp} does not divide the MLP's width "
+                          f"model.ffn_hidden_size={ffn_width(m)}", "choose tp that divides model.ffn_hidden_size")
     if p.tp > 1 and t.seq_len % p.tp:
         raise ConfigError("train.seq_len", f"sequence parallelism splits seq_len={t.seq_len} over tp={p.tp}",
                           "use a seq_len divisible by parallel.tp")

@@ -27,13 +27,13 @@ class ShardInfo:
     split_dim: Optional[int] = None
     offset: int = 0
     # Held whole by every TP rank, with a partial gradient on each (every rank sees its slice of
-    # the sequence): LayerNorms and the biases added after a reduce-scatter. Their gradients are
+    # the sequence): the norms and the biases added after a reduce-scatter. Their gradients are
     # summed over the TP group.
     tp_replicated: bool = False
     # The parameter's own ndim, for a flat ZeRO piece of a matrix (weight decay goes by it).
     logical_ndim: Optional[int] = None
     # Whether this tensor's elements count in a norm summed over ranks: False on a copy whose
-    # elements another rank of the sum also holds (a TP-replicated LayerNorm off tp-rank 0).
+    # elements another rank of the sum also holds (a TP-replicated norm off tp-rank 0).
     norm_owner: bool = True
     # Where a backward that computes this parameter's gradient itself (the TP layers' weight GEMMs,
     # overlap.weight_gradient) accumulates it instead of handing autograd a .grad: ZeRO's

@@ -179,7 +179,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
 class SequenceParallelBlock(torch.nn.Module):
     """model.Block on a sequence-sharded residual stream. It takes over the plain block's
-    LayerNorms, attention and MLP under their own names and runs them with the TP collectives in
+    norms, attention and MLP under their own names and runs them with the TP collectives in
     between, scheduled as parallel.overlap.tp says: one after another (off), MegaScale's sequence
     pieces (chunked), or Domino's row pieces that go through the block independently (domino).
     Gathered activations are kept as shards for backward (TPGroup.regather_saved), except under
@@ -291,13 +291,16 @@ class Style:
     module: Optional[Callable] = None  # (plain module, TPSettings) -> its replacement
 
 
-# Column-parallel: output features split (QKV's rows are grouped per head, so a slice is whole
-# heads); the block gathers the sequence-sharded input before it.
+# Column-parallel: output features split; the block gathers the sequence-sharded input before it.
+# model.py groups the fused weights' rows so that a contiguous slice is whole units: QKV's rows
+# per KV head (a slice is whole KV groups, each its query heads with the k and v they share:
+# parallel.validate asks that tp divide n_kv_heads), SwiGLU's fc_in rows interleaved per unit
+# (a slice holds matching gate and up rows: one GEMM, as GeLU's fc_in).
 COLWISE = Style(split=(("weight", 0), ("bias", 0)))
 # Row-parallel: input features split, partial sums out; the bias is added once, after the
 # reduce-scatter.
 ROWWISE = Style(split=(("weight", 1),), replicated=("bias",), module=RowParallelLinear.from_plain)
-# A LayerNorm on this rank's slice of the sequence.
+# A LayerNorm or RMSNorm on this rank's slice of the sequence.
 SEQUENCE_PARALLEL = Style(replicated=("weight", "bias"))
 VOCAB_PARALLEL_EMBEDDING = Style(split=(("weight", 0),), module=VocabParallelEmbedding.from_plain)
 VOCAB_PARALLEL_HEAD = Style(split=(("weight", 0),), module=VocabParallelHead.from_plain)

@@ -301,7 +301,7 @@ class ZeroDataParallel:
             self._add(b, late)
 
     def _launch_reduction(self, b: int) -> None:
-        """TP-sum the bucket's replicated gradients (LayerNorms, row-parallel biases: each TP rank
+        """TP-sum the bucket's replicated gradients (norms, row-parallel biases: each TP rank
         saw a slice of the sequence; they sit at the bucket's end), then launch its DP all-reduce
         (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1/2)."""
         bucket = self.buckets[b]

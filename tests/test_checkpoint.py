@@ -53,6 +53,19 @@ def test_resume_at_another_layout_continues_the_same_run(straight, ranks, layout
     assert resumed == pytest.approx(losses[3:], rel=1e-5)
 
 
+def test_llama_resumes_at_tp2_from_a_one_process_checkpoint(tmp_path, cache_dir):
+    """The Llama block's TP slices read from a layout-free checkpoint: each rank's rows of the
+    grouped QKV (one KV group) and of the interleaved gate/up fc_in (its units' pairs), Adam's
+    moments with them. The resumed steps are the uninterrupted run's."""
+    args = [o.replace("model=tiny", "model=llama_tiny") for o in ARGS] + ["checkpoint.interval=3"]
+    run_train(tmp_path / "straight", args, cache_dir)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    step3 = checkpoint.step_dir(tmp_path / "straight" / "checkpoints", 3)
+    run_train(tmp_path / "tp2", args + SAVED_AT + [f"resume={step3}"], cache_dir, nproc=2)
+    resumed = [r["loss"] for r in read_metrics(tmp_path / "tp2")]
+    assert len(resumed) == 2 and resumed == pytest.approx(losses[3:], rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory, cache_dir):
     """4 steps in one process, saving (synchronously) at steps 2 and 4."""

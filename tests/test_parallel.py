@@ -39,26 +39,50 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "recompute_selective_megascale_data": (1, ["train.recompute=selective", "data.pipeline=megascale"]),
 }
 
+# The Llama block (llama_tiny: RMSNorm, SwiGLU, 4 query heads sharing 2 KV heads, no biases)
+# through the TP paths that differ from GPT's, not the whole matrix again (three runs, not
+# thirteen): DP, ZeRO and PP see only parameters, whatever the block. At tp2 a rank holds one KV
+# group (its 2 query heads, k and v) and half of the interleaved gate/up rows; each TP overlap mode
+# runs its own schedule of the block: off here, domino, and chunked inside the tp2 x pp2 run (two
+# blocks a stage). tests/test_tp_layers.py checks the block alone in every mode, sequential and
+# PTB; resume (a one-process checkpoint read back as TP slices) is tests/test_checkpoint.py's.
+LLAMA = ["model=llama_tiny" if o == "model=tiny" else o for o in EXACT]
+LLAMA_LAYOUTS = {
+    "llama_tp2": (2, ["parallel.tp=2"]),
+    "llama_tp2_overlap_domino": (2, ["parallel.tp=2", "parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"]),
+    "llama_tp2_pp2_overlap_chunked": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+                                          "parallel.overlap.tp=chunked", "parallel.overlap.tp_chunks=2"]),
+}
+
 STRESSED = {"pp2_vpp2_overlap"}  # layouts whose run here is the first of the CI stress pass's
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    run_dir = tmp_path_factory.mktemp("reference")
-    run_train(run_dir, EXACT, cache_dir)
-    return read_metrics(run_dir), checkpoint.consolidate_model(checkpoint.step_dir(run_dir / "checkpoints", STEPS))
+def references(tmp_path_factory, cache_dir):
+    """The one-process run of a base config (EXACT or LLAMA): its metrics and final weights, run once."""
+    found = {}
+
+    def of(base: list):
+        key = tuple(base)
+        if key not in found:
+            run_dir = tmp_path_factory.mktemp("reference")
+            run_train(run_dir, base, cache_dir)
+            found[key] = read_metrics(run_dir), checkpoint.consolidate_model(checkpoint.step_dir(run_dir / "checkpoints", STEPS))
+        return found[key]
+    return of
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_equals_single_process(name, reference, tmp_path, cache_dir, request):
-    ranks, overrides = LAYOUTS[name]
+@pytest.mark.parametrize("name", list(LAYOUTS) + list(LLAMA_LAYOUTS))
+def test_layout_equals_single_process(name, references, tmp_path, cache_dir, request):
+    base = LLAMA if name in LLAMA_LAYOUTS else EXACT
+    ranks, overrides = LAYOUTS.get(name) or LLAMA_LAYOUTS[name]
     if overrides is EIGHT_RANKS:
         tmp_path = request.getfixturevalue("eight_rank_run")
     elif name in STRESSED:  # the CI stress pass runs it anyway (tests/test_stress.py)
         tmp_path = first_good_run(request.getfixturevalue("ci_stress")(name))
     else:
-        run_train(tmp_path, EXACT + overrides, cache_dir, nproc=ranks)
-    ref_rows, ref_weights = reference
+        run_train(tmp_path, base + overrides, cache_dir, nproc=ranks)
+    ref_rows, ref_weights = references(base)
     rows = read_metrics(tmp_path)
     assert len(rows) == STEPS
     for got, want in zip(rows, ref_rows):
@@ -167,6 +191,9 @@ INVALID_LAYOUTS = [
     (["parallel.microbatches=3"], 2, "train.batch_size"),       # 8 sequences over dp2 x 3
     (["parallel.zero_stage=3"], 2, "parallel.zero_stage"),
     (["parallel.order=[dp,tp]"], 2, "parallel.order"),
+    (["model=llama_tiny", "parallel.tp=4"], 4, "parallel.tp: tp=4 does not divide model.n_kv_heads"),
+    (["model=llama_tiny", "model.n_kv_heads=4", "model.ffn_hidden_size=702", "parallel.tp=4"], 4,
+     "parallel.tp: tp=4 does not divide the MLP's width"),
 ]
 
 
@@ -179,7 +206,7 @@ def test_invalid_layout_is_a_config_error_naming_its_key(overrides, world, key):
     assert str(err.value).startswith(f"config error: {key}") and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("overrides, world, key", [INVALID_LAYOUTS[0], INVALID_LAYOUTS[4]])
+@pytest.mark.parametrize("overrides, world, key", [INVALID_LAYOUTS[0], INVALID_LAYOUTS[4], INVALID_LAYOUTS[8]])
 def test_invalid_layout_is_one_line_before_any_work(overrides, world, key, tmp_path, cache_dir):
     """train.py itself: the one line and exit 2 (two of the layouts; the rest share the path)."""
     proc = run_train(tmp_path, SMALL + overrides, cache_dir, check=False, WORLD_SIZE=world)

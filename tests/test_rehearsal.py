@@ -351,6 +351,10 @@ LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off an
                             "parallel.zero_stage=1", "parallel.overlap.tp=chunked", "parallel.overlap.pp=true",
                             "parallel.overlap.dp=true"],
     "tp2_recompute_full": ["parallel.tp=2", "train.recompute=full"],
+    # The Llama block's TP (a KV group a rank, SwiGLU's one gate/up GEMM, RMSNorm's TP-summed
+    # gradient) posts what GPT's does, in shapes of its own: its tp2 x pp2 layout.
+    "llama_tp2_pp2_overlap": ["model=llama_tiny", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+                              "parallel.overlap.tp=chunked", "parallel.overlap.pp=true"],
 }
 
 

@@ -175,6 +175,51 @@ def fused_accumulation(tp, layer: str, dtype: torch.dtype) -> float:
     return relative_error(sums["fused"], sums["plain"])
 
 
+# The sequence-parallel block against model.Block, in each TP overlap mode: GPT's (LayerNorm, GeLU)
+# and Llama's (RMSNorm, SwiGLU, grouped-query attention with a KV head per rank at tp2), also as
+# PTB (one gather and one reduce-scatter shared by attention and the MLP).
+GPT_BLOCK = dict(n_layers=1, n_heads=4, d_model=32, vocab_size=64)
+LLAMA_BLOCK = dict(GPT_BLOCK, norm="rmsnorm", mlp="swiglu", ffn_hidden_size=24, n_kv_heads=2, bias=False)
+SHAPES = {"gpt": GPT_BLOCK, "llama": LLAMA_BLOCK, "llama_ptb": dict(LLAMA_BLOCK, block="parallel")}
+BLOCKS = {f"{model}_block_{mode}": (shape, mode) for model, shape in SHAPES.items() for mode in ("off", "chunked", "domino")}
+
+
+def sequence_parallel_block(tp, shape: dict, mode: str) -> float:
+    """apply_tp's SequenceParallelBlock on this rank's slice of the sequence against the plain
+    block on all of it: its output and input gradient are this rank's slices of the reference's,
+    each split parameter's gradient its slice (the plan's dim), and each replicated one's (the
+    norms', summed by ZeRO in a run) summed over the TP group the whole gradient."""
+    import copy
+    import torch.distributed as dist
+    import tensor_parallel as tpl
+    from model import GPT, ModelConfig
+    torch.manual_seed(2)
+    ref = GPT(ModelConfig(**shape))
+    ref.init_weights(0)
+    for name, p in ref.named_parameters():  # norm weights and biases off their init, to be seen
+        if p.dim() == 1:
+            p.data.add_(0.1 * torch.randn_like(p))
+    model = copy.deepcopy(ref)
+    tp = tpl.TPSettings(group=tp.group, rank=tp.rank, size=tp.size, overlap=mode, pieces=2)
+    tpl.apply_tp(model, tp)
+    x, gy = torch.randn(B, T, shape["d_model"], requires_grad=True), torch.randn(B, T, shape["d_model"])
+    want = reference(ref.blocks["0"], x, gy)
+    xs = leaf(seq_slice(x, tp))
+    y = model.blocks["0"](xs)
+    (y * seq_slice(gy, tp)).sum().backward()
+    errors = [relative_error(y, seq_slice(want, tp)), relative_error(xs.grad, seq_slice(x.grad, tp))]
+    infos, wanted = tpl.tp_shard_infos(model, tp), dict(ref.named_parameters())
+    for name, p in model.blocks["0"].named_parameters():
+        info, full = infos[f"blocks.0.{name}"], wanted[f"blocks.0.{name}"].grad
+        grad = p.grad
+        if info.tp_replicated:
+            dist.all_reduce(grad, group=tp.group.pg)
+        if info.split_dim is not None:
+            full = full.narrow(info.split_dim, info.offset, p.shape[info.split_dim])
+        errors.append(relative_error(grad, full))
+    return max(errors)
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from overlap import TPGroup, WaitClock
@@ -186,7 +231,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     errors = {"column_sp": column_parallel(tp, True), "column_sp_keep_full": column_parallel(tp, True, True),
               "column": column_parallel(tp, False), "row_sp": row_parallel(tp, True), "row": row_parallel(tp, False),
               "vocab_embedding": vocab_embedding(tp), "vocab_head_and_loss": vocab_head_and_loss(tp),
-              **{name: fused_accumulation(tp, *how) for name, how in FUSED.items()}}
+              **{name: fused_accumulation(tp, *how) for name, how in FUSED.items()},
+              **{name: sequence_parallel_block(tp, *how) for name, how in BLOCKS.items()}}
     with open(os.path.join(out_dir, f"errors_{rank}.json"), "w") as f:
         json.dump(errors, f)
     dist.destroy_process_group()
@@ -205,6 +251,12 @@ def test_tp_primitive_equals_its_unsharded_reference(primitive, errors):
         assert found[primitive] < TOL, f"{primitive} on rank {rank}: relative error {found[primitive]:.2e}"
 
 
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_sequence_parallel_block_equals_the_plain_block(block, errors):
+    for rank, found in enumerate(errors):
+        assert found[block] < TOL, f"{block} on rank {rank}: relative error {found[block]:.2e}"
+
+
 @pytest.mark.parametrize("primitive", list(FUSED))
 def test_fused_weight_gradient_equals_the_unfused_accumulation(primitive, errors):
     exact = FUSED[primitive][1] == torch.bfloat16  # a CPU's bf16 path runs the unfused ops
@@ -212,13 +264,15 @@ def test_fused_weight_gradient_equals_the_unfused_accumulation(primitive, errors
         assert found[primitive] == 0.0 if exact else found[primitive] < 1e-6, (primitive, rank, found[primitive])
 
 
-def test_apply_tp_walks_the_plan_and_keeps_every_name():
-    """apply_tp on a meta-built GPT: the same parameter names in the same order, each split one
-    1/tp of its plan's dim, the TP modules in the plain ones' places."""
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+def test_apply_tp_walks_the_plan_and_keeps_every_name(model_name):
+    """apply_tp on a meta-built GPT (or Llama): the same parameter names in the same order, each
+    split one 1/tp of its plan's dim, the TP modules in the plain ones' places."""
     import tensor_parallel as tpl
     from model import GPT, ModelConfig
+    shape = dict(SHAPES[model_name], n_layers=2, d_model=64, vocab_size=128)
     with torch.device("meta"):
-        plain, model = (GPT(ModelConfig(n_layers=2, n_heads=4, d_model=64, vocab_size=128)) for _ in range(2))
+        plain, model = (GPT(ModelConfig(**shape)) for _ in range(2))
     tpl.apply_tp(model, tpl.TPSettings(rank=1, size=2))
     before, after = dict(plain.named_parameters()), dict(model.named_parameters())
     assert list(before) == list(after)
