@@ -153,6 +153,21 @@ def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
     return work
 
 
+def forward_core_bytes(cfg: config.Config, lay: JobLayout) -> float:
+    """Bytes the last layer in flight holds at its forward's peak, in materialized attention's
+    softmax (in place of the whole layer it keeps once past it): what the layer keeps before its
+    core (its first norm's input and output, the q k v projection, q and k after RoPE, and under
+    GQA k and v repeated), the core's scores in the compute dtype and two fp32 squares
+    (kernels.attention_unfused), and the pipeline's message in and out. Where a layer keeps little
+    beside its squares (no dropout, GQA's narrower k and v), this is where a rank peaks."""
+    m, e, t, M = cfg.model, element_bytes(cfg), lay.tp, lay.micro_batch * lay.seq
+    h, kv = m.d_model, kv_width(m)
+    before = 2 * h + (h + 2 * kv) + (h + kv) + (2 * h if kv < h else 0)
+    softmax = lay.micro_batch * m.n_heads / t * lay.seq ** 2 * (e + 8)
+    messages = 2 * e * M * h / t if lay.pp > 1 else 0.0
+    return e * M * before / t + softmax + messages
+
+
 def rebuilds_squares(cfg: config.Config) -> bool:
     """Selective recomputation of a materialized attention core: its squares are rebuilt in backward."""
     return cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED
@@ -276,7 +291,11 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
         vocab = m.vocab_size / lay.tp
         head = M * vocab * (e if cfg.kernels.fused else 4) + e * M * vocab
         head += 0.0 if fuses_weight_gradients(lay) else e * vocab * m.d_model
-    acts += max(backward_working_set(cfg, lay), head, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
+    core = 0.0
+    if cfg.kernels.attention in MATERIALIZED and cfg.train.recompute != "full":
+        kept = per_layer - (M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq if rebuilds_squares(cfg) else 0.0)
+        core = max(forward_core_bytes(cfg, lay) - kept, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
+    acts += max(backward_working_set(cfg, lay), head, core)
     if lay.zero >= 2 and lay.pp > 1 and rank < lay.pp - 1:
         # ZeRO-2 allocates the gradient buffer at the first gradient of the step, by when the
         # first backward has freed about one layer's activations (ZeRO-1 holds it all along; on
