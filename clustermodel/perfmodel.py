@@ -169,7 +169,8 @@ class Network:
 # Passes over a tensor (forward, backward) and op counts (forward, backward) of the memory-bound
 # ops, unfused and fused (kernels.fused). Unfused: every torch op reads and writes its tensor.
 ELEMENTWISE = {
-    "add_norm": {False: (5, 7, 2, 3), True: (4, 5, 1, 1)},     # residual add + LayerNorm
+    # residual add + LayerNorm, or RMSNorm (on CUDA one kernel each way too: aten::_fused_rms_norm)
+    "add_norm": {False: (5, 7, 2, 3), True: (4, 5, 1, 1)},
     "bias_gelu": {False: (4, 4, 2, 2), True: (2, 3, 1, 1)},
     # silu(gate) * up, in units of ffn (the width of each). Unfused: silu reads the gate and writes
     # its output, the product reads both and writes; back, the product's two gradients (3 passes

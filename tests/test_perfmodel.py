@@ -1,6 +1,7 @@
 """clustermodel/perfmodel.py against hand-computed cases, textbook formulas, monotonicity, and MegaScale's Table 2.
 Nothing here measures the CPU: cpu_local is exercised through a cache file written by the test."""
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -81,8 +82,9 @@ def test_pipeline_and_tensor_split_by_hand(tiny):
 
 
 def test_parameter_count_matches_the_model():
-    for block in ("sequential", "parallel"):
-        m = gpt.ModelConfig(block=block)
+    llama = cli.compose(["model=llama_tiny"]).model
+    for m in (gpt.ModelConfig(block="sequential"), gpt.ModelConfig(block="parallel"), llama,
+              dataclasses.replace(llama, block="parallel", n_kv_heads=1), dataclasses.replace(llama, norm="layernorm", bias=True)):
         with torch.device("meta"):
             net = gpt.GPT(m)
         lay = pm.JobLayout(1, 1, 1, 1, 1, 1, 1, 256, 0)

@@ -125,6 +125,8 @@ AGREE = ["hardware=a100_cluster", "precision=bf16", "model=175B", "model.n_layer
          "model.n_heads=16", "model.vocab_size=8192", "train.seq_len=1024", "train.batch_size=4",
          "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "parallel.microbatches=2",
          "parallel.zero_stage=1", "kernels.attention=unfused", "rehearse.steps=2"]
+LLAMA = ["model.norm=rmsnorm", "model.mlp=swiglu", "model.n_kv_heads=4", "model.ffn_hidden_size=5504",
+         "model.bias=false", "model.dropout=0"]
 VARIANTS = {  # pairs that differ in one term (baseline vs PTB, ZeRO-1 vs ZeRO-2, SWA, recompute); PTB and ZeRO-2 touch
     # different terms and share a rehearsal. (Flash with full recomputation is not here: perfmodel
     # misses ~18 MB of its peak working set, an open disagreement.)
@@ -135,6 +137,10 @@ VARIANTS = {  # pairs that differ in one term (baseline vs PTB, ZeRO-1 vs ZeRO-2
     "recompute_full": ["train.recompute=full"],
     "recompute_selective": ["train.recompute=selective"],
     "overlap": ["parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"],
+    # Llama's block: RMSNorm, SwiGLU (3 matrices, gate|up in one GEMM), 4 KV heads of 16 (the
+    # materialized core repeats k and v; flash takes them as they are)
+    "llama": LLAMA,
+    "llama_flash": LLAMA + ["kernels.attention=flash"],
 }
 
 
