@@ -455,6 +455,15 @@ def test_plan_ranks_valid_layouts_by_mfu():
     assert len({(p.layout.tp, p.layout.pp) for p in ranked}) > 3
 
 
+def test_plan_keeps_llamas_kv_heads_whole():
+    """llama_tiny (4 query heads, 2 KV heads) on 8 GPUs: tp 4 would split a KV head over two
+    ranks, which parallel.validate refuses, so the plan has tp 1 and 2 only."""
+    cfg = cli.compose(["model=llama_tiny", "hardware=a100_cluster", "train.seq_len=256"])
+    ranked = cli.plan(cfg, 8, 16)
+    assert {p.layout.tp for p in ranked} == {1, 2} and [p.mfu for p in ranked] == sorted((p.mfu for p in ranked), reverse=True)
+    assert all(p.memory.fits and p.layout.tp * p.layout.pp * p.layout.dp == 8 for p in ranked)
+
+
 def test_cpu_local_reads_its_cache_and_charges_every_op(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path))
     (tmp_path / "cpu_local.json").write_text(json.dumps({"key": machine.local_measurements_key(),
