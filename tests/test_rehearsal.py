@@ -171,6 +171,30 @@ def test_the_performance_model_accounts_for_what_the_code_does(variant, pool, tm
             assert got == pytest.approx(want, rel=0.05, abs=1e-9), (variant, "last" if is_last else "first", key, got, want)
 
 
+def test_rms_norm_is_rehearsed_as_cudas_fused_kernel():
+    """On meta, F.rms_norm is ATen's composite, whose backward keeps two fp32 copies of its input;
+    CUDA's aten::_fused_rms_norm keeps the input, the weight and an fp32 rstd a row
+    (derivatives.yaml). The rehearsal's stand-in gives that kernel's output and rstd, keeps what it
+    keeps, and returns gradients of the inputs' shapes."""
+    from clustermodel.ledgers import cuda_rms_norm
+    norm = torch.nn.RMSNorm(64, eps=1e-5, device="meta", dtype=torch.bfloat16)
+    x = torch.empty(2, 8, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        composite = norm(x)
+        with cuda_rms_norm():
+            y = norm(x)
+    cuda_out, cuda_rstd = torch.ops.aten._fused_rms_norm(x.detach(), [64], norm.weight.detach(), 1e-5)
+    kept = [(tuple(t.shape), t.dtype) for t in saved]
+    n_composite = len(kept) - 3
+    assert sorted(kept[n_composite:]) == sorted([((2, 8, 64), torch.bfloat16), ((64,), torch.bfloat16),
+                                                 (tuple(cuda_rstd.shape), cuda_rstd.dtype)])
+    assert ((2, 8, 64), torch.float32) in kept[:n_composite]  # what the composite keeps and CUDA does not
+    assert (y.shape, y.dtype) == (cuda_out.shape, cuda_out.dtype) == (composite.shape, composite.dtype)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and norm.weight.grad.shape == norm.weight.shape
+
+
 def test_a_compiled_job_rehearses_its_gathered_inputs_whole(tmp_path):
     """Under torch.compile (the default on CUDA) dynamo traces a TP block with
     overlap.TPGroup.regather_saved off: under TP overlap each gathered norm output is saved whole, and
