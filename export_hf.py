@@ -123,11 +123,12 @@ def hf_llama_state(state: dict, cfg) -> dict:
 def hf_model_kind(cfg, folder="this model") -> str:
     """'llama' or 'gpt_neox': the transformers model that computes what cfg's does. Raises
     ConfigError, naming the key, for a model neither computes (so it is not exported wrong)."""
+    llama = cfg.norm == "rmsnorm" and cfg.mlp == "swiglu"
+    name = "Llama" if llama else "GPT-NeoX"
+
     def refuse(key, what, fix):
         raise ConfigError(key, f"{folder} was trained with {what}, which transformers' {name} does not have, so "
                           "its logits would differ", fix)
-    llama = cfg.norm == "rmsnorm" and cfg.mlp == "swiglu"
-    name = "Llama" if llama else "GPT-NeoX"
     if not llama and (cfg.norm, cfg.mlp) != ("layernorm", "gelu"):
         refuse("model.norm", f"norm={cfg.norm} with mlp={cfg.mlp}", "export norm=layernorm with mlp=gelu (GPT-NeoX) "
                "or norm=rmsnorm with mlp=swiglu (Llama)")

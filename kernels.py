@@ -62,9 +62,9 @@ import kernels_triton
 @dataclass
 class KernelsConfig:
     attention: str = "auto"   # auto | flash | banded | sdpa | reference
-    # LayerNorm(+residual), bias+GeLU and cross-entropy: false (eager) | true (fused by inductor
-    # inside a compiled step, train.compile; eager ops from eager code) | triton (Triton kernels,
-    # CUDA). Any, not bool: OmegaConf has no bool-or-str type, so config.validate checks the value
+    # LayerNorm or RMSNorm (+residual), bias+GeLU or SwiGLU, and cross-entropy: false (eager) |
+    # true (fused by inductor inside a compiled step, train.compile; eager ops from eager code) |
+    # triton (Triton kernels, CUDA). Any, not bool: OmegaConf has no bool-or-str type, so config.validate checks the value
     # against FUSED_IMPLS.
     fused: Any = False
     # Query rows per block of the banded backend: it computes T·(W + block) scores, so smaller is

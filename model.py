@@ -1,7 +1,7 @@
 """A GPT decoder as MegaScale trains it: pre-LN LayerNorm, GeLU MLP of width 4h, rotary
 positions, causal attention. Or Llama's block (model.norm=rmsnorm, model.mlp=swiglu,
 model.n_kv_heads): RMSNorm, a SwiGLU MLP and grouped-query attention (GQA), as transformers'
-LlamaForCausalLM computes it (tests/test_llama.py).
+LlamaForCausalLM computes it (tests/test_model.py).
 
 Two switches belong to the ablation:
 - block=sequential|parallel. The parallel transformer block (PTB, as in GPT-J and PaLM) computes

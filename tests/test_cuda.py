@@ -63,11 +63,13 @@ def assert_as_accurate(eager, fast, inputs, module=None):
         assert err_fast <= 2 * err_eager + floor, f"tensor {i}: fast error {err_fast:.3g}, eager {err_eager:.3g}"
 
 
-def layer_norm_module(hidden, dtype):
-    norm = nn.LayerNorm(hidden).to(dtype)
+def layer_norm_module(hidden, dtype, rms=False):
+    """nn.LayerNorm, or with rms=True Llama's nn.RMSNorm (no bias)."""
+    norm = (nn.RMSNorm(hidden, eps=1e-5) if rms else nn.LayerNorm(hidden)).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden) * 0.5 + 1)
-        norm.bias.copy_(torch.randn(hidden) * 0.1)
+        if not rms:
+            norm.bias.copy_(torch.randn(hidden) * 0.1)
     return norm.to(CUDA)
 
 
@@ -82,14 +84,17 @@ def test_fused_ops_on_cuda_are_as_accurate_as_eager(fused, dtype):
         pytest.skip("triton is not installed")
     # fused=true fuses inside a compiled step only: compiled here, as there
     fast = (lambda fn: torch.compile(fn, dynamic=False)) if fused is True else (lambda fn: fn)
-    norm = layer_norm_module(HIDDEN, dtype)
     x, delta = leaf(*ROWS, HIDDEN, dtype=dtype, scale=3.0, shift=2.0), leaf(*ROWS, HIDDEN, dtype=dtype, seed=1)
-    assert_as_accurate(lambda a, n: kernels.layer_norm(a, n), fast(lambda a, n: kernels.layer_norm(a, n, fused=fused)),
-                       [x], norm)
-    assert_as_accurate(lambda a, d, n: kernels.add_layer_norm(a, d, n),
-                       fast(lambda a, d, n: kernels.add_layer_norm(a, d, n, fused=fused)), [x, delta], norm)
+    for rms in (False, True):  # GPT's LayerNorm, Llama's RMSNorm
+        norm = layer_norm_module(HIDDEN, dtype, rms)
+        assert_as_accurate(lambda a, n: kernels.layer_norm(a, n),
+                           fast(lambda a, n: kernels.layer_norm(a, n, fused=fused)), [x], norm)
+        assert_as_accurate(lambda a, d, n: kernels.add_layer_norm(a, d, n),
+                           fast(lambda a, d, n: kernels.add_layer_norm(a, d, n, fused=fused)), [x, delta], norm)
     h, bias = leaf(*ROWS, 4 * HIDDEN, dtype=dtype, scale=2.0), leaf(4 * HIDDEN, seed=2)
     assert_as_accurate(lambda a, b: kernels.bias_gelu(a, b), fast(lambda a, b: kernels.bias_gelu(a, b, fused=fused)),
+                       [h, bias])
+    assert_as_accurate(lambda a, b: kernels.swiglu(a, b), fast(lambda a, b: kernels.swiglu(a, b, fused=fused)),
                        [h, bias])
     logits = leaf(2, 300, VOCAB, dtype=dtype, scale=4.0)
     targets = torch.randint(0, VOCAB, (2, 300), generator=torch.Generator().manual_seed(3)).to(CUDA)
@@ -100,6 +105,10 @@ def test_fused_ops_on_cuda_are_as_accurate_as_eager(fused, dtype):
     assert_as_accurate(lambda x: kernels.heads_with_rope(x, head_dim, cos, sin),
                        fast(lambda x: kernels.heads_with_rope(x, head_dim, cos, sin)),
                        [leaf(*ROWS, 3 * HIDDEN, dtype=dtype, seed=4)])
+    # GQA: 12 query heads, 3 KV heads (groups of 4)
+    assert_as_accurate(lambda x: kernels.heads_with_rope(x, head_dim, cos, sin, 4),
+                       fast(lambda x: kernels.heads_with_rope(x, head_dim, cos, sin, 4)),
+                       [leaf(*ROWS, (12 + 2 * 3) * head_dim, dtype=dtype, seed=5)])
     if fused == "triton":
         assert kernels_triton.jit_kernels.cache_info().currsize, "the Triton kernels never ran"
 
@@ -128,12 +137,13 @@ def test_layer_norm_with_bf16_weights_stays_bf16_under_autocast():
 @pytest.mark.parametrize("window", [None, 1, 100, 256])
 @pytest.mark.parametrize("impl", ["sdpa", "banded", "unfused", "auto", "flash"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_on_cuda_equals_the_reference(impl, window, dtype):
+@pytest.mark.parametrize("kv_heads", [4, 2])  # multi-head; GQA, 2 query heads per KV head
+def test_attention_on_cuda_equals_the_reference(impl, window, dtype, kv_heads):
     """As tests/test_kernels.py on CPU: output and gradients against the reference in fp32 on the
     same (rounded) inputs, so what is left is the backend's own error."""
     if impl == "flash" and not (dtype == torch.bfloat16 and kernels.flash_attn_importable()):
         pytest.skip("flash-attn: bf16 only, and the optional package (make gpu)")
-    q, k, v = (leaf(2, 4, 300, 64, dtype=dtype, seed=s) for s in range(3))
+    q, k, v = (leaf(2, heads, 300, 64, dtype=dtype, seed=s) for s, heads in enumerate((4, kv_heads, kv_heads)))
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(dtype).to(CUDA)
     expected = outputs_and_grads_of(lambda a, b, c: kernels.attention_reference(a, b, c, window),
                                     [t.detach().float() for t in (q, k, v)], grad_out.float())
@@ -150,12 +160,14 @@ def outputs_and_grads_of(fn, inputs, grad_out):
     return (out, *torch.autograd.grad(out, xs, grad_out))
 
 
+@pytest.mark.parametrize("llama", [False, True])
 @pytest.mark.parametrize("block", ["sequential", "parallel"])
-def test_the_model_on_cuda_equals_the_model_on_cpu(block):
+def test_the_model_on_cuda_equals_the_model_on_cpu(block, llama):
     """fp32, the same weights: one loss and one set of gradients, up to the order of the sums."""
     from model import GPT, ModelConfig, AttentionConfig
+    shape = dict(norm="rmsnorm", mlp="swiglu", n_kv_heads=2, ffn_hidden_size=352, bias=False) if llama else {}
     cfg = ModelConfig(n_layers=2, n_heads=4, d_model=128, vocab_size=512, block=block,
-                      attention=AttentionConfig(window=48))
+                      attention=AttentionConfig(window=48), **shape)
     cpu = GPT(cfg)
     cpu.init_weights(seed=0)
     gpu = copy.deepcopy(cpu).to(CUDA)

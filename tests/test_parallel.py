@@ -99,6 +99,30 @@ def test_layout_equals_single_process(name, references, tmp_path, cache_dir, req
         assert_zero_splits_the_optimizer_state(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))
 
 
+# Llama's block with every non-TP MegaScale switch: PTB, SWA, fused operators, LAMB.
+LLAMA_EVERY_SWITCH = [a for a in EXACT if a != "model=tiny"] + [
+    "model=llama_tiny", "model.block=parallel", "model.attention.window=32", "kernels.fused=true", "optim=lamb",
+    "optim.warmup_steps=1", "train.lr=1e-2"]  # the full rate from the first step, so 3 steps show a fall
+
+
+def test_llama_with_every_switch_learns_and_pp2_dp2_equals_one_process(tmp_path, cache_dir):
+    """llama_tiny with PTB, SWA, kernels.fused and LAMB trains in one process, its loss falling,
+    and a pipeline of two stages (which delete the blocks they don't own) times ZeRO-2 data
+    parallelism gives the same losses and weights."""
+    run_train(tmp_path / "one", LLAMA_EVERY_SWITCH, cache_dir)
+    run_train(tmp_path / "pp2_dp2", LLAMA_EVERY_SWITCH + LAYOUTS["pp2_dp2"][1], cache_dir, nproc=4)
+    one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "pp2_dp2")
+    print("llama_tiny, every switch: losses", [round(r["loss"], 4) for r in one], "pp2 x dp2", [round(r["loss"], 4) for r in four])
+    assert len(one) == len(four) == STEPS and one[-1]["loss"] < one[0]["loss"] - 0.05, [r["loss"] for r in one]
+    for got, want in zip(four, one):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), got["step"]
+    weights = [checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / run / "checkpoints", STEPS))
+               for run in ("one", "pp2_dp2")]
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[0]:
+        assert relative_error(weights[1][key], weights[0][key]) < 1e-4, key
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want||. Elementwise tolerances are the wrong measure after Adam steps: Adam
     divides each element's update by that element's own gradient scale, so where the gradient is
