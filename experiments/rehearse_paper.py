@@ -62,7 +62,7 @@ def jobs(which: list) -> list:
                                                       "model=530B", "parallel=megascale_530B", "parallel.dp=-1",
                                                       f"train.batch_size={g}", f"parallel.microbatches={g // dp}"]))
         elif table == "llama70b":
-            out.append(("Llama 3 70B", "TP8 PP4 vpp5 DP8, seq 8192", 256, LLAMA_70B))
+            out.append(("Llama 3 70B", "TP8 PP4 vpp5 DP8 seq 8192", 256, LLAMA_70B))
         else:
             raise SystemExit(f"--jobs: unknown table {table!r}. Fix: a comma list of table3, table2, 530b, llama70b")
     return out
