@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import config
 import machine
+import model as gpt
 from clustermodel import perfmodel as pm
 from clustermodel import replay
 from clustermodel.schema import PerfModelHardware
@@ -207,7 +208,8 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
     unless include_oom; TP stays inside a host."""
     hw = pm.resolve_hardware(cfg.hardware)
     m, L = cfg.model, cfg.model.n_layers
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.perfmodel.devices_per_host and m.n_heads % t == 0]
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.perfmodel.devices_per_host and m.n_heads % t == 0
+           and gpt.kv_heads(m) % t == 0]   # a TP rank holds whole KV heads (parallel.validate)
     ranked = []
     for tp in tps:
         for pp in (p for p in range(1, L + 1) if L % p == 0 and gpus % (tp * p) == 0):

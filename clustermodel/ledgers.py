@@ -189,6 +189,44 @@ def cuda_attention(flops):
         kernels.attention_flash, kernels.pick_attention_impl, F.scaled_dot_product_attention = saved
 
 
+# --- CUDA's fused RMSNorm, stood in for on meta ---
+# On CUDA F.rms_norm is one kernel each way (aten::_fused_rms_norm), whose backward keeps the input
+# and a fp32 rstd a row. On meta (and a CPU) it is ATen's composite of elementwise ops, whose
+# backward keeps an fp32 copy of the input and the fp32 normalized input besides: 8 bytes an
+# element where CUDA keeps none beyond the input. So a rehearsal runs this in its place: CUDA's
+# output and saved tensors, and an allocation each way that reads and writes what the kernel does.
+
+class _FusedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, dims):
+        out = torch.empty_like(x)
+        rstd = torch.empty((*x.shape[:x.dim() - dims], *(1,) * dims), dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None
+
+
+@contextlib.contextmanager
+def cuda_rms_norm():
+    """F.rms_norm as it runs on CUDA, on meta tensors (nn.RMSNorm calls it)."""
+    import torch.nn.functional as F
+    saved = F.rms_norm
+
+    def rms_norm(x, normalized_shape, weight=None, eps=None):
+        if x.device.type != "meta":
+            return saved(x, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(x, weight, len(normalized_shape))
+    F.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = saved
+
+
 # --- Memory by category ---
 
 class MemoryLedger(TorchDispatchMode):

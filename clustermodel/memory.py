@@ -12,7 +12,7 @@ accumulating straight into the gradient buffer (no weight gradient waits in the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import config
 import machine
@@ -36,12 +36,49 @@ def element_bytes(cfg: config.Config) -> int:
 MATERIALIZED = ("unfused", "reference")  # attention backends that keep the [T, T] probabilities
 
 
+# --- The block's shapes, as model.Block builds them (GPT: LayerNorm, GeLU MLP of 4h, q k v of h each;
+# Llama: RMSNorm, SwiGLU of three h x ffn matrices, k and v of n_kv_heads heads) ---
+
+def kv_width(m: gpt.ModelConfig) -> int:
+    """Features of k (and of v) per token: n_kv_heads heads (grouped-query attention), h without it."""
+    return gpt.kv_heads(m) * gpt.head_dim(m)
+
+
+def swiglu(m: gpt.ModelConfig) -> bool:
+    return m.mlp == "swiglu"
+
+
+def block_matrices(m: gpt.ModelConfig, tp: int = 1) -> Dict[str, Tuple[int, int]]:
+    """One block's weight matrices on one TP rank, (output, input) features: the fused q|k|v
+    projection and fc_in (SwiGLU: gate and up in one) split by rows, out and fc_out by columns."""
+    h, ff = m.d_model, gpt.ffn_width(m)
+    return {"qkv": ((h + 2 * kv_width(m)) // tp, h), "out": (h, h // tp),
+            "fc1": ((2 if swiglu(m) else 1) * ff // tp, h), "fc2": (h, ff // tp)}
+
+
+def norm_params(m: gpt.ModelConfig) -> int:
+    """A norm's parameters: LayerNorm's weight and bias (without bias: weight), RMSNorm's weight."""
+    return m.d_model * (1 + int(m.bias and m.norm == "layernorm"))
+
+
+def mlp_kept(cfg: config.Config) -> int:
+    """Values per token (whole, before TP) the MLP keeps for its backward. GeLU: fc_in's output and
+    the GeLU's. SwiGLU: fc_in's output (gate and up), silu(gate) and the product fc_out reads; the
+    Triton kernel (kernels.fused=triton) recomputes silu(gate) in its backward. A compiled step's
+    is counted as eager code keeps it, as the rehearsal counts it: what inductor recomputes
+    instead of keeping is its own choice (an upper bound by ffn values a token)."""
+    ff = gpt.ffn_width(cfg.model)
+    if not swiglu(cfg.model):
+        return 2 * ff
+    return (3 if cfg.kernels.fused == "triton" else 4) * ff
+
+
 def layer_params(m: gpt.ModelConfig, tp: int = 1) -> Tuple[int, int]:
     """(split over TP, replicated) parameters of one block, counted as model.Block builds them."""
-    h, ff, b = m.d_model, m.mlp_ratio * m.d_model, int(m.bias)
-    split = (4 * h * h + 2 * ff * h) // tp + b * (3 * h + ff) // tp
+    b, whole = int(m.bias), block_matrices(m)
+    split = sum(n * k for n, k in whole.values()) // tp + b * (whole["qkv"][0] + whole["fc1"][0]) // tp
     norms = 1 if m.block == "parallel" else 2
-    return split, b * 2 * h + norms * h * (1 + b)
+    return split, b * 2 * m.d_model + norms * norm_params(m)
 
 
 def rank_params(m: gpt.ModelConfig, lay: JobLayout) -> Tuple[int, int]:
@@ -49,7 +86,7 @@ def rank_params(m: gpt.ModelConfig, lay: JobLayout) -> Tuple[int, int]:
     split, replicated = layer_params(m, lay.tp)
     body = m.n_layers // lay.pp * (split + replicated)
     embed = m.vocab_size * m.d_model // lay.tp
-    head = m.vocab_size * m.d_model // lay.tp + m.d_model * (1 + int(m.bias))
+    head = m.vocab_size * m.d_model // lay.tp + norm_params(m)
     return (body + embed + head, body + embed + head) if lay.pp == 1 else (body + embed, body + head)
 
 
@@ -57,11 +94,14 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     """Bytes one layer keeps per token for its backward (no recomputation); cf. Korthikanti et al.
     2022. Under SP, norm inputs and outputs are split over TP like the heads."""
     m, e = cfg.model, element_bytes(cfg)
-    h, ff = m.d_model, m.mlp_ratio * m.d_model
+    h, kv = m.d_model, kv_width(m)
     norms = 1 if m.block == "parallel" else 2
     # norm in/out, the q k v projection (alive while v, a view of it, is), q and k after RoPE,
-    # attention out, fc1 out, GeLU out
-    kept = 2 * norms * h + 3 * h + 2 * h + h + 2 * ff
+    # attention out, the MLP's (mlp_kept). Materialized attention under GQA repeats k and v to
+    # every query head first (kernels._repeat_kv) and keeps those copies instead: the projection
+    # and k after RoPE then go once the forward is past them.
+    heads = 3 * h if cfg.kernels.attention in MATERIALIZED and kv < h else (h + 2 * kv) + (h + kv)
+    kept = 2 * norms * h + heads + h + mlp_kept(cfg)
     masks = (1 if m.block == "parallel" else 2) * h if m.dropout else 0   # residual dropout, a byte each
     if cfg.kernels.attention in MATERIALIZED:  # the probabilities (and after dropout, the kept ones and the mask)
         return (e * kept + masks) / tp + square_bytes(cfg) * m.n_heads / tp * seq
@@ -105,12 +145,27 @@ def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
     message in and out, and with materialized attention one [T, T] square of gradient. (Measured
     against the rehearsal's ledger: tests/test_rehearsal.py.)"""
     m, e, t, M = cfg.model, element_bytes(cfg), lay.tp, lay.micro_batch * lay.seq
-    ff = m.mlp_ratio * m.d_model
-    weight_grad = 0.0 if fuses_weight_gradients(lay) else e * m.d_model * ff
-    work = weight_grad + e * M * ff / t + (2 * e * M * m.d_model / t if lay.pp > 1 else 0)
+    wide = block_matrices(m)["fc1"][0]  # fc_in's output: GeLU's input, or SwiGLU's gate and up
+    weight_grad = 0.0 if fuses_weight_gradients(lay) else e * m.d_model * wide
+    work = weight_grad + e * M * wide / t + (2 * e * M * m.d_model / t if lay.pp > 1 else 0)
     if cfg.kernels.attention in MATERIALIZED:
         work += e * lay.micro_batch * m.n_heads / t * lay.seq ** 2
     return work
+
+
+def forward_core_bytes(cfg: config.Config, lay: JobLayout) -> float:
+    """Bytes the last layer in flight holds at its forward's peak, in materialized attention's
+    softmax (in place of the whole layer it keeps once past it): what the layer keeps before its
+    core (its first norm's input and output, the q k v projection, q and k after RoPE, and under
+    GQA k and v repeated), the core's scores in the compute dtype and two fp32 squares
+    (kernels.attention_unfused), and the pipeline's message in and out. Where a layer keeps little
+    beside its squares (no dropout, GQA's narrower k and v), this is where a rank peaks."""
+    m, e, t, M = cfg.model, element_bytes(cfg), lay.tp, lay.micro_batch * lay.seq
+    h, kv = m.d_model, kv_width(m)
+    before = 2 * h + (h + 2 * kv) + (h + kv) + (2 * h if kv < h else 0)
+    softmax = lay.micro_batch * m.n_heads / t * lay.seq ** 2 * (e + 8)
+    messages = 2 * e * M * h / t if lay.pp > 1 else 0.0
+    return e * M * before / t + softmax + messages
 
 
 def rebuilds_squares(cfg: config.Config) -> bool:
@@ -127,11 +182,12 @@ def rebuilt_core_bytes(cfg: config.Config, lay: JobLayout) -> float:
     has freed by then (its wide activations, its dropout mask and, in the sequential block, its
     norm's input and output). (Measured against the rehearsal's ledger: tests/test_rehearsal.py.)"""
     m, e, t, M = cfg.model, element_bytes(cfg), lay.tp, lay.micro_batch * lay.seq
-    h, ff = m.d_model, m.mlp_ratio * m.d_model
+    h, mats = m.d_model, block_matrices(m)
     softmax = lay.micro_batch * m.n_heads / t * lay.seq ** 2 * (e + 8)
-    held = 0.0 if fuses_weight_gradients(lay) else e * (2 * h * ff + h * h)
+    mlp_weights = mats["fc1"][0] * mats["fc1"][1] + mats["fc2"][0] * mats["fc2"][1]
+    held = 0.0 if fuses_weight_gradients(lay) else e * (mlp_weights + h * h)
     messages = 2 * e * M * h / t if lay.pp > 1 else 0.0
-    freed = M * (2 * e * ff + (2 * e * h if m.block != "parallel" else 0) + (h if m.dropout else 0)) / t
+    freed = M * (e * mlp_kept(cfg) + (2 * e * h if m.block != "parallel" else 0) + (h if m.dropout else 0)) / t
     return softmax + e * M * h / t + messages + held - freed
 
 
@@ -163,9 +219,8 @@ def fused_weight_params(cfg: config.Config, lay: JobLayout, last: bool = False) 
     if not fuses_weight_gradients(lay):
         return 0, 0
     m, ov = cfg.model, cfg.parallel.overlap
-    h, ff = m.d_model, m.mlp_ratio * m.d_model
-    head = m.vocab_size * h // lay.tp if last or lay.pp == 1 else 0
-    blocks = m.n_layers // lay.pp * (4 * h * h + 2 * ff * h) // lay.tp
+    head = m.vocab_size * m.d_model // lay.tp if last or lay.pp == 1 else 0
+    blocks = m.n_layers // lay.pp * sum(n * k for n, k in block_matrices(m).values()) // lay.tp
     pieces = {"chunked": ov.tp_chunks, "domino": min(ov.tp_chunks, lay.micro_batch)}.get(ov.tp, 1)
     return blocks + head, blocks * pieces + head
 
@@ -236,7 +291,11 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
         vocab = m.vocab_size / lay.tp
         head = M * vocab * (e if cfg.kernels.fused else 4) + e * M * vocab
         head += 0.0 if fuses_weight_gradients(lay) else e * vocab * m.d_model
-    acts += max(backward_working_set(cfg, lay), head, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
+    core = 0.0
+    if cfg.kernels.attention in MATERIALIZED and cfg.train.recompute != "full":
+        kept = per_layer - (M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq if rebuilds_squares(cfg) else 0.0)
+        core = max(forward_core_bytes(cfg, lay) - kept, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
+    acts += max(backward_working_set(cfg, lay), head, core)
     if lay.zero >= 2 and lay.pp > 1 and rank < lay.pp - 1:
         # ZeRO-2 allocates the gradient buffer at the first gradient of the step, by when the
         # first backward has freed about one layer's activations (ZeRO-1 holds it all along; on

@@ -10,7 +10,10 @@ op, the TP/SP collectives over NVLink, PP sends and the interleaved-1F1B bubble 
 reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts),
 what each overlap switch hides and what hiding costs, the optimizer and the data loader. Memory is
 counted per rank (memory.py): weights, gradients and optimizer states by ZeRO stage, activations by
-schedule and recomputation.
+schedule and recomputation. The block's shapes are the config's, as model.py builds them
+(memory.block_matrices): GPT's LayerNorm, 4h GeLU MLP and h-wide q, k, v, or Llama's RMSNorm,
+SwiGLU (gate and up in one GEMM, three h x ffn matrices) and grouped-query attention's narrower k
+and v (n_kv_heads heads: a smaller QKV GEMM, fewer weights, less kept for the backward).
 
 Calibration is honest: two constants are fitted, on Table 2's Megatron-LM column only
 (experiments/fit_perfmodel.py writes experiments/data/perfmodel_fit.json): the fraction of peak a
@@ -61,8 +64,8 @@ from kernels import banded_keys, mean_keys
 from config import HardwareConfig
 from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
-from clustermodel.memory import (MATERIALIZED, Memory, compiled_keeps_gathered, element_bytes, fused_weight_params,
-                                 memory, memory_of_rank, precision, rank_params)
+from clustermodel.memory import (MATERIALIZED, Memory, block_matrices, compiled_keeps_gathered, element_bytes,
+                                 fused_weight_params, kv_width, memory, memory_of_rank, precision, rank_params, swiglu)
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
                    collective_time, gemm_key, gemm_time, owner, resolve_hardware, stream_time)
 
@@ -166,8 +169,15 @@ class Network:
 # Passes over a tensor (forward, backward) and op counts (forward, backward) of the memory-bound
 # ops, unfused and fused (kernels.fused). Unfused: every torch op reads and writes its tensor.
 ELEMENTWISE = {
-    "add_norm": {False: (5, 7, 2, 3), True: (4, 5, 1, 1)},     # residual add + LayerNorm
+    # residual add + LayerNorm, or RMSNorm (on CUDA one kernel each way too: aten::_fused_rms_norm)
+    "add_norm": {False: (5, 7, 2, 3), True: (4, 5, 1, 1)},
     "bias_gelu": {False: (4, 4, 2, 2), True: (2, 3, 1, 1)},
+    # silu(gate) * up, in units of ffn (the width of each). Unfused: silu reads the gate and writes
+    # its output, the product reads both and writes; back, the product's two gradients (3 passes
+    # each), silu's (3), and gate's and up's gradients interleaved into fc_in's (2 ffn read and
+    # written). Fused: gate and up read, the product written; back, those and its gradient read,
+    # gate's and up's gradients written.
+    "swiglu": {False: (5, 13, 2, 4), True: (3, 5, 1, 1)},
     # kernels.heads_with_rope on q and k (each a mul and two half-width multiply-adds each way),
     # and v's gradient copied back into the projection's layout. Fused: one kernel each way, q and
     # k read and written (2 passes over their width); dq, dk and dv read and the projection's
@@ -175,6 +185,9 @@ ELEMENTWISE = {
     "rope": {False: (5, 6, 6, 7), True: (2, 3, 1, 1)},
     "copy": {False: (2, 2, 1, 1), True: (2, 2, 1, 1)},        # attention output back to [tokens, h]
     "add": {False: (3, 3, 1, 1), True: (3, 3, 1, 1)},         # PTB's three-way residual sum
+    # GQA into materialized attention: k and v repeated to every query head (read H_kv, write H
+    # heads; back, the group's gradients summed), in units of h + h_kv
+    "repeat_kv": {False: (2, 2, 2, 2), True: (2, 2, 2, 2)},
     # model.Block.drop: read the branch, write it and a byte mask; back, read grad and mask, write.
     # (In bf16 units: 2.5 passes each way.) Not fused into the residual add (Megatron fuses them).
     "dropout": {False: (2.5, 2.5, 1, 1), True: (2.5, 2.5, 1, 1)},
@@ -244,10 +257,10 @@ def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     """One transformer layer, one microbatch, on one rank: (forward, backward) seconds by category,
     plus the attention core's forward (what selective recomputation re-runs)."""
     m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, element_bytes(cfg)
-    h, ff, ptb = m.d_model, m.mlp_ratio * m.d_model, m.block == "parallel"
+    h, ff, ptb = m.d_model, gpt.ffn_width(m), m.block == "parallel"
     mode = cfg.parallel.overlap.tp if t > 1 else "off"
     k = cfg.parallel.overlap.tp_chunks if mode in ("chunked", "domino") else 1
-    shapes = {"qkv": (3 * h // t, h), "out": (h, h // t), "fc1": (ff // t, h), "fc2": (h, ff // t)}
+    shapes = block_matrices(m, t)
     # Overlap cuts a GEMM into k row chunks: chunked, those next to a blocking collective (every
     # forward GEMM, the row-parallel input gradients); domino, every GEMM (it splits the batch).
     kd = {n: k if mode == "domino" or n in ("out", "fc2") else 1 for n in shapes}
@@ -260,9 +273,13 @@ def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     bwd = {"gemm": sum(g_dgrad.values()) + sum(g_wgrad.values()), "attention": attn_b}
 
     shard = h // t  # sequence parallelism keeps the residual stream split over the TP group
-    items = [("add_norm", shard * (1 if ptb else 2)), ("bias_gelu", ff // t), ("rope", 2 * h // t), ("copy", h // t)]
+    # RoPE rotates q and k (GQA: k has n_kv_heads heads); the activation reads fc_in's output
+    items = [("add_norm", shard * (1 if ptb else 2)), ("swiglu" if swiglu(m) else "bias_gelu", ff // t),
+             ("rope", (h + kv_width(m)) // t), ("copy", h // t)]
     if ptb:
         items.append(("add", shard))
+    if cfg.kernels.attention in MATERIALIZED and kv_width(m) < h:
+        items.append(("repeat_kv", (h + kv_width(m)) // t))
     if m.dropout:  # each residual branch (PTB: their sum), on the sequence shard
         items += [("dropout", shard)] * (1 if ptb else 2)
     for name, width in items:
@@ -271,7 +288,7 @@ def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
         bwd["elementwise"] = bwd.get("elementwise", 0.0) + stream_time(r, pb * width * M * e, ob)
     # QKV's bias gradient, a sum of its output gradient over the tokens: computed beside its
     # weight gradient, so in the input gradient's reduce-scatter window (overlap.GatheredLinears)
-    qkv_bias_grad = stream_time(r, M * 3 * h // t * e) if m.bias else 0.0
+    qkv_bias_grad = stream_time(r, M * shapes["qkv"][0] * e) if m.bias else 0.0
     bwd["elementwise"] += qkv_bias_grad
 
     if t > 1:  # SP: all-gather before each column-parallel GEMM, reduce-scatter after each row-parallel
@@ -484,8 +501,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
     if lay.dp > 1:
         dp = (ring("all_reduce", params * grad_bytes, lay.dp) if lay.zero == 0 else
               ring("reduce_scatter", params * grad_bytes, lay.dp) + ring("all_gather", params * e, lay.dp))
-    shapes = [(3 * h // t, h), (h, h // t), (m.mlp_ratio * h // t, h), (h, m.mlp_ratio * h // t)]
-    gemm_fwd = sum(2 * M * n * k for n, k in shapes)
+    gemm_fwd = sum(2 * M * n * k for n, k in block_matrices(m, t).values())
     passes = 3 + (cfg.train.recompute == "full")
     gemm = passes * gemm_fwd * layers + (3 * 2 * M * V // t * h if final else 0)
     n, T, hd = lay.micro_batch * m.n_heads // t, lay.seq, h // m.n_heads
@@ -537,5 +553,12 @@ def optimizer_time(cfg: config.Config, lay: JobLayout, r: Rates) -> float:
     params = max(rank_params(cfg.model, lay)) / (lay.dp if lay.zero >= 1 else 1)
     lamb = cfg.optim.name == "lamb"
     per_param = (38 if lamb else 30) + (4 if cfg.train.grad_clip > 0 else 0)
-    tensors = cfg.model.n_layers // lay.pp * (12 if cfg.model.block == "sequential" else 10) + 3
+    tensors = cfg.model.n_layers // lay.pp * block_tensors(cfg.model) + 3
     return stream_time(r, per_param * params, 12 + (2 * tensors if lamb else 0))
+
+
+def block_tensors(m: gpt.ModelConfig) -> int:
+    """Parameter tensors of a block: four weight matrices, their biases, and each norm's weight (and
+    LayerNorm's bias); 12 in GPT's sequential block, 6 in Llama's."""
+    norms = 1 if m.block == "parallel" else 2
+    return 4 * (1 + int(m.bias)) + norms * (1 + int(m.bias and m.norm == "layernorm"))

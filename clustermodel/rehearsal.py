@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from clustermodel import rank_costs
-from clustermodel.ledgers import FlopLedger, MemoryLedger, categories, cuda_attention
+from clustermodel.ledgers import FlopLedger, MemoryLedger, categories, cuda_attention, cuda_rms_norm
 from clustermodel.recorder import OBJECTS, Recorder, op_of
 from clustermodel.schema import rehearsed_world
 
@@ -138,7 +138,7 @@ class _Run:
         original_core = gpt.Attention.core
         gpt.Attention.core = _attention_context(original_core, self.flops)
         try:
-            with cuda_attention(self.flops):
+            with cuda_attention(self.flops), cuda_rms_norm():
                 for step in range(1, cfg.rehearse.steps + 1):
                     recorder.step, ledger.where = step, f"step {step}"
                     with ledger, self.flops:

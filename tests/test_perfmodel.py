@@ -1,6 +1,7 @@
 """clustermodel/perfmodel.py against hand-computed cases, textbook formulas, monotonicity, and MegaScale's Table 2.
 Nothing here measures the CPU: cpu_local is exercised through a cache file written by the test."""
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -54,12 +55,17 @@ def with_parallel(cfg, **kw):
 
 # --- FLOP and memory accounting against hand-computed cases ---
 
-def test_ideal_machine_prices_exactly_the_palm_flops(tiny):
+@pytest.mark.parametrize("shape", [[], ["model=llama_tiny"]])
+def test_ideal_machine_prices_exactly_the_palm_flops(tiny, shape):
     """With every byte free and GEMMs at peak, the only time left is 6N + 12LhT FLOPs per token
-    (materialized attention computes the whole TxT square, as the formula counts): MFU is 100%."""
-    pred = pm.predict(tiny, 1, ideal(pm.resolve_hardware(tiny.hardware)))
+    (materialized attention computes the whole TxT square, as the formula counts): MFU is 100%.
+    So the GEMMs priced are model.matmul_params's, Llama's too (GQA's narrower k and v, SwiGLU's
+    three matrices)."""
+    cfg = cli.compose(shape + ["hardware=a100_cluster", "train.seq_len=256", "train.batch_size=16",
+                               "kernels.attention=unfused", "precision=bf16"]) if shape else tiny
+    pred = pm.predict(cfg, 1, ideal(pm.resolve_hardware(cfg.hardware)))
     assert pred.mfu == pytest.approx(1.0, rel=1e-6)
-    assert pred.step_s == pytest.approx(16 * 256 * gpt.flops_per_token(tiny.model, 256) / 312e12, rel=1e-6)
+    assert pred.step_s == pytest.approx(16 * 256 * gpt.flops_per_token(cfg.model, 256) / 312e12, rel=1e-6)
 
 
 def test_pipeline_and_tensor_split_by_hand(tiny):
@@ -76,12 +82,28 @@ def test_pipeline_and_tensor_split_by_hand(tiny):
 
 
 def test_parameter_count_matches_the_model():
-    for block in ("sequential", "parallel"):
-        m = gpt.ModelConfig(block=block)
+    llama = cli.compose(["model=llama_tiny"]).model
+    for m in (gpt.ModelConfig(block="sequential"), gpt.ModelConfig(block="parallel"), llama,
+              dataclasses.replace(llama, block="parallel", n_kv_heads=1), dataclasses.replace(llama, norm="layernorm", bias=True)):
         with torch.device("meta"):
             net = gpt.GPT(m)
         lay = pm.JobLayout(1, 1, 1, 1, 1, 1, 1, 256, 0)
         assert memory.rank_params(m, lay) == (gpt.count_params(net), gpt.count_params(net))
+
+
+# Meta's published totals (the model cards: 8.03B, 70.6B, 405.9B; input embedding and head untied)
+LLAMA_PARAMETERS = {"llama3_8B": 8.03e9, "llama3_70B": 70.6e9, "llama3_405B": 405.9e9}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_PARAMETERS))
+def test_llama_3_parameters_are_the_published_and_split_over_tp_and_pp(name):
+    m = cli.compose([f"model={name}"]).model
+    whole = memory.rank_params(m, pm.JobLayout(1, 1, 1, 1, 1, 1, 1, 8192, 0))[0]
+    assert whole == pytest.approx(LLAMA_PARAMETERS[name], rel=0.01)
+    # split over tp8 pp2 (each TP rank a whole KV head of 8), the norms held whole by every TP rank
+    first, last = memory.rank_params(m, pm.JobLayout(16, 8, 2, 1, 1, 2, 1, 8192, 0))
+    norms = (2 * m.n_layers + 1) * m.d_model
+    assert first + last == (whole - norms) // 8 + norms
 
 
 def test_memory_by_zero_stage_by_hand(tiny):
@@ -451,6 +473,15 @@ def test_plan_ranks_valid_layouts_by_mfu():
         assert lay.tp * lay.pp * lay.dp == 32 and lay.dp * lay.microbatches * lay.micro_batch == 64
         assert p.memory.fits and lay.tp <= 8
     assert len({(p.layout.tp, p.layout.pp) for p in ranked}) > 3
+
+
+def test_plan_keeps_llamas_kv_heads_whole():
+    """llama_tiny (4 query heads, 2 KV heads) on 8 GPUs: tp 4 would split a KV head over two
+    ranks, which parallel.validate refuses, so the plan has tp 1 and 2 only."""
+    cfg = cli.compose(["model=llama_tiny", "hardware=a100_cluster", "train.seq_len=256"])
+    ranked = cli.plan(cfg, 8, 16)
+    assert {p.layout.tp for p in ranked} == {1, 2} and [p.mfu for p in ranked] == sorted((p.mfu for p in ranked), reverse=True)
+    assert all(p.memory.fits and p.layout.tp * p.layout.pp * p.layout.dp == 8 for p in ranked)
 
 
 def test_cpu_local_reads_its_cache_and_charges_every_op(tmp_path, monkeypatch, tiny):

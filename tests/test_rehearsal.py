@@ -125,6 +125,8 @@ AGREE = ["hardware=a100_cluster", "precision=bf16", "model=175B", "model.n_layer
          "model.n_heads=16", "model.vocab_size=8192", "train.seq_len=1024", "train.batch_size=4",
          "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "parallel.microbatches=2",
          "parallel.zero_stage=1", "kernels.attention=unfused", "rehearse.steps=2"]
+LLAMA = ["model.norm=rmsnorm", "model.mlp=swiglu", "model.n_kv_heads=4", "model.ffn_hidden_size=5504",
+         "model.bias=false", "model.dropout=0"]
 VARIANTS = {  # pairs that differ in one term (baseline vs PTB, ZeRO-1 vs ZeRO-2, SWA, recompute); PTB and ZeRO-2 touch
     # different terms and share a rehearsal. (Flash with full recomputation is not here: perfmodel
     # misses ~18 MB of its peak working set, an open disagreement.)
@@ -135,6 +137,10 @@ VARIANTS = {  # pairs that differ in one term (baseline vs PTB, ZeRO-1 vs ZeRO-2
     "recompute_full": ["train.recompute=full"],
     "recompute_selective": ["train.recompute=selective"],
     "overlap": ["parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"],
+    # Llama's block: RMSNorm, SwiGLU (3 matrices, gate|up in one GEMM), 4 KV heads of 16 (the
+    # materialized core repeats k and v; flash takes them as they are)
+    "llama": LLAMA,
+    "llama_flash": LLAMA + ["kernels.attention=flash"],
 }
 
 
@@ -163,6 +169,30 @@ def test_the_performance_model_accounts_for_what_the_code_does(variant, pool, tm
         for key, got in code.items():
             want = model[key]
             assert got == pytest.approx(want, rel=0.05, abs=1e-9), (variant, "last" if is_last else "first", key, got, want)
+
+
+def test_rms_norm_is_rehearsed_as_cudas_fused_kernel():
+    """On meta, F.rms_norm is ATen's composite, whose backward keeps two fp32 copies of its input;
+    CUDA's aten::_fused_rms_norm keeps the input, the weight and an fp32 rstd a row
+    (derivatives.yaml). The rehearsal's stand-in gives that kernel's output and rstd, keeps what it
+    keeps, and returns gradients of the inputs' shapes."""
+    from clustermodel.ledgers import cuda_rms_norm
+    norm = torch.nn.RMSNorm(64, eps=1e-5, device="meta", dtype=torch.bfloat16)
+    x = torch.empty(2, 8, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        composite = norm(x)
+        with cuda_rms_norm():
+            y = norm(x)
+    cuda_out, cuda_rstd = torch.ops.aten._fused_rms_norm(x.detach(), [64], norm.weight.detach(), 1e-5)
+    kept = [(tuple(t.shape), t.dtype) for t in saved]
+    n_composite = len(kept) - 3
+    assert sorted(kept[n_composite:]) == sorted([((2, 8, 64), torch.bfloat16), ((64,), torch.bfloat16),
+                                                 (tuple(cuda_rstd.shape), cuda_rstd.dtype)])
+    assert ((2, 8, 64), torch.float32) in kept[:n_composite]  # what the composite keeps and CUDA does not
+    assert (y.shape, y.dtype) == (cuda_out.shape, cuda_out.dtype) == (composite.shape, composite.dtype)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and norm.weight.grad.shape == norm.weight.shape
 
 
 def test_a_compiled_job_rehearses_its_gathered_inputs_whole(tmp_path):
