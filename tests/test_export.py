@@ -126,8 +126,9 @@ def test_trained_llama_exports_with_its_held_out_loss(tmp_path, cache_dir):
     folder = export_hf.export_hf(tmp_path / "checkpoints", tmp_path / "hf")
     cfg = config.compose(args)
     cfg.data.cache_dir = str(cache_dir)
-    batches = sampling.eval_batches(data.prepare(cfg.data, cfg.train.seq_len), cfg.train.seq_len,
+    streams = sampling.eval_batches(data.prepare(cfg.data, cfg.train.seq_len), cfg.train.seq_len,
                                     cfg.train.eval_batches, cfg.train.batch_size)
+    batches = [sampling.to_device(stream, torch.device("cpu")) for stream in streams]  # (inputs, targets)
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         losses = [torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()) for x, y in batches]
