@@ -190,7 +190,25 @@ class Loader:
         self.sampler.load_state_dict(self._consumed)
 
 
-class TPSharedLoader:
+class _OverLoader:
+    """What TPSharedLoader and NoTokens share: a Loader underneath whose sampler keeps the
+    checkpointed data position, whatever this rank reads."""
+    loader: "Loader"
+
+    def __iter__(self):
+        return self
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+class TPSharedLoader(_OverLoader):
     """Redundant-loader elimination (data.tp_shared). The TP ranks of a DP slice need identical
     batches, and reading them once per rank repeats the work tp times. MegaScale has one reader per
     host that writes into shared memory; here TP rank 0 reads and broadcasts the narrow token stream
@@ -202,9 +220,6 @@ class TPSharedLoader:
         self.loader, self.group, self.is_reader, self.shape, self.device = loader, group, is_reader, shape, device
         self.src = dist.get_global_rank(group, 0)
 
-    def __iter__(self) -> "TPSharedLoader":
-        return self
-
     def __next__(self) -> torch.Tensor:
         import torch.distributed as dist
         stream = torch.empty(self.shape, dtype=self.loader.dtype, device=self.device)
@@ -215,17 +230,8 @@ class TPSharedLoader:
         dist.broadcast(wire_view(stream), src=self.src, group=self.group)
         return stream
 
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
-
-    def close(self) -> None:
-        self.loader.close()
-
-
-class NoTokens:
+class NoTokens(_OverLoader):
     """A middle pipeline stage's batches: its layers take the previous stage's activations, never
     tokens (only the first stage needs inputs and the last targets, as in Megatron-LM), so it
     neither reads nor receives a batch. It still advances its sampler, so that its checkpointed
@@ -236,21 +242,9 @@ class NoTokens:
         self.loader = loader
         self.placeholder = torch.zeros((), dtype=torch.int64, device=device).expand(shape)
 
-    def __iter__(self) -> "NoTokens":
-        return self
-
     def __next__(self) -> torch.Tensor:
         self.loader.skip()
         return self.placeholder
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
-
-    def close(self) -> None:
-        self.loader.close()
 
 
 def train_loader(corpus: Corpus, cfg: DataConfig, seq_len: int, sampler: Sampler, tp_group=None,
