@@ -34,6 +34,9 @@ class OverlapConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
+    # Sequence parallelism (Korthikanti et al. 2022) under TP: each TP rank holds a slice of the
+    # residual stream's sequence. false: Megatron-LM's TP before it, the stream replicated.
+    sequence_parallel: bool = True
     pp: int = 1
     vpp: int = 1             # virtual pipeline stages per rank (interleaved 1F1B when > 1)
     dp: int = -1             # -1: whatever the world size leaves, world / (tp * pp)
@@ -81,9 +84,12 @@ def validate(cfg, world: int, overlap_switches: bool = True) -> None:
     if ffn_width(m) % p.tp:
         raise ConfigError("parallel.tp", f"tp={p.tp} does not divide the MLP's width "
                           f"model.ffn_hidden_size={ffn_width(m)}", "choose tp that divides model.ffn_hidden_size")
-    if p.tp > 1 and t.seq_len % p.tp:
+    if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError("train.seq_len", f"sequence parallelism splits seq_len={t.seq_len} over tp={p.tp}",
                           "use a seq_len divisible by parallel.tp")
+    if p.tp > 1 and not p.sequence_parallel and m.dropout > 0:
+        raise ConfigError("model.dropout", f"{m.dropout} with parallel.sequence_parallel=false: the replicated "
+                          "stream's dropout masks would differ across TP ranks", "use model.dropout=0 or parallel.sequence_parallel=true")
     if m.n_layers % (p.pp * p.vpp):
         raise ConfigError("parallel.pp", f"pp*vpp={p.pp * p.vpp} does not divide model.n_layers={m.n_layers}",
                           "choose pp and vpp whose product divides the layer count")
@@ -103,6 +109,10 @@ def validate_overlap(cfg, dp: int) -> None:
     p, t = cfg.parallel, cfg.train
     if p.overlap.tp not in ("off", "chunked", "domino"):
         raise ConfigError("parallel.overlap.tp", f"unknown value {p.overlap.tp!r}", "use off, chunked or domino")
+    if p.tp > 1 and not p.sequence_parallel and p.overlap.tp != "off":
+        raise ConfigError("parallel.overlap.tp", f"{p.overlap.tp} overlaps sequence parallelism's all-gathers and "
+                          "reduce-scatters, which parallel.sequence_parallel=false replaces by all-reduces",
+                          "use parallel.overlap.tp=off or parallel.sequence_parallel=true")
     k = p.overlap.tp_chunks
     if p.tp > 1 and p.overlap.tp == "chunked" and (k < 1 or t.seq_len % (p.tp * k)):
         raise ConfigError("parallel.overlap.tp_chunks", f"chunked cuts each rank's seq_len/tp = {t.seq_len}/{p.tp} "
@@ -230,7 +240,7 @@ def _pipeline_channels(mesh, names: tuple, timeout_s: Optional[float] = None) ->
 
 def tp_settings(layout: Layout, cfg: ParallelConfig) -> TPSettings:
     return TPSettings(group=layout.tp_group, rank=layout.tp_rank, size=layout.tp, overlap=cfg.overlap.tp,
-                      pieces=cfg.overlap.tp_chunks)
+                      pieces=cfg.overlap.tp_chunks, sequence_parallel=cfg.sequence_parallel)
 
 
 def apply_recompute(model: torch.nn.Module, mode: str) -> None:
@@ -288,7 +298,8 @@ class ParallelModel:
                                      cfg.microbatches, overlap=cfg.overlap.dp)
         self.zero.attach(modules)
         self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp,
-                                 after_backward=self.zero.backward_done) if layout.pp > 1 else None
+                                 after_backward=self.zero.backward_done,
+                                 sequence_parallel=cfg.sequence_parallel) if layout.pp > 1 else None
         self.norm_group = _norm_group(layout)
 
     def _forward_modules(self, params: list) -> list:

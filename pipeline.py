@@ -148,10 +148,12 @@ def plan(pp: int, pp_rank: int, vpp: int, microbatches: int, overlap: bool, back
 class Pipeline:
     """Runs this rank's chunks over a list of microbatches, following plan()."""
 
-    def __init__(self, chunks: list, layout, overlap: bool = False, after_backward=None):
+    def __init__(self, chunks: list, layout, overlap: bool = False, after_backward=None, sequence_parallel: bool = True):
         """after_backward: called after each chunk's backward (ZeRO adds the gradients no module's
-        own backward added, zero.ZeroDataParallel.backward_done)."""
+        own backward added, zero.ZeroDataParallel.backward_done). sequence_parallel: the stages
+        send this rank's slice of the sequence (else all of it)."""
         self.chunks, self.layout, self.overlap = chunks, layout, overlap
+        self.seq_shards = layout.tp if sequence_parallel else 1
         self.after_backward = after_backward or (lambda: None)
         self.stages = layout.pp * len(chunks)
         self.channels = layout.pp_channels  # {(kind, direction): process group}
@@ -168,7 +170,7 @@ class Pipeline:
         on the device, read by the caller once per step) on the last stage, 0 elsewhere. Losses are
         divided by the microbatch count so gradients accumulate to the mean over the whole batch."""
         m, vpp = len(inputs), len(self.chunks)
-        b, t = inputs[0].shape[0], inputs[0].shape[1] // self.layout.tp
+        b, t = inputs[0].shape[0], inputs[0].shape[1] // self.seq_shards
         shape, dtype = (b, t, self.chunks[0].cfg.d_model), next(self.chunks[0].parameters()).dtype
         order = schedule(self.layout.pp, self.layout.pp_rank, vpp, m, backward)
         saved, received, total = {}, {}, torch.zeros((), device=self.device)

@@ -31,6 +31,10 @@ class ShardInfo:
     # (every rank sees its slice of the sequence); tp/n_kv_heads for QKV when tp exceeds the KV
     # heads (a KV group's rows on several ranks, each computing some of its query heads); else 1.
     tp_replicas: int = 1
+    # Whether each of those replicas' gradients is partial (summed over them). False: every replica
+    # computes the whole gradient, as the norms and row-parallel biases without sequence
+    # parallelism (each TP rank sees the whole sequence), which a sum would count tp times.
+    tp_partial_grad: bool = True
     # The parameter's own ndim, for a flat ZeRO piece of a matrix (weight decay goes by it).
     logical_ndim: Optional[int] = None
     # Whether this tensor's elements count in a norm summed over ranks: False on a copy whose
@@ -49,6 +53,12 @@ _INFO = WeakIdKeyDictionary()
 
 def shard_info(tensor: torch.Tensor) -> ShardInfo:
     return _INFO.get(tensor, WHOLE)
+
+
+def tp_summed_replicas(tensor: torch.Tensor) -> int:
+    """Over how many TP replicas the tensor's gradient is summed (1: not summed)."""
+    info = shard_info(tensor)
+    return info.tp_replicas if info.tp_partial_grad else 1
 
 
 def describe(tensor: torch.Tensor, info: Optional[ShardInfo] = None, **fields) -> None:

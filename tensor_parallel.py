@@ -43,6 +43,7 @@ class TPSettings:
     size: int = 1
     overlap: str = "off"       # parallel.overlap.tp: off | chunked | domino
     pieces: int = 1            # parallel.overlap.tp_chunks
+    sequence_parallel: bool = True  # parallel.sequence_parallel; false: the residual stream replicated over TP
 
 
 # --- Collectives as autograd functions (Megatron's "mappings"; the gather before the
@@ -85,6 +86,43 @@ class ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return overlap.gather_seq(grad, ctx.group), None
+
+
+# Without sequence parallelism (Megatron-LM before it, Shoeybi et al. 2019) every TP rank holds
+# the whole sequence: the column-parallel GEMMs read it as it is and the row-parallel ones'
+# partial sums are all-reduced.
+
+def _all_reduce(x, group: TPGroup):
+    out = x.clone(memory_format=torch.contiguous_format)
+    with group.clock.waiting("comm", x.device):
+        dist.all_reduce(out, group=group.pg)
+    return out
+
+
+class CopyToTPRegion(torch.autograd.Function):
+    """The whole input into column-parallel GEMMs: identity forward; backward all-reduces its
+    gradient, each rank's being partial (Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTPRegion(torch.autograd.Function):
+    """Partial sums -> all-reduced; identity backward (Megatron's reduce_from_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -169,14 +207,16 @@ class KVGroupQKV(torch.nn.Module):
 
 
 class VocabParallelHead(torch.nn.Module):
-    """The output projection split along the vocabulary: sequence-sharded input, gathered, and
-    this rank's slice of the logits."""
+    """The output projection split along the vocabulary: sequence-sharded input, gathered (without
+    SP: the whole sequence), and this rank's slice of the logits."""
 
     def __init__(self, weight: torch.nn.Parameter, tp: TPSettings):
         super().__init__()
-        self.weight, self.group = weight, tp.group
+        self.weight, self.group, self.sequence_parallel = weight, tp.group, tp.sequence_parallel
 
     def forward(self, x):
+        if not self.sequence_parallel:
+            return linear(CopyToTPRegion.apply(x, self.group), self.weight)
         return overlap.GatheredLinears.apply(x, self.group, False, self.weight, None)[0]
 
     @classmethod
@@ -186,17 +226,18 @@ class VocabParallelHead(torch.nn.Module):
 
 class VocabParallelEmbedding(torch.nn.Module):
     """Each rank holds a slice of the vocabulary's rows; a token outside it contributes zeros and
-    the reduce-scatter both sums the slices and shards the sequence."""
+    the reduce-scatter both sums the slices and shards the sequence (without SP: an all-reduce)."""
 
     def __init__(self, weight: torch.nn.Parameter, tp: TPSettings):
         super().__init__()
         self.weight, self.group, self.vocab_start = weight, tp.group, tp.rank * weight.shape[0]
+        self.sequence_parallel = tp.sequence_parallel
 
     def forward(self, tokens):
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return ReduceScatterSeq.apply(h.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return (ReduceScatterSeq if self.sequence_parallel else ReduceFromTPRegion).apply(h, self.group)
 
     @classmethod
     def from_plain(cls, embedding: torch.nn.Embedding, tp: TPSettings) -> "VocabParallelEmbedding":
@@ -210,7 +251,10 @@ class SequenceParallelBlock(torch.nn.Module):
     pieces (chunked), or Domino's row pieces that go through the block independently (domino).
     Gathered activations are kept as shards for backward (TPGroup.regather_saved), except under
     full recompute (`recompute`, as model.Block's), whose checkpoint keeps nothing of the block
-    and whose saved-tensor hooks must be the innermost ones."""
+    and whose saved-tensor hooks must be the innermost ones. Without sequence parallelism
+    (TPSettings.sequence_parallel false) the residual stream is whole and replicated over the
+    TP group instead (_replicated_block).
+    """
 
     drop = Block.drop  # the residual dropout, as the plain block draws it
 
@@ -219,12 +263,15 @@ class SequenceParallelBlock(torch.nn.Module):
         self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
         self.parallel, self.fused, self.dropout, self.recompute = block.parallel, block.fused, block.dropout, block.recompute
         self.group, self.overlap, self.pieces = tp.group, tp.overlap, tp.pieces
+        self.sequence_parallel = tp.sequence_parallel
 
     @classmethod
     def from_plain(cls, block: Block, tp: TPSettings) -> "SequenceParallelBlock":
         return cls(block, tp)
 
     def forward(self, x):
+        if not self.sequence_parallel:
+            return _replicated_block(self, x)
         with contextlib.nullcontext() if self.recompute else self.group.regather_saved():
             if self.overlap == "chunked":
                 return _chunked_block(self, x)
@@ -248,6 +295,23 @@ def _megatron_block(block: SequenceParallelBlock, x):
     x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn.out.bias)), block.ln_2, fused=block.fused)
     f, = overlap.GatheredLinears.apply(h, g, keep_full, mlp.fc_in.weight, None)
     return x + block.drop(_add_bias(ReduceScatterSeq.apply(mlp.activate_and_project(f), g), mlp.fc_out.bias))
+
+
+def _replicated_block(block: SequenceParallelBlock, x):
+    """Megatron-LM's block before sequence parallelism: x is the whole sequence on every TP rank,
+    the norms, dropout and residual adds run on all of it, each column-parallel GEMM reads it
+    whole and each row-parallel GEMM's partial sums are all-reduced. PTB shares one all-reduce of
+    the input gradient and one of the summed outputs."""
+    g, attn, mlp = block.group, block.attn, block.mlp
+    h = kernels.layer_norm(x, block.ln_1, fused=block.fused)
+    if block.parallel:
+        f = CopyToTPRegion.apply(h, g)
+        y = ReduceFromTPRegion.apply(_attention(attn, f) + _mlp(mlp, f), g)
+        return x + block.drop(_add_bias(_add_bias(y, attn.out.bias), mlp.fc_out.bias))
+    a = ReduceFromTPRegion.apply(_attention(attn, CopyToTPRegion.apply(h, g)), g)
+    x, h = kernels.add_layer_norm(x, block.drop(_add_bias(a, attn.out.bias)), block.ln_2, fused=block.fused)
+    m = ReduceFromTPRegion.apply(_mlp(mlp, CopyToTPRegion.apply(h, g)), g)
+    return x + block.drop(_add_bias(m, mlp.fc_out.bias))
 
 
 def _domino_block_steps(block: SequenceParallelBlock, x):
@@ -317,7 +381,7 @@ def _add_bias(x, bias):
 class Style:
     """How TP treats one module: the dim along which each split parameter is sliced, the
     parameters every rank holds whole but gets a partial gradient for (it sees only its slice of
-    the sequence: summed over the TP group), the TP module that takes the plain one's place
+    the sequence: summed over the TP group; without SP it sees all of it, its gradient whole), the TP module that takes the plain one's place
     (None: the plain module runs on its slices), and whether the split runs along whole KV groups
     (QKV: with fewer KV heads than TP ranks, tp/n_kv_heads ranks hold each group, KVGroupQKV)."""
     split: tuple = ()          # (parameter name, dim), ...
@@ -388,8 +452,10 @@ def tp_shard_infos(model: torch.nn.Module, tp: TPSettings) -> dict:
         module, _, param = name.rpartition(".")
         style = style_of(module)
         dim, replicas = dict(style.split).get(param), tp_replicas(model, style, tp.size)
+        replicated = param in style.replicated  # without SP every rank sees the whole sequence: whole gradients
         infos[name] = ShardInfo(split_dim=dim, offset=0 if dim is None else tp.rank // replicas * p.shape[dim],
-                                tp_replicas=tp.size if param in style.replicated else replicas)
+                                tp_replicas=tp.size if replicated else replicas,
+                                tp_partial_grad=tp.sequence_parallel or not replicated)
     return infos
 
 

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from overlap import timed_wait
-from sharding import describe, shard_info
+from sharding import describe, shard_info, tp_summed_replicas
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's --ddp-bucket-size
 
@@ -76,7 +76,7 @@ class Bucket:
         # whose gradients are summed over the same number of TP replicas.
         self.replica_runs = []
         for k, i in enumerate(indices):
-            replicas = shard_info(params[i]).tp_replicas
+            replicas = tp_summed_replicas(params[i])
             if replicas == 1:
                 continue
             if self.replica_runs and self.replica_runs[-1][2] == replicas:
@@ -137,7 +137,7 @@ class ZeroDataParallel:
         self.mixed = self.dtype != torch.float32
         dp, r = layout.dp, layout.dp_rank
         self.buckets = [Bucket(_replicas_last(b, params), params, dp, r) for b in buckets]
-        for replicas in sorted({shard_info(p).tp_replicas for p in params} - {1}):
+        for replicas in sorted({tp_summed_replicas(p) for p in params} - {1}):
             layout.tp_replica_group(replicas)  # made now, on every rank in the same order (NCCL's rule)
         self.where = {}  # parameter index -> (bucket, position in it)
         for b, bucket in enumerate(self.buckets):
@@ -418,7 +418,7 @@ class ZeroDataParallel:
 def _replicas_last(indices: list, params: list) -> list:
     """The bucket's order: TP-replicated parameters last, by their number of replicas, so that
     the sum over each set of replicas is one call on a run of the buffer's tail."""
-    return sorted(indices, key=lambda i: shard_info(params[i]).tp_replicas)  # stable: forward order within
+    return sorted(indices, key=lambda i: tp_summed_replicas(params[i]))  # stable: forward order within
 
 
 def plan_buckets(modules: list, params: list, bucket_size: int, per_module: bool) -> list:

@@ -39,6 +39,9 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "recompute_selective_megascale_data": (1, ["train.recompute=selective", "data.pipeline=megascale"]),
     # Two middle stages, which read no batch (a shaped placeholder), between two that do.
     "pp4_megascale_data": (4, ["parallel.pp=4", "parallel.microbatches=4", "data.pipeline=megascale"]),
+    # TP without sequence parallelism: the stream replicated, the norms' and biases' gradients whole
+    # on each rank (summed over TP they would count twice; the gradient norm counts them once).
+    "tp2_no_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
 }
 
 # The Llama block (llama_tiny: RMSNorm, SwiGLU, 4 query heads sharing 2 KV heads, no biases)
@@ -96,7 +99,7 @@ def test_layout_equals_single_process(name, references, tmp_path, cache_dir, req
     assert len(rows) == STEPS
     for got, want in zip(rows, ref_rows):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (name, got["step"])
-        if name in LLAMA_LAYOUTS:  # each element of the gradient counted once, a replicated one too
+        if name in LLAMA_LAYOUTS or name == "tp2_no_sp":  # each element of the gradient counted once, a replicated one too
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (name, got["step"])
     assert rows[-1]["val_loss"] == pytest.approx(ref_rows[-1]["val_loss"], rel=1e-5)
     weights = checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))
@@ -241,6 +244,8 @@ INVALID_LAYOUTS = [
      "parallel.tp: tp=4 neither divides model.n_kv_heads=6 nor is a multiple"),  # 4 ranks cannot share 6 KV heads
     (["model=llama_tiny", "model.n_kv_heads=4", "model.ffn_hidden_size=702", "parallel.tp=4"], 4,
      "parallel.tp: tp=4 does not divide the MLP's width"),
+    (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.overlap.tp=chunked"], 2, "parallel.overlap.tp"),
+    (["parallel.tp=2", "parallel.sequence_parallel=false", "model.dropout=0.1"], 2, "model.dropout"),
 ]
 
 

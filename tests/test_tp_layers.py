@@ -185,14 +185,18 @@ MQA_BLOCK = dict(LLAMA_BLOCK, n_kv_heads=1, bias=True)
 SHAPES = {"gpt": GPT_BLOCK, "llama": LLAMA_BLOCK, "llama_ptb": dict(LLAMA_BLOCK, block="parallel"),
           "mqa": MQA_BLOCK, "mqa_ptb": dict(MQA_BLOCK, block="parallel")}
 BLOCKS = {f"{model}_block_{mode}": (shape, mode) for model, shape in SHAPES.items() for mode in ("off", "chunked", "domino")}
+# Without sequence parallelism (parallel.sequence_parallel=false): the whole sequence on each rank.
+BLOCKS.update({f"{model}_block_no_sp": (SHAPES[model], "off", False) for model in ("gpt", "llama", "llama_ptb")})
+BLOCKS["gpt_ptb_block_no_sp"] = (dict(GPT_BLOCK, block="parallel"), "off", False)
 
 
-def sequence_parallel_block(tp, shape: dict, mode: str) -> float:
+def sequence_parallel_block(tp, shape: dict, mode: str, sequence_parallel: bool = True) -> float:
     """apply_tp's SequenceParallelBlock on this rank's slice of the sequence against the plain
     block on all of it: its output and input gradient are this rank's slices of the reference's,
     each split parameter's gradient its slice (the plan's dim), and each replicated one's (the
     norms', a shared KV group's: summed by ZeRO in a run) summed over its replicas (at tp2 the
-    TP group) the whole gradient."""
+    TP group) the whole gradient. Without sequence parallelism the slice is the whole sequence
+    and the norms' and biases' gradients are whole on each rank, not summed (tp_summed_replicas)."""
     import copy
     import torch.distributed as dist
     import tensor_parallel as tpl
@@ -204,19 +208,21 @@ def sequence_parallel_block(tp, shape: dict, mode: str) -> float:
         if p.dim() == 1:
             p.data.add_(0.1 * torch.randn_like(p))
     model = copy.deepcopy(ref)
-    tp = tpl.TPSettings(group=tp.group, rank=tp.rank, size=tp.size, overlap=mode, pieces=2)
+    tp = tpl.TPSettings(group=tp.group, rank=tp.rank, size=tp.size, overlap=mode, pieces=2,
+                        sequence_parallel=sequence_parallel)
     tpl.apply_tp(model, tp)
     x, gy = torch.randn(B, T, shape["d_model"], requires_grad=True), torch.randn(B, T, shape["d_model"])
     want = reference(ref.blocks["0"], x, gy)
-    xs = leaf(seq_slice(x, tp))
+    mine = (lambda t: seq_slice(t, tp)) if sequence_parallel else (lambda t: t)
+    xs = leaf(mine(x))
     y = model.blocks["0"](xs)
-    (y * seq_slice(gy, tp)).sum().backward()
-    errors = [relative_error(y, seq_slice(want, tp)), relative_error(xs.grad, seq_slice(x.grad, tp))]
+    (y * mine(gy)).sum().backward()
+    errors = [relative_error(y, mine(want)), relative_error(xs.grad, mine(x.grad))]
     infos, wanted = tpl.tp_shard_infos(model, tp), dict(ref.named_parameters())
     for name, p in model.blocks["0"].named_parameters():
         info, full = infos[f"blocks.0.{name}"], wanted[f"blocks.0.{name}"].grad
         grad = p.grad
-        if info.tp_replicas > 1:
+        if info.tp_replicas > 1 and info.tp_partial_grad:
             assert info.tp_replicas == tp.size
             dist.all_reduce(grad, group=tp.group.pg)
         if info.split_dim is not None:
