@@ -56,9 +56,10 @@ def data_parallel_size(cfg: ParallelConfig, world: int) -> int:
     return cfg.dp if cfg.dp > 0 else max(1, world // (cfg.tp * cfg.pp))
 
 
-def validate(cfg, world: int, overlap_switches: bool = True) -> None:
-    """Layout checks against the model, batch and world size (and, with overlap_switches, the
-    overlap switches against the layout); each failure is one ConfigError."""
+def validate(cfg, world: int, run: bool = True) -> None:
+    """Layout checks against the model, batch and world size (and, for a run, what only a run
+    needs: the overlap switches' chunk counts, dropout's limit without SP; the performance model
+    prices those anyway); each failure is one ConfigError."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     for key in ("tp", "pp", "vpp", "microbatches"):
         if getattr(p, key) < 1:
@@ -87,9 +88,10 @@ def validate(cfg, world: int, overlap_switches: bool = True) -> None:
     if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError("train.seq_len", f"sequence parallelism splits seq_len={t.seq_len} over tp={p.tp}",
                           "use a seq_len divisible by parallel.tp")
-    if p.tp > 1 and not p.sequence_parallel and m.dropout > 0:
-        raise ConfigError("model.dropout", f"{m.dropout} with parallel.sequence_parallel=false: the replicated "
-                          "stream's dropout masks would differ across TP ranks", "use model.dropout=0 or parallel.sequence_parallel=true")
+    if p.tp > 1 and not p.sequence_parallel and p.overlap.tp != "off":
+        raise ConfigError("parallel.overlap.tp", f"{p.overlap.tp} overlaps sequence parallelism's all-gathers and "
+                          "reduce-scatters, which parallel.sequence_parallel=false replaces by all-reduces",
+                          "use parallel.overlap.tp=off or parallel.sequence_parallel=true")
     if m.n_layers % (p.pp * p.vpp):
         raise ConfigError("parallel.pp", f"pp*vpp={p.pp * p.vpp} does not divide model.n_layers={m.n_layers}",
                           "choose pp and vpp whose product divides the layer count")
@@ -99,8 +101,13 @@ def validate(cfg, world: int, overlap_switches: bool = True) -> None:
     if t.batch_size % (dp * p.microbatches):
         raise ConfigError("train.batch_size", f"{t.batch_size} is not divisible by dp*microbatches={dp}*{p.microbatches}",
                           "use a global batch that is a multiple of dp*parallel.microbatches")
-    if overlap_switches:
+    if run:
         validate_overlap(cfg, dp)
+        # Replicated over TP, the stream's dropout would need one mask on every TP rank (Megatron-LM's
+        # RNG tracker); each rank draws its own here (train.seed_generators).
+        if p.tp > 1 and not p.sequence_parallel and m.dropout > 0:
+            raise ConfigError("model.dropout", f"{m.dropout} with parallel.sequence_parallel=false: the replicated stream's "
+                              "dropout masks would differ across TP ranks", "use model.dropout=0 or parallel.sequence_parallel=true")
 
 
 def validate_overlap(cfg, dp: int) -> None:
@@ -109,10 +116,6 @@ def validate_overlap(cfg, dp: int) -> None:
     p, t = cfg.parallel, cfg.train
     if p.overlap.tp not in ("off", "chunked", "domino"):
         raise ConfigError("parallel.overlap.tp", f"unknown value {p.overlap.tp!r}", "use off, chunked or domino")
-    if p.tp > 1 and not p.sequence_parallel and p.overlap.tp != "off":
-        raise ConfigError("parallel.overlap.tp", f"{p.overlap.tp} overlaps sequence parallelism's all-gathers and "
-                          "reduce-scatters, which parallel.sequence_parallel=false replaces by all-reduces",
-                          "use parallel.overlap.tp=off or parallel.sequence_parallel=true")
     k = p.overlap.tp_chunks
     if p.tp > 1 and p.overlap.tp == "chunked" and (k < 1 or t.seq_len % (p.tp * k)):
         raise ConfigError("parallel.overlap.tp_chunks", f"chunked cuts each rank's seq_len/tp = {t.seq_len}/{p.tp} "

@@ -39,6 +39,12 @@ MATERIALIZED = ("unfused", "reference")  # attention backends that keep the [T, 
 # --- The block's shapes, as model.Block builds them (GPT: LayerNorm, GeLU MLP of 4h, q k v of h each;
 # Llama: RMSNorm, SwiGLU of three h x ffn matrices, k and v of n_kv_heads heads) ---
 
+def stream_shards(cfg: config.Config, tp: int) -> int:
+    """Over how many ranks the residual stream (norms, dropout, residual adds, pipeline messages)
+    is split: the TP group under sequence parallelism, else none (replicated over TP)."""
+    return tp if cfg.parallel.sequence_parallel else 1
+
+
 def kv_width(m: gpt.ModelConfig) -> int:
     """Features of k (and of v) per token: n_kv_heads heads (grouped-query attention), h without it."""
     return gpt.kv_heads(m) * gpt.head_dim(m)
@@ -92,7 +98,8 @@ def rank_params(m: gpt.ModelConfig, lay: JobLayout) -> Tuple[int, int]:
 
 def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     """Bytes one layer keeps per token for its backward (no recomputation); cf. Korthikanti et al.
-    2022. Under SP, norm inputs and outputs are split over TP like the heads."""
+    2022. Under SP, norm inputs and outputs are split over TP like the heads; without SP, they and
+    the dropout masks are whole on every TP rank."""
     m, e = cfg.model, element_bytes(cfg)
     h, kv = m.d_model, kv_width(m)
     norms = 1 if m.block == "parallel" else 2
@@ -103,6 +110,8 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     heads = 3 * h if cfg.kernels.attention in MATERIALIZED and kv < h else (h + 2 * kv) + (h + kv)
     kept = 2 * norms * h + heads + h + mlp_kept(cfg)
     masks = (1 if m.block == "parallel" else 2) * h if m.dropout else 0   # residual dropout, a byte each
+    if stream_shards(cfg, tp) == 1 and tp > 1:  # the norms' inputs and outputs and the masks whole (tp times, over tp)
+        kept, masks = kept - 2 * norms * h, tp * (e * 2 * norms * h + masks)
     if cfg.kernels.attention in MATERIALIZED:  # the probabilities (and after dropout, the kept ones and the mask)
         return (e * kept + masks) / tp + square_bytes(cfg) * m.n_heads / tp * seq
     # A fused kernel keeps its own output beside the rearranged copy the output projection reads,
@@ -147,7 +156,7 @@ def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
     m, e, t, M = cfg.model, element_bytes(cfg), lay.tp, lay.micro_batch * lay.seq
     wide = block_matrices(m)["fc1"][0]  # fc_in's output: GeLU's input, or SwiGLU's gate and up
     weight_grad = 0.0 if fuses_weight_gradients(lay) else e * m.d_model * wide
-    work = weight_grad + e * M * wide / t + (2 * e * M * m.d_model / t if lay.pp > 1 else 0)
+    work = weight_grad + e * M * wide / t + (2 * e * M * m.d_model / stream_shards(cfg, t) if lay.pp > 1 else 0)
     if cfg.kernels.attention in MATERIALIZED:
         work += e * lay.micro_batch * m.n_heads / t * lay.seq ** 2
     return work
@@ -164,7 +173,10 @@ def forward_core_bytes(cfg: config.Config, lay: JobLayout) -> float:
     h, kv = m.d_model, kv_width(m)
     before = 2 * h + (h + 2 * kv) + (h + kv) + (2 * h if kv < h else 0)
     softmax = lay.micro_batch * m.n_heads / t * lay.seq ** 2 * (e + 8)
-    messages = 2 * e * M * h / t if lay.pp > 1 else 0.0
+    messages = 2 * e * M * h / stream_shards(cfg, t) if lay.pp > 1 else 0.0
+    if stream_shards(cfg, t) == 1 and t > 1:  # the first norm's input and output whole
+        before -= 2 * h
+        messages += 2 * h * e * M
     return e * M * before / t + softmax + messages
 
 
@@ -186,7 +198,7 @@ def rebuilt_core_bytes(cfg: config.Config, lay: JobLayout) -> float:
     softmax = lay.micro_batch * m.n_heads / t * lay.seq ** 2 * (e + 8)
     mlp_weights = mats["fc1"][0] * mats["fc1"][1] + mats["fc2"][0] * mats["fc2"][1]
     held = 0.0 if fuses_weight_gradients(lay) else e * (mlp_weights + h * h)
-    messages = 2 * e * M * h / t if lay.pp > 1 else 0.0
+    messages = 2 * e * M * h / stream_shards(cfg, t) if lay.pp > 1 else 0.0
     freed = M * (e * mlp_kept(cfg) + (2 * e * h if m.block != "parallel" else 0) + (h if m.dropout else 0)) / t
     return softmax + e * M * h / t + messages + held - freed
 
@@ -277,7 +289,8 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     layers = in_flight_layers(lay, m.n_layers, rank)
     if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
         # (the rebuilt layer's first norm input is its kept input: counted once)
-        acts = layers * M * e * m.d_model / lay.tp + per_layer - M * e * m.d_model / lay.tp
+        s = stream_shards(cfg, lay.tp)
+        acts = layers * M * e * m.d_model / s + per_layer - M * e * m.d_model / s
     elif rebuilds_squares(cfg):  # no layer keeps its squares: one layer at a time rebuilds them
         acts = layers * (per_layer - M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq)
     else:

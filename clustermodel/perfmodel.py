@@ -65,7 +65,8 @@ from config import HardwareConfig
 from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
 from clustermodel.memory import (MATERIALIZED, Memory, block_matrices, compiled_keeps_gathered, element_bytes,
-                                 fused_weight_params, kv_width, memory, memory_of_rank, precision, rank_params, swiglu)
+                                 fused_weight_params, kv_width, memory, memory_of_rank, precision, rank_params, stream_shards,
+                                 swiglu)
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
                    collective_time, gemm_key, gemm_time, owner, resolve_hardware, stream_time)
 
@@ -124,7 +125,7 @@ def layout_of(cfg: config.Config, gpus: Optional[int] = None) -> JobLayout:
         raise ConfigError("parallel", f"tp*pp = {p.tp * p.pp} does not divide {gpus} GPUs", "choose tp and pp that divide the GPU count")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError("parallel.vpp", f"vpp={p.vpp} interleaves pipeline stages, and pp=1", "set parallel.vpp=1 or pp>1")
-    parallel.validate(cfg, gpus, overlap_switches=False)
+    parallel.validate(cfg, gpus, run=False)
     dp = gpus // (p.tp * p.pp)
     return JobLayout(gpus, p.tp, p.pp, p.vpp, dp, p.microbatches, t.batch_size // (dp * p.microbatches),
                   t.seq_len, p.zero_stage, tuple(p.order.split(",") if isinstance(p.order, str) else p.order))
@@ -258,7 +259,7 @@ def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     plus the attention core's forward (what selective recomputation re-runs)."""
     m, t, M, e = cfg.model, lay.tp, lay.micro_batch * lay.seq, element_bytes(cfg)
     h, ff, ptb = m.d_model, gpt.ffn_width(m), m.block == "parallel"
-    mode = cfg.parallel.overlap.tp if t > 1 else "off"
+    mode = cfg.parallel.overlap.tp if t > 1 else "off"  # (parallel.validate: off without SP)
     k = cfg.parallel.overlap.tp_chunks if mode in ("chunked", "domino") else 1
     shapes = block_matrices(m, t)
     # Overlap cuts a GEMM into k row chunks: chunked, those next to a blocking collective (every
@@ -272,7 +273,7 @@ def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     fwd = {"gemm": sum(g_fwd.values()), "attention": attn_f}
     bwd = {"gemm": sum(g_dgrad.values()) + sum(g_wgrad.values()), "attention": attn_b}
 
-    shard = h // t  # sequence parallelism keeps the residual stream split over the TP group
+    shard = h // stream_shards(cfg, t)  # sequence parallelism keeps the residual stream split over the TP group
     # RoPE rotates q and k (GQA: k has n_kv_heads heads); the activation reads fc_in's output
     items = [("add_norm", shard * (1 if ptb else 2)), ("swiglu" if swiglu(m) else "bias_gelu", ff // t),
              ("rope", (h + kv_width(m)) // t), ("copy", h // t)]
@@ -292,16 +293,18 @@ def layer_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     bwd["elementwise"] += qkv_bias_grad
 
     if t > 1:  # SP: all-gather before each column-parallel GEMM, reduce-scatter after each row-parallel
+        # (without SP: all-reduces, tp_layer_collectives)
         # A collective cut into n pieces (to pipeline with the GEMM chunks it feeds or drains) is n
         # collectives: the same bytes, n times the per-step latency. The piece that shows under
         # chunked overlap is then one latency plus 1/n of the bytes, not 1/n of both.
         ag = lambda n: n * net.collective("all_gather", M * h * e / n, "tp")
         rs = lambda n: n * net.collective("reduce_scatter", M * h * e / n, "tp")
+        ar = lambda n: n * net.collective("all_reduce", M * h * e / n, "tp")
         kb, ka = kd["out"], kd["qkv"]   # pieces of the backward's blocking and async collectives
         pieces = {"forward": k, "backward": kb, "regather": ka, "input_grad": kw}
         gemms = {"forward": g_fwd, "backward": g_dgrad, "regather": g_dgrad, "input_grad": g_wgrad}
         for phase, kind, names in tp_layer_collectives(cfg):
-            comm = (ag if kind == "all_gather" else rs)(pieces[phase])
+            comm = {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar}[kind](pieces[phase])
             gemm = sum(gemms[phase][n] for n in names)
             if phase == "input_grad" and "qkv" in names:
                 gemm += qkv_bias_grad
@@ -319,7 +322,13 @@ def tp_layer_collectives(cfg: config.Config) -> list:
     shard, as Megatron-LM; none under full recomputation, whose recomputed forward keeps them, nor
     where compiled_keeps_gathered);
     input_grad: the column-parallel inputs' gradient reduce-scattered, behind the weight gradient.
-    PTB shares one of each between attention and MLP (MegaScale §3.1)."""
+    PTB shares one of each between attention and MLP (MegaScale §3.1).
+    Without SP (parallel.sequence_parallel=false, Megatron-LM before it): forward, an all-reduce
+    after each row-parallel GEMM; backward, one of each column-parallel input's gradient, once
+    its GEMMs are done (tensor_parallel.CopyToTPRegion: nothing left to hide it behind)."""
+    if not cfg.parallel.sequence_parallel:
+        pairs = [("qkv", "fc1"), ("out", "fc2")] if cfg.model.block == "parallel" else [("qkv",), ("out",), ("fc1",), ("fc2",)]
+        return [("forward" if names[0] in ("out", "fc2") else "backward", "all_reduce", names) for names in pairs]
     if cfg.model.block == "parallel":
         out = [("forward", "all_gather", ("qkv", "fc1")), ("forward", "reduce_scatter", ("out", "fc2")),
                ("backward", "all_gather", ("out", "fc2")), ("regather", "all_gather", ("qkv", "fc1")),
@@ -362,9 +371,13 @@ def ends_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     pf, pb, of, ob = ELEMENTWISE["add_norm"][fused]
     # Cross-entropy over [tokens, V/tp]: unfused, logits go through an fp32 copy and log_softmax.
     ce_f, ce_b, ops = ((e, 2 * e, 1) if fused else (e + 12, e + 20, 5))
-    head_f["elementwise"] = stream_time(r, pf * M * h // t * e, of) + stream_time(r, ce_f * M * V, ops)
-    head_b["elementwise"] = stream_time(r, pb * M * h // t * e, ob) + stream_time(r, ce_b * M * V, ops)
-    if t > 1:  # vocab-parallel embedding and loss; the head needs the whole sequence
+    s = stream_shards(cfg, t)  # the final norm's share of the sequence
+    head_f["elementwise"] = stream_time(r, pf * M * h // s * e, of) + stream_time(r, ce_f * M * V, ops)
+    head_b["elementwise"] = stream_time(r, pb * M * h // s * e, ob) + stream_time(r, ce_b * M * V, ops)
+    if t > 1 and not cfg.parallel.sequence_parallel:  # the embedding's all-reduce, the head input gradient's
+        _comm(emb_f, "tp_comm", net.collective("all_reduce", M * h * e, "tp"), 0.0, "off")
+        _comm(head_b, "tp_comm", net.collective("all_reduce", M * h * e, "tp"), 0.0, "off")
+    elif t > 1:  # vocab-parallel embedding and loss; the head needs the whole sequence
         _comm(emb_f, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), 0.0, "off")
         _comm(emb_b, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
         # TP overlap covers the blocks' linears (MegaScale §3.3; tensor_parallel._chunked_block), not the
@@ -372,7 +385,7 @@ def ends_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
         _comm(head_f, "tp_comm", net.collective("all_gather", M * h * e, "tp"), 0.0, "off")
         _comm(head_b, "tp_comm", net.collective("reduce_scatter", M * h * e, "tp"), head_b["gemm"] / 2, "async")
         _comm(head_b, "tp_comm", net.collective("all_gather", M * h * e, "tp"), head_b["gemm"] / 2, "async")  # regather
-        # the vocab-parallel loss: the max, then the sum of exponentials with the target logit
+    if t > 1:  # the vocab-parallel loss: the max, then the sum of exponentials with the target logit
         ce = net.collective("all_reduce", M * 4, "tp") + net.collective("all_reduce", 2 * M * 4, "tp")
         _comm(head_f, "tp_comm", ce, 0.0, "off")
     return (emb_f, emb_b), (head_f, head_b)
@@ -423,7 +436,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     fwd_s = busy(fwd) * (m.n_layers // lay.pp)  # one microbatch's forward; recomputation runs in the backward
     bwd_s = busy(mb) - fwd_s
 
-    send = net.pp_send(lay.micro_batch * lay.seq * m.d_model * element_bytes(cfg) / lay.tp) if lay.pp > 1 else 0.0
+    send = net.pp_send(lay.micro_batch * lay.seq * m.d_model * element_bytes(cfg) / stream_shards(cfg, lay.tp)) if lay.pp > 1 else 0.0
     sends = 2 * lay.vpp * send  # each chunk sends an activation forward and a gradient back
     _comm(mb, "pp_comm", sends, sends, "async" if ov.pp else "off")
     step = _add({}, mb, lay.microbatches)
@@ -491,7 +504,9 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
         tp_layer += sum(ring(kind, M * h * e, t) for ph, kind, _ in tp_layer_collectives(cfg) if ph == "forward") if t > 1 else 0
     first, final = not last or lay.pp == 1, last or lay.pp == 1
     tp_ends = 0.0
-    if t > 1:
+    if t > 1 and not cfg.parallel.sequence_parallel:  # the embedding's all-reduce, the head input gradient's; loss
+        tp_ends += ring("all_reduce", M * h * e, t) * first + final * (ring("all_reduce", M * h * e, t) + 3 * ring("all_reduce", M * 4, t))
+    elif t > 1:
         tp_ends += 2 * ring("all_gather", M * h * e, t) * first  # the embedding's reduce-scatter, its gradient's all-gather
         tp_ends += final * (3 * ring("all_gather", M * h * e, t) + 3 * ring("all_reduce", M * 4, t))  # head, loss
     sends = (2 * lay.vpp - (not last) - last) if lay.pp > 1 else 0  # stage 0 sends no gradient, the last no activation
@@ -518,7 +533,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
     fused = fused_weight_params(cfg, lay, last)
     return {"grad_accumulation_bytes": grad_accumulation_bytes(cfg, lay, params, e, grad_bytes, fused),
             "tp_bytes_per_layer": tp_layer, "tp_bytes": mbs * (tp_layer * layers + tp_ends),
-            "pp_bytes": mbs * sends * M * h * e / t, "dp_bytes": dp,
+            "pp_bytes": mbs * sends * M * h * e / stream_shards(cfg, t), "dp_bytes": dp,
             "gemm_flops": mbs * gemm, "attention_flops": mbs * attn * layers,
             **{f"{k}_bytes": getattr(mem, k) * 2**30 for k in ("weights", "grads", "optimizer", "activations")}}
 

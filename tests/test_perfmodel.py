@@ -235,6 +235,25 @@ def test_chunked_tp_overlap_shows_one_piece_with_its_latency(megascale_175b):
     assert fwd["tp_comm"] == pytest.approx(piece + net.collective("reduce_scatter", nbytes / k, "tp"))
 
 
+def test_tp_without_sequence_parallelism_all_reduces_and_is_slower(megatron_175b):
+    """parallel.sequence_parallel=false at tp8: two all-reduces of the layer's activation forward
+    and two backward (each the bytes of a reduce-scatter plus an all-gather), norms and residual
+    adds on the whole sequence, their activations whole: slower and larger than with SP."""
+    cfg = cli.with_batch(megatron_175b, 256, 256, 1)
+    no_sp = copy.deepcopy(cfg)
+    no_sp.parallel.sequence_parallel = False
+    lay, e, h = pm.layout_of(cfg, 256), memory.element_bytes(cfg), cfg.model.d_model
+    t, M = lay.tp, lay.micro_batch * lay.seq
+    assert t == 8 and pm.tp_layer_collectives(no_sp) == [
+        ("backward", "all_reduce", ("qkv",)), ("forward", "all_reduce", ("out",)),
+        ("backward", "all_reduce", ("fc1",)), ("forward", "all_reduce", ("fc2",))]
+    all_reduces = 4 + 2 * (cfg.train.recompute == "full")  # a recomputed forward all-reduces again
+    got = pm.accounting(no_sp, 256)
+    assert got["tp_bytes_per_layer"] == pytest.approx(all_reduces * 2 * (t - 1) / t * M * h * e)
+    assert pm.predict(no_sp, 256).step_s > pm.predict(cfg, 256).step_s
+    assert got["activations_bytes"] > pm.accounting(cfg, 256)["activations_bytes"]
+
+
 # --- Monotonic sanity ---
 
 def layouts(megatron_175b, megascale_175b):
