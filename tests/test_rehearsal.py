@@ -388,6 +388,9 @@ LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off an
     # Its 2 KV groups at tp4: each on 2 ranks, whose QKV gradients a sub-group of TP sums, the
     # sub-groups made on every rank in the same order.
     "llama_tp4": ["model=llama_tiny", "parallel.tp=4"],
+    # TP without sequence parallelism: all-reduces in the blocks, whole-sequence pipeline messages,
+    # the norms' gradients not summed over TP.
+    "tp2_pp2_no_sp": ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.sequence_parallel=false"],
 }
 
 
