@@ -141,6 +141,9 @@ VARIANTS = {  # pairs that differ in one term (baseline vs PTB, ZeRO-1 vs ZeRO-2
     # materialized core repeats k and v; flash takes them as they are)
     "llama": LLAMA,
     "llama_flash": LLAMA + ["kernels.attention=flash"],
+    # TP without sequence parallelism: all-reduces, the stream whole on each TP rank (a run refuses
+    # dropout there)
+    "no_sp": ["parallel.sequence_parallel=false", "model.dropout=0"],
 }
 
 
