@@ -185,8 +185,9 @@ MQA_BLOCK = dict(LLAMA_BLOCK, n_kv_heads=1, bias=True)
 SHAPES = {"gpt": GPT_BLOCK, "llama": LLAMA_BLOCK, "llama_ptb": dict(LLAMA_BLOCK, block="parallel"),
           "mqa": MQA_BLOCK, "mqa_ptb": dict(MQA_BLOCK, block="parallel")}
 BLOCKS = {f"{model}_block_{mode}": (shape, mode) for model, shape in SHAPES.items() for mode in ("off", "chunked", "domino")}
-# Without sequence parallelism (parallel.sequence_parallel=false): the whole sequence on each rank.
-BLOCKS.update({f"{model}_block_no_sp": (SHAPES[model], "off", False) for model in ("gpt", "llama", "llama_ptb")})
+# Without sequence parallelism (parallel.sequence_parallel=false): the whole sequence on each rank,
+# sequential and PTB, and multi-query attention (a KV group on both ranks, its rows still summed).
+BLOCKS.update({f"{model}_block_no_sp": (SHAPES[model], "off", False) for model in ("gpt", "llama", "llama_ptb", "mqa")})
 BLOCKS["gpt_ptb_block_no_sp"] = (dict(GPT_BLOCK, block="parallel"), "off", False)
 
 
