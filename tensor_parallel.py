@@ -1,5 +1,7 @@
 """Tensor parallelism with sequence parallelism (Megatron-LM's split, Korthikanti et al. 2022),
-applied from outside to model.py's plain GPT as one plan.
+or without it (parallel.sequence_parallel=false: Megatron-LM's TP before SP, Shoeybi et al. 2019,
+the residual stream replicated over the TP group), applied from outside to model.py's plain GPT
+as one plan.
 
 TP_PLAN maps the module names of a GPT (or of one pipeline chunk of it) to their parallel style,
 as torchtitan's parallelize plans map names to ColwiseParallel, RowwiseParallel and
