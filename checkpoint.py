@@ -7,7 +7,7 @@ vpp, dp, zero_stage) asks for its own pieces and DCP reads the overlapping parts
 torchtitan #811/#850 and Megatron's optimizer-state resharding ask for.
 
 What a rank holds, in logical coordinates: TP slices a parameter along its split dim (the offset
-and the number of ranks holding the same slice in sharding.py's registry); ZeRO 1/2 then keeps a flat range of that slice's values (zero.py), which is
+and the number of ranks holding the same slice in parallelisms/sharding.py's registry); ZeRO 1/2 then keeps a flat range of that slice's values (parallelisms/zero.py), which is
 up to three rectangles: a partial row, whole rows, a partial row. DTensor cannot express a flat
 range of a TP slice, so those rectangles are written as DCP write items directly (Chunks, below).
 
@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from errors import ConfigError
-from sharding import shard_info
+from parallelisms.sharding import shard_info
 
 log = logging.getLogger("checkpoint")
 
@@ -336,7 +336,7 @@ class Saver:
         self.last_step: Optional[int] = None
         self.stall_s: list = []  # per save: how long training waited for it
         self.failed: list = []   # steps whose save failed (the previous checkpoints stay)
-        self.write_error: Optional[OSError] = None  # ft.py's fault injection: a full disk, once
+        self.write_error: Optional[OSError] = None  # fault_injection.py: a full disk, once
         self.write_delay = 0.0                       # and a slow one
         self.staging = Staging()                     # the asynchronous saves' host buffer
 
@@ -424,7 +424,7 @@ def _storage_failure(e: BaseException) -> bool:
 
 
 class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer, keeping the names of this rank's files, with ft.py's faults (an error, a delay)."""
+    """DCP's file writer, keeping the names of this rank's files, with fault_injection.py's faults (an error, a delay)."""
 
     def __init__(self, folder: Path, error: Optional[OSError] = None, delay: float = 0.0):
         super().__init__(folder, sync_files=True)

@@ -14,17 +14,17 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
 from checkpoint import CheckpointConfig
 from errors import ConfigError, fail  # defined in errors.py, a leaf; config.ConfigError still names it
-from ft import FTConfig
+from observe.heartbeat import FTConfig
 from data import DataConfig
 from kernels import ATTENTION_IMPLS, FUSED_IMPLS, KernelsConfig
 from model import ModelConfig
-from observe import ObserveConfig
+from observe.oplog import ObserveConfig
 from optim import OptimConfig
 from parallel import ParallelConfig
 from clustermodel.schema import PerfModelHardware, RehearseConfig, rehearsed_world
@@ -226,11 +226,15 @@ def ablation_switch(step: int, on: Any, off: Any, *, _root_) -> Any:
     return on if a.step >= step and step not in a.pending else off
 
 
+# The cumulative steps of Table 3, in order; the single definition (experiments/tables.py and clustermodel/cli.py import it).
+ABLATION_LABELS: Tuple[str, ...] = (
+    "baseline (Megatron-LM)", "+PTB", "+SWA", "+TP overlap", "+PP overlap", "+DP overlap",
+    "+efficient operators", "+misc (data pipeline)", "+LAMB (batch x3)")
+
 def ablation_study(what: str, *, _root_) -> Any:
     """${ablation_study:label|pending|without}: the run's Table 3 row, for run.json and W&B."""
     a = _root_.ablation
     if what == "label":
-        from experiments.tables import ABLATION_LABELS
         return ABLATION_LABELS[a.step] if 0 <= a.step < len(ABLATION_LABELS) else f"step {a.step}"
     if what == "pending":
         return a.step in a.pending

@@ -1,7 +1,8 @@
 """How a rank joins its job and leaves it: the device it computes on, the process group (env://
 under torchrun, or filled in from SLURM's variables under srun, so no torchrun is needed inside
 it), the checkpoint's own gloo group, the orderly end of the groups at exit, and the stop a signal
-asks for (StopFlag: a preemption's warning, Ctrl-C).
+asks for (StopFlag: a preemption's warning, Ctrl-C), and Python's garbage collection, off during steps and run on every rank at the same step, every
+train.gc_interval steps (MegaScale traced decaying MFU to ranks collecting at different times).
 """
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import datetime
 import gc
 import os
 import signal
+import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from observe import spans
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -243,3 +247,25 @@ class StopFlag:
         """Run the launcher handlers held back (submitit's on rank 0 requeues the job and exits)."""
         for signum, handler in self._held_back.items():
             handler(signum, None)
+
+
+class CollectGarbage:
+    """gc off for the run; a full collection on every rank at the same steps."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.was_enabled = gc.isenabled()
+        if interval > 0:
+            gc.disable()
+
+    def after_step(self, step: int) -> float:
+        if self.interval > 0 and step % self.interval == 0:
+            t0 = time.perf_counter()
+            with spans.segment("gc"):
+                gc.collect()
+            return time.perf_counter() - t0
+        return 0.0
+
+    def close(self) -> None:
+        if self.was_enabled:
+            gc.enable()

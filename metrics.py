@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -217,3 +217,19 @@ def final_line(final: dict, cfg) -> str:
 def _records(value) -> bool:
     """A list of dicts (metrics.jsonl's straggler verdicts): W&B gets their scalars instead."""
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
+
+
+# --- Figures as tables show them (experiments/tables.py's studies, clustermodel/cli.py's predictions) ---
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pct(x: Optional[float], signed: bool = False) -> str:
+    return "" if x is None else (f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}%")
+
+
+def seconds(x: float) -> str:
+    return f"{x:.3g} s" if x < 10 else f"{x:.1f} s"

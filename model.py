@@ -10,7 +10,7 @@ Two switches belong to the ablation:
   tokens before it, in every attention backend of kernels.py.
 
 This file holds no collectives and no process groups. parallel.py shards this model from outside
-(torchtitan-style; tensor_parallel.py's plan names its modules), which is why the fused weights'
+(torchtitan-style; parallelisms/tensor_parallel.py's plan names its modules), which is why the fused weights'
 rows are grouped so that a contiguous slice of them is a whole set of units, and why blocks live
 in a ModuleDict (a pipeline stage deletes the blocks it doesn't own and every parameter keeps its
 name, so checkpoints stay layout-free):
@@ -227,7 +227,7 @@ class Block(nn.Module):
     def drop(self, branch: torch.Tensor) -> torch.Tensor:
         """Dropout on a residual branch before it joins the stream (Megatron's bias-dropout-add).
         PTB drops the sum of its two branches: under TP they are summed before the one
-        reduce-scatter they share, and the mask is drawn after it (tensor_parallel.py)."""
+        reduce-scatter they share, and the mask is drawn after it (parallelisms/tensor_parallel.py)."""
         if not (self.dropout and self.training):
             return branch
         return torch.native_dropout(branch, self.dropout, True)[0]  # a bool mask kept, as CUDA's F.dropout

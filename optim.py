@@ -7,7 +7,7 @@ DeepSpeed's LAMB takes the norm of whatever buffer it is handed, which is wrong 
 
 - every tensor the optimizer sees is a piece of exactly one logical parameter (ZeRO shards each
   parameter on its own along dim 0, zero-padded; never a flat buffer that mixes parameters);
-- a piece's ShardInfo (sharding.py) may say `norm_owner=False` when it is a replica of elements
+- a piece's ShardInfo (parallelisms/sharding.py) may say `norm_owner=False` when it is a replica of elements
   another rank of the norm group also holds (a LayerNorm weight replicated over TP is owned by
   tp-rank 0 only), so summing partial squared norms over the group counts each element once;
 - the ranks of the norm group hold the same parameter list in the same order (the same model
@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from errors import ConfigError
-from overlap import WaitClock
-from sharding import shard_info
+from parallelisms.overlap import WaitClock
+from parallelisms.sharding import shard_info
 
 
 @dataclass
@@ -72,7 +72,7 @@ def check_config(cfg: OptimConfig) -> None:
 
 def is_bias_or_norm(name: str, p: torch.Tensor) -> bool:
     """Biases and normalization weights: 1-D tensors, or named so. A ZeRO shard is a flat piece of
-    its parameter, so zero.py records the parameter's own ndim in its ShardInfo."""
+    its parameter, so parallelisms/zero.py records the parameter's own ndim in its ShardInfo."""
     parts = name.split(".")
     ndim = shard_info(p).logical_ndim or p.ndim
     return ndim < 2 or name.endswith("bias") or any(s.startswith("ln_") or "norm" in s for s in parts)

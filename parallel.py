@@ -13,14 +13,14 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-import spans
+from observe import spans
 from errors import ConfigError
 from model import ffn_width, kv_heads
-from overlap import TPGroup, WaitClock
-from pipeline import Pipeline, autocast, split_for_pipeline
-from sharding import describe
-from tensor_parallel import TPSettings, apply_tp, tp_shard_infos, vocab_parallel_cross_entropy
-from zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
+from parallelisms.overlap import TPGroup, WaitClock
+from parallelisms.pipeline import Pipeline, autocast, split_for_pipeline
+from parallelisms.sharding import describe
+from parallelisms.tensor_parallel import TPSettings, apply_tp, tp_shard_infos, vocab_parallel_cross_entropy
+from parallelisms.zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
 
 
 @dataclass
@@ -229,7 +229,7 @@ def group_options(timeout_s: Optional[float]):
 
 def _pipeline_channels(mesh, names: tuple, timeout_s: Optional[float] = None) -> dict:
     """One process group per kind of pipeline message and direction, over the same ranks as the
-    mesh's pp groups (pipeline.py says why NCCL needs them apart). The mesh's own pp group carries
+    mesh's pp groups (parallelisms/pipeline.py says why NCCL needs them apart). The mesh's own pp group carries
     activations to the next rank; three copies carry the rest. Every rank creates every copy, in
     the same order, as DeviceMesh does for its own groups."""
     pp_dim = names.index("pp")
@@ -279,7 +279,7 @@ class ParallelModel:
         is cut to this rank's chunks and TP slices; then only those are, on `device`, initialized
         from `seed` (model.init_weights: the same values as one process would hold), unless
         `device` is meta too (a rehearsal). dtype: the parameters' dtype (bf16 under
-        precision=bf16: Megatron's mixed precision, with fp32 master weights in zero.py, so no
+        precision=bf16: Megatron's mixed precision, with fp32 master weights in parallelisms/zero.py, so no
         microbatch casts the weights again)."""
         self.layout, self.cfg, self.fused = layout, cfg, fused
         self._microbatch_loss = self._eager_microbatch_loss  # compile() may swap in a compiled one
@@ -417,7 +417,7 @@ def _materialize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, dt
     """This rank's chunk in `dtype`; if it was built on the meta device, its parameters on `device`,
     initialized (not on meta: a rehearsal keeps shapes only) with the values one process would
     hold (device None: the chunk holds its values already). Then each TP slice is described in the
-    shard registry (sharding.py), after to_empty, which makes new parameters."""
+    shard registry (parallelisms/sharding.py), after to_empty, which makes new parameters."""
     chunk.to(dtype)  # on meta first: the shard is materialized in its own dtype, never in fp32
     infos = tp_shard_infos(chunk, tp_settings(layout, cfg)) if layout.tp > 1 else {}
     if device is not None:

@@ -35,24 +35,22 @@ from omegaconf import OmegaConf
 import checkpoint
 import config
 import data
-import ft
+import fault_injection
 import kernels
 import launch
 import machine
 import metrics
-import observe
 import optim
 import parallel
 import sampling
-import spans
-import stragglers
 from corpus import blend
 from errors import ConfigError, fail
 from model import GPT, count_params, flops_per_token, matmul_params
+from observe import heartbeat, oplog, spans, stragglers
 
 # The imports above leave ~300k objects that live as long as the process (torch, DCP, dynamo).
 # Python's collector would walk every one at each full collection: several during the imports,
-# then each of the run's periodic collections (ft.CollectGarbage) and the last one at shutdown
+# then each of the run's periodic collections (launch.CollectGarbage) and the last one at shutdown
 # (launch.shutdown), on every rank. Frozen, they are skipped: later collections walk only what the
 # run itself made (experiments/results/startup.md measures both).
 gc.freeze()
@@ -307,7 +305,7 @@ def step_recorder(cfg: config.Config, run: Run):
 
 class Loop:
     """The training loop and what runs beside its steps: the stop flag (signals), the op log and
-    its spans (observe.py), the heartbeat, the planned faults, the synchronised GC, the progress
+    its spans (oplog.py), the heartbeat, the planned faults, the synchronised GC, the progress
     bar, the held-out batches. close() ends every thread it started."""
 
     def __init__(self, run: Run, start: int):
@@ -316,12 +314,13 @@ class Loop:
         self.stop = launch.StopFlag()
         first_step_work = ", ".join(["torch.compile of every chunk"] * run.compiling +
                                     ["the communicators' set-up"] * (run.world > 1))
-        observer = observe.start(cfg.observe, layout, run.run_dir, run.device, observe.span_capacity(cfg))  # the op log and spans, written by the heartbeat
+        observer = oplog.start(cfg.observe, layout, run.run_dir, run.device, oplog.span_capacity(cfg),
+                               fault_injection.planned_faults())  # the op log and spans, written by the heartbeat
         if observer is not None and cfg.observe.spans:
             layout.clock.on_wait, layout.clock.describe = observer.wait_span, observer.wait_label
-        self.beat = ft.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
-        self.faults = ft.Faults(run.rank, run.run_dir)
-        self.collector = ft.CollectGarbage(cfg.train.gc_interval)
+        self.beat = heartbeat.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
+        self.faults = fault_injection.Faults(run.rank, run.run_dir)
+        self.collector = launch.CollectGarbage(cfg.train.gc_interval)
         self.detector = self._time_compute(run)
         self.steps = StepContext(layout.clock, run.device, self.beat, run.loader, step_recorder(cfg, run), start,
                                  cfg.rehearse.steps, run.run_dir / "comm" / f"rank{run.rank}.json")
@@ -333,7 +332,7 @@ class Loop:
 
     def _time_compute(self, run: Run):
         """The slow:/spike: faults, in the step's own compute, and the straggler detector
-        (stragglers.py), timing the forward and backward, slowed ones included. Returns the
+        (observe/stragglers.py), timing the forward and backward, slowed ones included. Returns the
         detector, or None without ft.straggler_interval."""
         cfg, engine = run.cfg, run.engine
         if engine.pipeline is not None:
@@ -413,7 +412,7 @@ class Loop:
         self.run.saver.close()
         self.beat.close()
         self.run.layout.clock.on_wait = self.run.layout.clock.describe = None
-        observe.stop()
+        oplog.stop()
         self.collector.close()
         if self.bar is not None:
             self.bar.close()
@@ -459,7 +458,7 @@ def predicted_stage_compute(cfg: config.Config, layout, device: torch.device) ->
 
 
 def health(step: int, timing: dict, data_s: float, collector, detector, rank: int) -> dict:
-    """The synchronised GC (its time) and the straggler verdicts confirmed at this step (stragglers.py:
+    """The synchronised GC (its time) and the straggler verdicts confirmed at this step (observe/stragglers.py:
     the rank, the kind, its slowdown over its peers and its cost to the step), logged by rank 0."""
     out = {"gc_s": collector.after_step(step)}
     if detector is not None:

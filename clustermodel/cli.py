@@ -36,7 +36,8 @@ from clustermodel import replay
 from clustermodel.schema import PerfModelHardware
 from errors import ConfigError
 # Table 3's row names and the number formats: one definition, shared with the tables of measured runs.
-from experiments.tables import ABLATION_LABELS, markdown_table, pct, seconds
+from config import ABLATION_LABELS
+from metrics import markdown_table, pct, seconds
 
 # --- The paper's runs, as configs (the assumptions behind them: perfmodel.py's docstring) ---
 #
@@ -231,7 +232,7 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
     return sorted(ranked, key=lambda p: -p.mfu)
 
 
-# --- Markdown tables of predictions (markdown_table, pct, seconds: experiments/tables.py) ---
+# --- Markdown tables of predictions (markdown_table, pct, seconds: metrics.py) ---
 
 def ablation_table(results, paper: Optional[Dict[str, str]] = None) -> str:
     """Columns: step, MFU, ΔMFU vs the previous step, tokens/s, step time, exposed comm, paper MFU."""

@@ -61,7 +61,7 @@ class FlopLedger(TorchDispatchMode):
 
     def count_accumulation_into(self, zero) -> None:
         """Count apart the bytes of the gradient accumulation, microbatch by microbatch: the in-place
-        adds into zero's (zero.py's ZeroDataParallel) gradient buffers (one foreach add a module and
+        adds into zero's (parallelisms/zero.py's ZeroDataParallel) gradient buffers (one foreach add a module and
         bucket) or, where autograd keeps the gradients, into the parameters' .grad (each add reads
         the fresh gradient and the sum, and writes the sum); and the weight-gradient GEMMs that
         accumulate into a buffer themselves (they read the sum and write it: no fresh gradient)."""

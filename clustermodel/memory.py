@@ -5,22 +5,20 @@ rehearsal (rehearsal.py) measures the same on the meta device, and tests/test_re
 the two together.
 
 Counted per rank: the first and the last pipeline rank (the fuller one is the job's), as model.py
-and zero.py build them: bf16 weights with fp32 gradient buffers and fp32 master and moments, the
+and parallelisms/zero.py build them: bf16 weights with fp32 gradient buffers and fp32 master and moments, the
 in-flight microbatches of 1F1B or interleaved 1F1B, and under TP the weight-gradient GEMMs
 accumulating straight into the gradient buffer (no weight gradient waits in the backward).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import config
 import machine
 import model as gpt
+from clustermodel.layout import JobLayout
 from kernels import banded_keys
-
-if TYPE_CHECKING:
-    from clustermodel.perfmodel import JobLayout
 
 
 def precision(cfg: config.Config) -> str:
@@ -148,7 +146,7 @@ def square_bytes(cfg: config.Config) -> int:
 
 def backward_working_set(cfg: config.Config, lay: JobLayout) -> float:
     """Bytes a layer's backward has in flight on top of what is kept, where the peak falls (in the
-    MLP's backward): at tp=1 its weight gradients so far, which zero.py adds to the fp32 buffer
+    MLP's backward): at tp=1 its weight gradients so far, which parallelisms/zero.py adds to the fp32 buffer
     when the layer's backward ends, there the largest one (under TP the GEMMs accumulate into the
     buffer themselves: none), the gradient through the MLP's wide activation, the pipeline's
     message in and out, and with materialized attention one [T, T] square of gradient. (Measured
@@ -219,7 +217,7 @@ def in_flight_layers(lay: JobLayout, n_layers: int, rank: int) -> float:
 def fuses_weight_gradients(lay: JobLayout) -> bool:
     """Whether the weight-gradient GEMMs accumulate into ZeRO's buffer themselves
     (overlap.weight_gradient): under TP, whose layers own their backward; at tp=1 nn.Linear's
-    backward is autograd's, which hands zero.py a gradient to add."""
+    backward is autograd's, which hands parallelisms/zero.py a gradient to add."""
     return lay.tp > 1
 
 
@@ -273,7 +271,7 @@ def memory(cfg: config.Config, lay: JobLayout, capacity_gib: Optional[float] = N
 def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capacity_gib: Optional[float] = None) -> Memory:
     """Peak memory of the first (or last) pipeline rank, GiB. bf16: bf16 weights, fp32 gradients,
     fp32 master + two moments (Adam and LAMB alike), the mixed-precision recipe of Megatron-LM and
-    ZeRO (zero.py). ZeRO-1 splits the optimizer over DP; ZeRO-2 the gradients too, but only once
+    ZeRO (parallelisms/zero.py). ZeRO-1 splits the optimizer over DP; ZeRO-2 the gradients too, but only once
     reduced: while microbatches add up the whole gradient buffer is there (in the reduction dtype),
     through the backward, where the peak is; so ZeRO-2's peak is ZeRO-1's (DeepSpeed refuses ZeRO-2
     with pipeline parallelism for this reason)."""

@@ -5,7 +5,7 @@ by tag and its sends never block, while NCCL ignores tags, matches sends and rec
 first-out per pair of ranks and communicator, and runs every operation as a kernel on a stream
 that does not finish until its peers have posted theirs. So code that passes every CPU test can
 hang at step 1 on a cluster. This module replays what each rank posted (rehearsal.py records it,
-pipeline.py can also write its plan out directly) under NCCL's model and reports:
+parallelisms/pipeline.py can also write its plan out directly) under NCCL's model and reports:
 
 - mismatches: the k-th send of a channel and its k-th receive differ in shape or dtype, or the
   k-th collective of a communicator differs between the ranks of its group;
@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
+
+from parallelisms.pipeline import Message, plan
 
 P2P = ("send", "recv")
 
@@ -262,3 +264,26 @@ def _deadlock_report(stuck: list, previous: dict, waits: dict, reached: dict) ->
              "  cycle:"]
     lines += [f"    {a.describe()} {why} {b.describe()}" for a, why, b in cycle]
     return "\n".join(lines)
+
+
+def pipeline_programs(pp: int, vpp: int, microbatches: int, overlap: bool, backward: bool = True,
+                      channel=None) -> dict:
+    """Every pp rank's plan as NCCL sees it ({pp rank: events} for check): each receive
+    and send an unbatched op on its channel's group, each wait a compute-stream wait. `channel`
+    picks a message's group (tests pass one group for every message, to show the deadlocks that has)."""
+    channel = channel or Message.channel
+    programs = {}
+    for rank in range(pp):
+        events, works = [], {}
+        for step in plan(pp, rank, vpp, microbatches, overlap, backward):
+            if step[0] in ("recv", "send"):
+                msg = step[2]
+                work = len(events)
+                works[step[1]] = work
+                peer = msg.src if step[0] == "recv" else msg.dst
+                events.append(("post", work, [Op(step[0], tuple(range(pp)), peer, sig=(msg.kind, msg.mb, msg.stage),
+                                                  comm=channel(msg))], False))
+            elif step[0] == "wait":
+                events.append(("wait", works[step[1]]))
+        programs[rank] = events
+    return programs

@@ -67,6 +67,7 @@ from errors import ConfigError
 from clustermodel.memory import (MATERIALIZED, Memory, block_matrices, compiled_keeps_gathered, element_bytes,
                                  fused_weight_params, kv_width, memory, memory_of_rank, precision, rank_params, stream_shards,
                                  swiglu)
+from clustermodel.layout import JobLayout, layout_of  # noqa: F401
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
                    collective_time, gemm_key, gemm_time, owner, resolve_hardware, stream_time)
 
@@ -90,45 +91,6 @@ def hide(comm: float, compute: float, mode: str, chunks: int = 1) -> Tuple[float
     else:  # async, domino
         exposed = max(0.0, comm - compute)
     return exposed, comm - exposed
-
-
-# --- The layout: who holds what, where the groups live ---
-
-@dataclass
-class JobLayout:
-    """The whole job's layout as the model prices it (a rank's own place in it: parallel.Layout)."""
-    gpus: int
-    tp: int
-    pp: int
-    vpp: int
-    dp: int
-    microbatches: int       # per step and DP rank
-    micro_batch: int        # sequences per microbatch
-    seq: int
-    zero: int
-    order: Tuple[str, ...] = ("dp", "pp", "tp")   # mesh dims, outermost first (parallel.order)
-
-    def members_per_host(self, dim: str, devices_per_host: int) -> int:
-        """How many ranks of one `dim` group share a host, ranks numbered by the mesh order."""
-        sizes = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
-        inner = self.order[self.order.index(dim) + 1:]
-        stride = math.prod(sizes[d] for d in inner)
-        return 1 if stride >= devices_per_host else min(sizes[dim], max(1, devices_per_host // stride))
-
-
-def layout_of(cfg: config.Config, gpus: Optional[int] = None) -> JobLayout:
-    """The job's layout on `gpus` GPUs (default tp*pp*dp), checked as a run checks it (parallel.validate;
-    the overlap switches' chunk counts aside: the model prices any)."""
-    p, t = cfg.parallel, cfg.train
-    gpus = gpus or p.tp * p.pp * max(p.dp, 1)
-    if gpus % (p.tp * p.pp):
-        raise ConfigError("parallel", f"tp*pp = {p.tp * p.pp} does not divide {gpus} GPUs", "choose tp and pp that divide the GPU count")
-    if p.vpp > 1 and p.pp == 1:
-        raise ConfigError("parallel.vpp", f"vpp={p.vpp} interleaves pipeline stages, and pp=1", "set parallel.vpp=1 or pp>1")
-    parallel.validate(cfg, gpus, run=False)
-    dp = gpus // (p.tp * p.pp)
-    return JobLayout(gpus, p.tp, p.pp, p.vpp, dp, p.microbatches, t.batch_size // (dp * p.microbatches),
-                  t.seq_len, p.zero_stage, tuple(p.order.split(",") if isinstance(p.order, str) else p.order))
 
 
 class Network:
@@ -476,7 +438,7 @@ def data_time(cfg, hw, tp: int) -> float:
 
 def grad_accumulation_bytes(cfg: config.Config, lay: JobLayout, params: int, e: int, grad_bytes: int,
                             fused: Tuple[int, int] = (0, 0)) -> float:
-    """Bytes the gradient accumulation reads and writes a step (zero.py): every microbatch adds each
+    """Bytes the gradient accumulation reads and writes a step (parallelisms/zero.py): every microbatch adds each
     fresh gradient (the parameters' dtype) into the reduction buffer (read and written), except the
     fused weights' (fused_weight_params), whose GEMMs read and write the buffer and write no
     gradient of their own. One rank at ZeRO-0 in fp32 leaves the gradients to autograd, whose

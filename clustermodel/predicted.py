@@ -1,7 +1,7 @@
 """What the performance model predicts each rank's step looks like, laid beside what it measured:
 the replay (clustermodel/replay.py) of the run's rehearsal, segment by segment.
 
-    python -m clustermodel.predicted RUN_DIR   # RUN_DIR/observe/predicted.json, then python observe.py RUN_DIR with it,
+    python -m clustermodel.predicted RUN_DIR   # RUN_DIR/observe/predicted.json, then python oplog.py RUN_DIR with it,
                                                # compute stragglers priced by a what-if replay
 
 The rehearsal is the one `python -m clustermodel validate RUN_DIR` keeps in RUN_DIR/rehearsal/
@@ -12,10 +12,10 @@ used: a real run's record carries no compute to price.
 
 The replay runs the rehearsed steps once; its last (steady) step, from the end of the one before,
 is what predicted.json keeps per pipeline stage: compute between operations as "compute", each
-wait named as the measured waits are ("comm tp", "bubble pp recv", ...). observe.py lays it at the
+wait named as the measured waits are ("comm tp", "bubble pp recv", ...). oplog.py lays it at the
 start of each step a rank measured (timeline.lay_predicted); ranks of one stage share their
-stage's program. This is apart from observe.py because the cluster model imports the config,
-which imports observe.py."""
+stage's program. This is apart from oplog.py because the cluster model imports the config,
+which imports oplog.py."""
 from __future__ import annotations
 
 import copy
@@ -113,7 +113,7 @@ class _Traced(replay.Replay):
 
 
 def _wait_name(parts: list) -> str:
-    """A replayed wait named as observe.py names a measured one."""
+    """A replayed wait named as oplog.py names a measured one."""
     if not parts:
         return "comm"
     part = parts[0]
@@ -202,15 +202,15 @@ def write(run_dir: Path) -> Path:
 def main(argv: Optional[list] = None) -> None:
     import argparse
 
-    import observe
+    from observe import diagnose
     parser = argparse.ArgumentParser(prog="python -m clustermodel.predicted", description="The replay's predicted track beside each "
                                      "rank's measured one: writes RUN_DIR/observe/predicted.json, then the "
-                                     "diagnosis, trace and timeline figure with it (python observe.py RUN_DIR), "
+                                     "diagnosis, trace and timeline figure with it (python oplog.py RUN_DIR), "
                                      "compute stragglers priced by a what-if replay.")
     parser.add_argument("run_dir", type=Path)
     run_dir = parser.parse_args(argv).run_dir
     print(f"wrote {write(run_dir)}")
-    observe.main([str(run_dir)], price=price_stragglers)
+    diagnose.main([str(run_dir)], price=price_stragglers)
 
 
 if __name__ == "__main__":

@@ -59,11 +59,11 @@ def heartbeat_fs_calls_per_second(world: int, heartbeat_interval: float, hang_ti
 
 def straggler_bytes(world: int, dp: int, pp: int) -> dict:
     """Bytes a rank receives per straggler window: before, an all-gather of one pickled (rank, host,
-    seconds) over the world (and its size, 8 bytes, first); after (stragglers.py), an all-gather of
+    seconds) over the world (and its size, 8 bytes, first); after (observe/stragglers.py), an all-gather of
     its 4 float64 over its dp group and a ring all-reduce of 2 + 2 pp int64 over the world, and
     where its dp group is one rank, a ring all-reduce of the world histogram (2 x BINS int32)."""
     import pickle
-    import stragglers
+    from observe import stragglers
     mine = len(pickle.dumps((world - 1, "host-00000", 0.0)))
     reduced = 8 * (2 + 2 * pp) + (4 * 2 * stragglers.BINS if dp == 1 else 0)
     return {"before": (world - 1) * (mine + 8),

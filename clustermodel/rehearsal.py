@@ -117,7 +117,7 @@ class _Run:
         import model as gpt
         import optim
         import parallel
-        import pipeline
+        from parallelisms import pipeline
         cfg, layout, recorder, device = self.cfg, self.layout, self.recorder, torch.device("meta")
         with torch.device("meta"):
             model = gpt.GPT(cfg.model, cfg.kernels)
@@ -373,13 +373,13 @@ def cross_check(records: list, cfg) -> list:
     and the pipeline plan of the whole layout, which every rehearsed rank's sends and receives
     must follow op by op."""
     from clustermodel import nccl_rules
-    import pipeline
+    from parallelisms import pipeline
     problems = nccl_rules.check({rec["rank"]: program_of(rec) for rec in records}, partial=True)
     p = cfg.parallel
     if p.pp > 1:
         for backward in (True, False):
             problems += [f"pipeline plan ({'training' if backward else 'evaluation'}): {x}" for x in
-                         nccl_rules.check(pipeline.nccl_programs(p.pp, p.vpp, p.microbatches, p.overlap.pp, backward))]
+                         nccl_rules.check(nccl_rules.pipeline_programs(p.pp, p.vpp, p.microbatches, p.overlap.pp, backward))]
         for rec in records:
             problems += follows_plan(rec, p)
     return problems
@@ -400,7 +400,7 @@ def program_of(record: dict) -> list:
 
 def follows_plan(record: dict, p) -> list:
     """The rank's recorded sends and receives of one training step, against its plan."""
-    import pipeline
+    from parallelisms import pipeline
     pp_rank = record["coordinates"]["pp"]
     planned = [(s[0], s[2].src if s[0] == "recv" else s[2].dst)
                for s in pipeline.plan(p.pp, pp_rank, p.vpp, p.microbatches, p.overlap.pp) if s[0] in ("send", "recv")]

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
 from clustermodel import perfmodel as pm  # noqa: E402
 from model import Block  # noqa: E402
-from tensor_parallel import tp_shard_dim  # noqa: E402
+from parallelisms.tensor_parallel import tp_shard_dim  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -1,6 +1,6 @@
 """What observability costs, two ways.
 
-Per op: the op log's wrapper (observe.Recorder: the post's bookkeeping, the call site, the hash,
+Per op: the op log's wrapper (oplog.Recorder: the post's bookkeeping, the call site, the hash,
 the wait's times) on a 1-rank gloo all_reduce of a small tensor, wrapped and unwrapped in
 alternating blocks; the same wrapper around a stand-in collective that returns at once (its own
 cost, which the real op's tens of microseconds of noise hide); call_site() and a wait's span alone.
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import observe  # noqa: E402
+from observe import oplog
 from corpus.__main__ import build_for  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def block(ops: int, tensor: torch.Tensor, async_op: bool) -> float:
 def call_site_cost(ops: int) -> float:
     start = time.perf_counter()
     for _ in range(ops):
-        observe.call_site()
+        oplog.call_site()
     return (time.perf_counter() - start) / ops
 
 
@@ -225,7 +225,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     tensor = torch.ones(4)
-    recorder = observe.Recorder(observe.ObserveConfig(), 0, {"rank": 0}, {})
+    recorder = oplog.Recorder(oplog.ObserveConfig(), 0, {"rank": 0}, {})
     result = {"load_before": os.getloadavg()}
     for async_op in (False, True):
         block(args.ops, tensor, async_op)  # warm-up

@@ -5,7 +5,7 @@ many steps were lost, and whether the final loss equals an uninterrupted run's.
     python experiments/faults.py --ranks 4            # the table for the closing note
     python experiments/faults.py --ranks 2 --steps 12  # what tests/test_ft.py runs
 
-The faults (ft.py injects them from MEGAREPRO_FAULT; each fires once, in the attempt it names):
+The faults (fault_injection.py injects them from MEGAREPRO_FAULT; each fires once, in the attempt it names):
   launch 1, attempt 0  kill -9 of rank 1 at step 3        -> torchrun restarts every rank
            attempt 1  rank 0 hangs at step 5               -> heartbeat watchdog, exit 75, restart
            attempt 2  the disk is full at step 6's save    -> logged, older checkpoints kept, goes on

@@ -36,15 +36,15 @@ SHORT = ["ft.hang_timeout=3", "ft.heartbeat_interval=0.1", "observe.stall_s=1"] 
 
 def measure(run_dir: Path) -> dict:
     """post_to_report_s and the report's root, from faults.jsonl and the reporting attempt's snapshots."""
-    import observe
+    from observe import hangs, timeline
     events = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
     event = next(e for e in events if e["event"] == "hang_detected" and "root" in e)
     root = event["root"]
     posts = []
-    for path in observe.snapshot_dir(run_dir, event["attempt"]).glob("rank*.json"):
+    for path in hangs.snapshot_dir(run_dir, event["attempt"]).glob("rank*.json"):
         snap = json.loads(path.read_text())
-        posts += [e[observe.POST] for e in snap["ops"] if e[observe.GROUP] == root["group"]
-                  and e[observe.SEQ] == root["seq"] and e[observe.PEER] is None and e[observe.OP] == root["op"]]
+        posts += [e[timeline.POST] for e in snap["ops"] if e[timeline.GROUP] == root["group"]
+                  and e[timeline.SEQ] == root["seq"] and e[timeline.PEER] is None and e[timeline.OP] == root["op"]]
     config = json.loads((run_dir / "run.json").read_text())["config"]
     ft, obs = config["ft"], config["observe"]
     settings = {"ft.hang_timeout": ft["hang_timeout"], "ft.heartbeat_interval": ft["heartbeat_interval"],

@@ -35,12 +35,10 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from config import ABLATION_LABELS  # noqa: E402
 from experiments import intervals, switches  # noqa: E402
+from metrics import markdown_table, pct, seconds  # noqa: E402
 
-# The cumulative steps of Table 3, in order; the single definition (clustermodel/cli.py imports it).
-ABLATION_LABELS: Tuple[str, ...] = (
-    "baseline (Megatron-LM)", "+PTB", "+SWA", "+TP overlap", "+PP overlap", "+DP overlap",
-    "+efficient operators", "+misc (data pipeline)", "+LAMB (batch x3)")
 STUDIES = ("megascale_ablation", "strong_scaling", "convergence")
 # train.py's RunLog has written "finished"/"interrupted"; the study schema says "ok"/"stopped".
 STATUS_ALIASES = {"finished": "ok", "interrupted": "stopped"}
@@ -52,20 +50,6 @@ class SourceError(Exception):
     """A problem with what we were asked to read or write: one line for the user, exit code 2."""
 
 
-# --- Formatting (shared with clustermodel/cli.py's predicted tables) ---
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def pct(x: Optional[float], signed: bool = False) -> str:
-    return "" if x is None else (f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}%")
-
-
-def seconds(x: float) -> str:
-    return f"{x:.3g} s" if x < 10 else f"{x:.1f} s"
 
 
 def count(x: Optional[float]) -> str:

@@ -1,6 +1,6 @@
 """A slow link told apart from a slow rank on the emulated cluster (experiments/emucluster.py):
 one host's link throttled far below the others' is named as a link problem, its dp group's
-ranks listed, and no rank is reported as a compute straggler (stragglers.py).
+ranks listed, and no rank is reported as a compute straggler (observe/stragglers.py).
 
 The layout: 4 hosts of 1 rank each, tp 2 dp 2. Each emulated host stands for one GPU with its own
 NIC, as MegaScale's hosts give every GPU one: the dp groups are ranks {0, 2} and {1, 3}, and host
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import observe
+from observe import diagnose
 from conftest import SMALL, read_metrics, train_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,5 +52,5 @@ def test_a_throttled_host_is_a_link_verdict_and_no_compute_straggler(throttled_r
     # named as soon as the rule allows: 3 of 4 five-step windows, read a window late
     assert min(v["first_step"] for v in verdicts) == 20
     assert all(v["slowdown"] > 2 and v["cost_pct"] > 10 for v in verdicts)
-    diagnosis = observe.diagnose(throttled_run)
+    diagnosis = diagnose.diagnose(throttled_run)
     assert [(s["rank"], s["kind"]) for s in diagnosis["stragglers"]] == [(1, "link")]

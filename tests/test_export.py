@@ -15,7 +15,7 @@ import config
 import export_hf
 from conftest import ROOT, SMALL, run_train
 from model import GPT, AttentionConfig, ModelConfig
-from tensor_parallel import tp_shard_dim
+from parallelisms.tensor_parallel import tp_shard_dim
 
 STEP = 5
 

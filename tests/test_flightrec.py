@@ -1,4 +1,4 @@
-"""PyTorch Flight Recorder dumps read into observe.py's analysis (flightrec.py): a real 3-rank gloo
+"""PyTorch Flight Recorder dumps read into oplog.py's analysis (observe/flightrec.py): a real 3-rank gloo
 job in which rank 1 posts an extra all-reduce, dumped by each rank as NCCL's watchdog names its
 dumps, and a hand-made NCCL-form dump with sends and receives (gloo's recorder keeps none)."""
 import json
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-import flightrec
-import observe
+from observe import flightrec
+from observe import diagnose, hangs
 
 RANK_SCRIPT = r"""
 import os, torch, torch.distributed as dist
@@ -80,7 +80,7 @@ def test_a_gloo_dump_reads_as_an_op_log_with_its_sequence_numbers_sizes_and_call
 
 
 def test_a_gloo_dump_names_the_extra_all_reduce_and_the_ranks_that_never_posted_it(gloo_dumps, capsys):
-    observe.main([str(gloo_dumps)])  # python observe.py DUMP_DIR
+    diagnose.main([str(gloo_dumps)])  # python oplog.py DUMP_DIR
     stdout = capsys.readouterr().out
     diagnosis = json.loads((gloo_dumps / "observe" / "diagnosis.json").read_text())
     hang = diagnosis["hang"]
@@ -116,5 +116,5 @@ def test_a_send_whose_receive_was_never_posted_names_the_receiver_by_its_global_
     send = dict(zip(snaps[3]["fields"], snaps[3]["ops"][1]))
     assert (send["op"], send["peer"], send["pair_seq"], send["bytes"], send["site"]) == ("send", 5, 2, 8,
                                                                                          "pipe.py:42 run")
-    root = observe.localize(snaps)
+    root = hangs.localize(snaps)
     assert (root["rank"], root["reason"], root["op"], root["seq"], root["peer"]) == (5, "busy", "send", 2, 5)

@@ -1,4 +1,4 @@
-"""Fault tolerance (ft.py, experiments/faults.py): every fault of faults.py injected into one real
+"""Fault tolerance (fault_injection.py, observe/heartbeat.py, experiments/faults.py): every fault it injects injected into one real
 torchrun job on 2 gloo ranks, detected, restarted from, and finishing with the uninterrupted
 run's loss, bit for bit (resume at the same layout is exact)."""
 import gc
@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-import ft
+import fault_injection
+import launch
 from conftest import ROOT
+from observe import heartbeat
 
 sys.path.insert(0, str(ROOT / "experiments"))
 import faults  # noqa: E402
@@ -61,13 +63,13 @@ def test_every_fault_is_survived_with_the_uninterrupted_final_loss(scenario):
 def test_faults_are_parsed_per_attempt(monkeypatch):
     monkeypatch.setenv("MEGAREPRO_FAULT", "kill:1@3,hang:0@5#1,disk_full@6#1,slow_save@2.5")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert ft.planned_faults() == [("hang", 0, 5.0), ("disk_full", None, 6.0)]
+    assert fault_injection.planned_faults() == [("hang", 0, 5.0), ("disk_full", None, 6.0)]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert ft.planned_faults() == [("kill", 1, 3.0), ("slow_save", None, 2.5)]
+    assert fault_injection.planned_faults() == [("kill", 1, 3.0), ("slow_save", None, 2.5)]
 
 
 def test_gc_runs_only_at_its_interval():
-    collector = ft.CollectGarbage(3)
+    collector = launch.CollectGarbage(3)
     try:
         assert not gc.isenabled()
         garbage = []
@@ -100,11 +102,11 @@ def test_the_imports_objects_are_frozen_and_what_the_run_makes_is_still_collecte
 
 
 def test_a_slowed_rank_sleeps_its_own_time_times_the_factor_less_one_and_its_waits_not(monkeypatch, tmp_path):
-    from overlap import WaitClock
+    from parallelisms.overlap import WaitClock
     monkeypatch.setenv("MEGAREPRO_FAULT", "slow:1@1.5,spike:1@4,slow:0@3")
     clock, slept = [100.0], []
-    monkeypatch.setattr(ft.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(ft.time, "sleep", slept.append)
+    monkeypatch.setattr(fault_injection.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(fault_injection.time, "sleep", slept.append)
     waits = WaitClock()
     waits.seconds = {"comm": 0.0}
 
@@ -112,12 +114,12 @@ def test_a_slowed_rank_sleeps_its_own_time_times_the_factor_less_one_and_its_wai
         clock[0] += 2.0
         waits.seconds["comm"] += 1.0
     step = [3]
-    slowed = ft.Faults(1, tmp_path).slowing(forward_backward, lambda: step[0], waits)
+    slowed = fault_injection.Faults(1, tmp_path).slowing(forward_backward, lambda: step[0], waits)
     slowed()
     step[0] = 4
     slowed()
-    assert slept == [pytest.approx(0.5), pytest.approx(1.0 * (1.5 * ft.SPIKE - 1))]
-    assert ft.Faults(2, tmp_path).slowing(forward_backward, lambda: 1) is forward_backward  # not its fault
+    assert slept == [pytest.approx(0.5), pytest.approx(1.0 * (1.5 * fault_injection.SPIKE - 1))]
+    assert fault_injection.Faults(2, tmp_path).slowing(forward_backward, lambda: 1) is forward_backward  # not its fault
 
 
 def test_the_hang_timer_spares_a_slow_first_step_but_not_a_later_hang(tmp_path, cache_dir):
@@ -128,7 +130,7 @@ def test_the_hang_timer_spares_a_slow_first_step_but_not_a_later_hang(tmp_path, 
     proc = run_train(tmp_path, SMALL + ["train.max_steps=5", "ft.hang_timeout=2", "ft.first_step_timeout=60",
                                         "ft.heartbeat_interval=0.2"], cache_dir, check=False,
                      MEGAREPRO_FAULT="slow_first_step@5,hang@2")
-    assert proc.returncode == ft.HANG_EXIT, proc.stderr[-2000:]
+    assert proc.returncode == heartbeat.HANG_EXIT, proc.stderr[-2000:]
     events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "hang_detected"] == [2]
     assert [r["step"] for r in read_metrics(tmp_path)] in ([1], [1, 2])  # step 2 hangs after its row, if flushed
@@ -138,8 +140,8 @@ def test_the_hang_timer_spares_a_slow_first_step_but_not_a_later_hang(tmp_path, 
 
 def test_the_first_steps_allowance_ends_with_the_first_step(monkeypatch, tmp_path):
     """The heartbeat's own clock: while step 1 runs it waits first_step_timeout, after it hang_timeout."""
-    cfg = ft.FTConfig(hang_timeout=0.5, first_step_timeout=30, heartbeat_interval=0.05)
-    beat = ft.Heartbeat(tmp_path, 0, 1, cfg, "torch.compile of every chunk")
+    cfg = heartbeat.FTConfig(hang_timeout=0.5, first_step_timeout=30, heartbeat_interval=0.05)
+    beat = heartbeat.Heartbeat(tmp_path, 0, 1, cfg, "torch.compile of every chunk")
     hangs = []
     monkeypatch.setattr(beat, "_report_hang", hangs.append)
     try:
@@ -162,10 +164,10 @@ def test_the_heartbeat_file_is_written_at_most_every_tenth_of_the_hang_timeout(m
     """A shared file system sees a rank's heartbeat file rewritten once per hang_timeout/10, not per
     heartbeat_interval (~100 checks here, one a step); a rank that stops has its last state in the
     file within that time, which is what a hang report reads."""
-    cfg = ft.FTConfig(hang_timeout=2.0, first_step_timeout=30, heartbeat_interval=0.01)
-    writes, replace = [], ft.os.replace
-    monkeypatch.setattr(ft.os, "replace", lambda a, b: (writes.append(time.monotonic()), replace(a, b)))
-    beat = ft.Heartbeat(tmp_path, 0, 1, cfg)
+    cfg = heartbeat.FTConfig(hang_timeout=2.0, first_step_timeout=30, heartbeat_interval=0.01)
+    writes, replace = [], heartbeat.os.replace
+    monkeypatch.setattr(heartbeat.os, "replace", lambda a, b: (writes.append(time.monotonic()), replace(a, b)))
+    beat = heartbeat.Heartbeat(tmp_path, 0, 1, cfg)
     try:
         beat.progress(1, "data")
         beat.progress(1, "compute")

@@ -9,7 +9,7 @@ import torch
 
 import checkpoint
 import launch
-from overlap import WaitClock
+from parallelisms.overlap import WaitClock
 
 
 class StandInEvent:

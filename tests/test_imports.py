@@ -2,8 +2,8 @@
 
 The graph is read from the source with `ast`, not by importing anything: every import statement of
 every module in every folder of the repository (tests and the virtual environment aside) counts, the lazy ones inside
-functions included, except those under `if TYPE_CHECKING:` (never run). An edge a -> b means module
-a imports project module b somewhere.
+functions and those under `if TYPE_CHECKING:` (a circle by type is a circle to the reader) included.
+An edge a -> b means module a imports project module b somewhere.
 """
 import ast
 from pathlib import Path
@@ -25,25 +25,13 @@ def project_modules(root: Path) -> Dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imported_names(path: Path, module: str) -> List[str]:
     """Every dotted name an import statement in the file names (for `from a import b`: a and
-    a.b, since b may be a submodule), TYPE_CHECKING blocks left out."""
+    a.b, since b may be a submodule), TYPE_CHECKING blocks included."""
     names: List[str] = []
     package = module.rpartition(".")[0]
 
     class Visitor(ast.NodeVisitor):
-        def visit_If(self, node: ast.If) -> None:
-            if _is_type_checking(node.test):
-                for child in node.orelse:  # the else branch does run
-                    self.visit(child)
-                return
-            self.generic_visit(node)
-
         def visit_Import(self, node: ast.Import) -> None:
             names.extend(alias.name for alias in node.names)
 
@@ -109,9 +97,9 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
 
 def test_the_project_has_no_import_cycle():
     graph = import_graph(ROOT)
-    # The reader sees what matters: lazy imports inside functions (ft imports checkpoint only in
-    # one), experiments' modules, and the schema root's imports of the modules it assembles.
-    assert "checkpoint" in graph["ft"]
+    # The reader sees what matters: lazy imports inside functions (fault_injection imports checkpoint
+    # only in one), experiments' modules, and the schema root's imports of the modules it assembles.
+    assert "checkpoint" in graph["fault_injection"]
     assert "experiments.tables" in graph["experiments.figures"]
     assert {"checkpoint", "data", "optim", "parallel", "clustermodel.schema"} <= graph["config"]
     assert graph["clustermodel.schema"] == set()  # the cluster model's switches: a leaf the schema root assembles
@@ -119,6 +107,24 @@ def test_the_project_has_no_import_cycle():
     assert "experiments.slurm.submit" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def packages_imports(graph: Dict[str, Set[str]], package: str) -> Set[str]:
+    """The project modules outside `package` that its modules import."""
+    inside = lambda m: m == package or m.startswith(package + ".")  # noqa: E731
+    return {d for m, deps in graph.items() if inside(m) for d in deps if not inside(d)}
+
+
+def test_the_library_never_imports_experiments_and_the_packages_are_layers():
+    """experiments/ holds scripts that use the library, never the reverse; observe/ imports nothing of
+    the rest (every module may record into it), and parallelisms/ only the model, its kernels and
+    observe/ (parallel.py applies it to the model from outside)."""
+    graph = import_graph(ROOT)
+    for module, deps in graph.items():
+        if not module.startswith("experiments"):
+            assert not any(d.startswith("experiments") for d in deps), f"{module} imports {sorted(deps)}"
+    assert packages_imports(graph, "observe") == set()
+    assert packages_imports(graph, "parallelisms") <= {"model", "kernels", "observe", "observe.spans"}
 
 
 def test_errors_is_a_leaf_and_config_is_imported_by_none_it_imports():
@@ -135,17 +141,19 @@ def test_errors_is_a_leaf_and_config_is_imported_by_none_it_imports():
 
 
 def test_the_detector_finds_a_known_cycle(tmp_path):
-    """A synthetic project: a -> b (lazy, in a function) -> c -> a (from-import). A TYPE_CHECKING
-    import back (d -> a, a -> d) is not a cycle; experiments' modules are nodes too."""
+    """A synthetic project: a -> b (lazy, in a function) -> c -> a (from-import); a TYPE_CHECKING
+    import back (d -> a, a -> d) is a cycle too; experiments' modules are nodes too."""
     (tmp_path / "a.py").write_text("import d\n\ndef f():\n    import b\n    return b\n")
     (tmp_path / "b.py").write_text("import os\nfrom c import thing\n")
     (tmp_path / "c.py").write_text("thing = 1\n\ndef g():\n    from a import f\n    return f\n")
     (tmp_path / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
     graph = import_graph(tmp_path)
-    assert graph == {"a": {"b", "d"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert graph == {"a": {"b", "d"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
 
-    (tmp_path / "c.py").write_text("thing = 1\n")  # the circle broken
+    (tmp_path / "c.py").write_text("thing = 1\n")  # the circle broken; the one by type is left
+    assert find_cycle(import_graph(tmp_path)) == ["a", "d", "a"]
+    (tmp_path / "d.py").write_text("from typing import TYPE_CHECKING\n")
     assert find_cycle(import_graph(tmp_path)) is None
 
     (tmp_path / "experiments").mkdir()

@@ -17,24 +17,24 @@ import os, signal, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 sys.path.insert(0, os.environ["REPO"])
-import ft, lastwords, observe
+from observe import diagnose, heartbeat, lastwords, oplog, timeline
 
 rank, run_dir = int(os.environ["RANK"]), Path(os.environ["RUN_DIR"])
 dist.init_process_group("gloo")
 if rank == 1:  # the handler that was there before (train.py's stop flag, submitit's requeue)
     signal.signal(signal.SIGTERM, lambda s, f: (Path(run_dir, "previous_handler_ran").write_text(str(s)),
                                                 os._exit(7)))
-recorder = observe.Recorder(observe.ObserveConfig(), rank, {"rank": rank, "dp": rank, "pp": 0, "tp": 0}, {})
+recorder = oplog.Recorder(oplog.ObserveConfig(), rank, {"rank": rank, "dp": rank, "pp": 0, "tp": 0}, {})
 recorder.install()
 lastwords.LastWords(recorder, run_dir)
-beat = ft.Heartbeat(run_dir, rank, 2, ft.FTConfig(hang_timeout=600, heartbeat_interval=0.05), observer=recorder)
+beat = heartbeat.Heartbeat(run_dir, rank, 2, heartbeat.FTConfig(hang_timeout=600, heartbeat_interval=0.05), observer=recorder)
 dist.all_reduce(torch.ones(4))
 beat.progress(1, "compute")
 time.sleep(0.5)  # the heartbeat writes the new phase; nothing changes after it for 60 s
 
 
 def ready():  # once the main thread's all-reduce has begun its wait (the wrapper stamps it, then enters gloo)
-    while rank == 0 and not (recorder.ops[-1][observe.BYTES] == 32 and recorder.ops[-1][observe.WAIT]):
+    while rank == 0 and not (recorder.ops[-1][timeline.BYTES] == 32 and recorder.ops[-1][timeline.WAIT]):
         time.sleep(0.01)
     time.sleep(0.3)
     Path(run_dir, f"ready{rank}").write_text("")
@@ -119,9 +119,9 @@ def test_a_fatal_signal_leaves_every_threads_stack_beside_the_snapshot(signalled
 
 
 def test_the_diagnosis_says_which_rank_was_signalled_and_which_died_of_a_fatal_signal(signalled):
-    import observe
+    from observe import diagnose
     run_dir = signalled[0]
-    diagnosis = observe.diagnose(run_dir)
+    diagnosis = diagnose.diagnose(run_dir)
     assert {r: [s["name"] for s in got] for r, got in diagnosis["signals"].items()} == {0: ["SIGTERM"], 1: ["SIGTERM"]}
     assert diagnosis["fatal"] == {0: "Fatal Python error: Aborted"}
     report = (run_dir / "observe" / "report.txt").read_text()

@@ -138,7 +138,7 @@ def test_completed_sends_are_released_at_once():
     """NCCL's works report completion (an event query): a send is dropped, with its tensor, after
     the first compute that finds it complete. (gloo's send works report it only once waited for,
     so on CPU the sends go at the step's end.)"""
-    from pipeline import Pipeline
+    from parallelisms.pipeline import Pipeline
     pipe = Pipeline.__new__(Pipeline)
     pipe.most_held = 0
     pipe.sends = [(_Work(True), torch.ones(3)), (_Work(False), torch.ones(3)), (_Work(True), torch.ones(3))]

@@ -2,18 +2,18 @@
 
 Each deadlock a review found in an earlier version of the pipeline is put back as a minimal reproduction (one
 shared channel for every message, tags ignored, as NCCL does) and must be caught; the plan of
-pipeline.py (a channel per message kind and direction) must pass the same layouts, the paper's
+parallelisms/pipeline.py (a channel per message kind and direction) must pass the same layouts, the paper's
 included, training and evaluation, overlap off and on."""
 import pytest
 
-import pipeline
-from clustermodel.nccl_rules import Op, check
+from parallelisms import pipeline
+from clustermodel.nccl_rules import Op, check, pipeline_programs
 
 SHARED = lambda message: ()  # the earlier version: one process group for every pipeline message
 
 
 def caught(pp, vpp, microbatches, overlap, backward=True):
-    return check(pipeline.nccl_programs(pp, vpp, microbatches, overlap, backward, channel=SHARED))
+    return check(pipeline_programs(pp, vpp, microbatches, overlap, backward, channel=SHARED))
 
 
 def deadlocked(problems) -> bool:
@@ -66,14 +66,14 @@ GRID = [(pp, vpp, m) for pp in (2, 3, 4, 8) for vpp in (1, 2, 3) for m in ((pp, 
 @pytest.mark.parametrize("backward", [True, False])
 def test_the_plan_runs_under_nccl_rules(overlap, backward):
     for pp, vpp, m in GRID:
-        assert check(pipeline.nccl_programs(pp, vpp, m, overlap, backward)) == [], (pp, vpp, m)
+        assert check(pipeline_programs(pp, vpp, m, overlap, backward)) == [], (pp, vpp, m)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_paper_layouts_run_under_nccl_rules(overlap):
-    assert check(pipeline.nccl_programs(8, 6, 64, overlap)) == []     # 175B, Table 3 (dp4)
-    assert check(pipeline.nccl_programs(8, 6, 192, overlap)) == []    # 175B, Table 3's LAMB step
-    assert check(pipeline.nccl_programs(35, 3, 70, overlap)) == []    # 530B (conf/parallel/megascale_530B)
+    assert check(pipeline_programs(8, 6, 64, overlap)) == []     # 175B, Table 3 (dp4)
+    assert check(pipeline_programs(8, 6, 192, overlap)) == []    # 175B, Table 3's LAMB step
+    assert check(pipeline_programs(35, 3, 70, overlap)) == []    # 530B (conf/parallel/megascale_530B)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

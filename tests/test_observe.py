@@ -1,4 +1,4 @@
-"""Observability (observe.py): the op log and spans every rank writes with its heartbeat, and the
+"""Observability (oplog.py): the op log and spans every rank writes with its heartbeat, and the
 root of a hang named from them. One real torchrun job on 2 gloo pipeline ranks serves the
 injected faults that restart it: a skipped collective in the first attempt, a rank busy outside
 communication in the second, and the third finishes the run from the newest checkpoint."""
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import observe
+from observe import hangs, heartbeat, oplog, timeline
 from conftest import ROOT, SMALL, read_metrics, run_train, train_env
 
 STEPS = 5
@@ -42,13 +42,13 @@ def test_a_skipped_collective_names_that_rank_op_group_and_sequence_number_then_
     assert [r["step"] for r in read_metrics(run_dir)][-1] == STEPS
     root = _root(events, 0)
     # What the healthy rank waits in, read from its own last snapshot of that attempt
-    healthy = json.loads((observe.snapshot_dir(run_dir, 0) / "rank0.json").read_text())
-    waiting = observe._blocked(healthy)
-    assert waiting is not None and waiting[observe.STEP] == 3
+    healthy = json.loads((hangs.snapshot_dir(run_dir, 0) / "rank0.json").read_text())
+    waiting = hangs._blocked(healthy)
+    assert waiting is not None and waiting[timeline.STEP] == 3
     assert (root["rank"], root["reason"], root["coords"]["pp"]) == (1, "skipped", 1)
-    assert (root["op"], root["group"], root["seq"]) == (waiting[observe.OP], waiting[observe.GROUP],
-                                                        waiting[observe.SEQ])
-    assert root["op"] == "all_reduce" and root["site"] == waiting[observe.SITE]
+    assert (root["op"], root["group"], root["seq"]) == (waiting[timeline.OP], waiting[timeline.GROUP],
+                                                        waiting[timeline.SEQ])
+    assert root["op"] == "all_reduce" and root["site"] == waiting[timeline.SITE]
     assert "hang started at rank 1" in proc.stdout + proc.stderr
     # Found at observe.stall_s (1 s in the wait), not at ft.hang_timeout (3 s without progress)
     (event,) = [e for e in events if e["attempt"] == 0 and "root" in e]
@@ -61,14 +61,14 @@ def test_a_hung_rank_is_reported_busy_outside_communication_with_its_stack(fault
     assert (root["rank"], root["reason"]) == (0, "busy"), root  # not certain: found at the hang timeout
     (event,) = [e for e in events if e["attempt"] == 1 and "root" in e]
     assert not event["early"] and event["idle_s"] >= 3
-    assert any(line.startswith("ft.py:") and line.endswith("after_step") for line in root["stack"]), root["stack"]
+    assert any(line.startswith("fault_injection.py:") and line.endswith("after_step") for line in root["stack"]), root["stack"]
     assert root["op"] == "recv" and root["dim"] == "pp"  # what rank 1 waits in: rank 0's activations
     assert [a["status"] for a in json.loads((run_dir / "run.json").read_text())["attempts"]][-1] == "finished"
 
 
 def test_every_snapshot_says_who_wrote_it_and_holds_the_ops_and_spans(faulty_run):
     _, run_dir, _ = faulty_run
-    snap = json.loads((observe.snapshot_dir(run_dir, 2) / "rank1.json").read_text())
+    snap = json.loads((hangs.snapshot_dir(run_dir, 2) / "rank1.json").read_text())
     assert (snap["rank"], snap["attempt"], snap["coords"]) == (1, 2, {"rank": 1, "dp": 0, "pp": 1, "tp": 0})
     assert snap["host"] and snap["pid"] != os.getpid() and snap["stack"]
     ops = [dict(zip(snap["fields"], e)) for e in snap["ops"]]
@@ -112,22 +112,22 @@ def _op(op, seq, site, nbytes=4, done=None, group="g", peer=None, pair_seq=None,
 def test_a_different_size_at_the_same_sequence_number_names_the_odd_rank_and_both_sites():
     waiting = [_op("all_reduce", 4, "optim.py:9 step")]
     snaps = {0: _snap(0, 7, waiting, {"g": 4}), 2: _snap(2, 7, waiting, {"g": 4}),
-             1: _snap(1, 7, [_op("all_reduce", 4, "zero.py:5 reduce", nbytes=8)], {"g": 4})}
-    root = observe.localize(snaps)
+             1: _snap(1, 7, [_op("all_reduce", 4, "parallelisms/zero.py:5 reduce", nbytes=8)], {"g": 4})}
+    root = hangs.localize(snaps)
     assert (root["rank"], root["reason"], root["seq"]) == (1, "mismatch", 4)
-    assert root["sites"] == ["optim.py:9 step", "zero.py:5 reduce"]
+    assert root["sites"] == ["optim.py:9 step", "parallelisms/zero.py:5 reduce"]
 
 
 def test_a_wait_for_cycle_is_reported_as_one():
-    snaps = {0: _snap(0, 7, [_op("recv", 0, "pipeline.py:1 _post", peer=1, pair_seq=3)], members={}),
-             1: _snap(1, 7, [_op("recv", 0, "pipeline.py:1 _post", peer=0, pair_seq=3)], members={})}
-    root = observe.localize(snaps)
+    snaps = {0: _snap(0, 7, [_op("recv", 0, "parallelisms/pipeline.py:1 _post", peer=1, pair_seq=3)], members={}),
+             1: _snap(1, 7, [_op("recv", 0, "parallelisms/pipeline.py:1 _post", peer=0, pair_seq=3)], members={})}
+    root = hangs.localize(snaps)
     assert root["reason"] == "cycle" and "rank 0" in root["detail"] and "rank 1" in root["detail"]
 
 
 def test_a_missing_snapshot_is_a_dead_rank():
     snaps = {0: _snap(0, 7, [_op("all_reduce", 4, "optim.py:9 step")], {"g": 4}), 1: None}
-    root = observe.localize(snaps)
+    root = hangs.localize(snaps)
     assert (root["rank"], root["reason"], root["seq"]) == (1, "dead", 4)
 
 
@@ -142,7 +142,7 @@ def test_the_op_log_is_a_bounded_ring_with_a_running_hash_per_group(monkeypatch)
     try:
         hashes, original = [], dist.all_reduce
         for order in ((4, 8), (8, 4)):
-            rec = observe.Recorder(observe.ObserveConfig(ring=3), 0, {"rank": 0}, {})
+            rec = oplog.Recorder(oplog.ObserveConfig(ring=3), 0, {"rank": 0}, {})
             rec.install()
             try:
                 for n in order + (1, 1):
@@ -151,15 +151,15 @@ def test_the_op_log_is_a_bounded_ring_with_a_running_hash_per_group(monkeypatch)
             finally:
                 rec.uninstall()
             ops = list(rec.ops)
-            assert len(ops) == 3 and [e[observe.SEQ] for e in ops] == [3, 4, 5]
-            assert [e[observe.BYTES] for e in ops] == [4, 4, 8] and all(e[observe.DONE] for e in ops)
-            assert ops[0][observe.SITE].startswith("test_observe.py:")
-            hashes.append(rec.hash[ops[0][observe.GROUP]])
+            assert len(ops) == 3 and [e[timeline.SEQ] for e in ops] == [3, 4, 5]
+            assert [e[timeline.BYTES] for e in ops] == [4, 4, 8] and all(e[timeline.DONE] for e in ops)
+            assert ops[0][timeline.SITE].startswith("test_observe.py:")
+            hashes.append(rec.hash[ops[0][timeline.GROUP]])
         assert hashes[0] != hashes[1]
         assert dist.all_reduce is original  # uninstalled
         swapped = []  # the same two same-size ops from two lines, in either order: only the call site differs
         for first in (True, False):
-            rec = observe.Recorder(observe.ObserveConfig(), 0, {"rank": 0}, {})
+            rec = oplog.Recorder(oplog.ObserveConfig(), 0, {"rank": 0}, {})
             rec.install()
             try:
                 for turn in (first, not first):
@@ -183,11 +183,11 @@ def _free_port() -> int:
 
 
 
-# --- python observe.py RUN_DIR ---
+# --- python oplog.py RUN_DIR ---
 
 def test_the_diagnosis_names_the_last_hang_and_the_trace_is_valid(faulty_run):
     _, run_dir, events = faulty_run
-    out = subprocess.run([sys.executable, "observe.py", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "observe", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     diagnosis = json.loads((run_dir / "observe" / "diagnosis.json").read_text())
     assert diagnosis["attempt"] == 2 and diagnosis["ranks"] == [0, 1]
@@ -209,11 +209,11 @@ def test_the_replays_predicted_track_lies_beside_each_rank_and_the_trace_stays_v
     """python -m clustermodel.predicted RUN_DIR: the run rehearsed (one rank per stage), its replay's steady step
     laid at each measured step of each rank, in the trace and the figure."""
     from clustermodel import predicted
-    import timeline
+    from observe import timeline
     from clustermodel import cli, perfmodel as pm, replay
     _, run_dir, _ = faulty_run
     predicted.main([str(run_dir)])
-    assert "rank 1, skipped" in capsys.readouterr().out  # observe.py's report, redrawn with the track
+    assert "rank 1, skipped" in capsys.readouterr().out  # oplog.py's report, redrawn with the track
     stages = json.loads((run_dir / "observe" / "predicted.json").read_text())["stages"]
     cfg = cli.run_config(run_dir)  # hardware=auto: this CPU
     hw = pm.resolve_hardware(cfg.hardware)
@@ -228,7 +228,7 @@ def test_the_replays_predicted_track_lies_beside_each_rank_and_the_trace_stays_v
     diagnosis = json.loads((run_dir / "observe" / "diagnosis.json").read_text())
     assert diagnosis["predicted_track"] == [0, 1]
     events = json.loads((run_dir / "observe" / "trace.json").read_text())["traceEvents"]
-    snaps = {r: json.loads((observe.snapshot_dir(run_dir, 2) / f"rank{r}.json").read_text()) for r in (0, 1)}
+    snaps = {r: json.loads((hangs.snapshot_dir(run_dir, 2) / f"rank{r}.json").read_text()) for r in (0, 1)}
     for rank, snap in snaps.items():
         tid = timeline.PREDICTED_TID + rank
         assert any(e["ph"] == "M" and e.get("tid") == tid and e["args"].get("name") == f"rank {rank} predicted"
@@ -259,7 +259,7 @@ def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_milli
             for r in members:
                 snaps[r]["ops"].append(_op("all_reduce", seq, "x.py:1 f", group=name,
                                            done=end + truth[r] + rng.uniform(-2e-4, 2e-4)))
-    import timeline
+    from observe import timeline
     offsets, residual = timeline.clock_offsets(snaps)
     assert set(offsets) == set(truth)
     assert all(abs(offsets[r] - truth[r]) < 1e-3 for r in truth), offsets
@@ -267,11 +267,11 @@ def test_clock_offsets_injected_into_synthetic_logs_are_recovered_within_a_milli
 
 
 def test_a_snapshot_holds_a_mesh_groups_ranks_in_four_items_whatever_its_size():
-    assert observe.as_range(list(range(12288))) == ["range", 0, 12288, 1]
-    assert observe.as_range([4, 6, 8]) == ["range", 4, 9, 2]
-    assert list(observe.ranks_of(["range", 4, 9, 2])) == [4, 6, 8]
-    assert list(observe.ranks_of(observe.as_range([3]))) == [3]
-    assert observe.as_range([0, 1, 4, 5]) == [0, 1, 4, 5] == observe.ranks_of([0, 1, 4, 5])
+    assert oplog.as_range(list(range(12288))) == ["range", 0, 12288, 1]
+    assert oplog.as_range([4, 6, 8]) == ["range", 4, 9, 2]
+    assert list(hangs.ranks_of(["range", 4, 9, 2])) == [4, 6, 8]
+    assert list(hangs.ranks_of(oplog.as_range([3]))) == [3]
+    assert oplog.as_range([0, 1, 4, 5]) == [0, 1, 4, 5] == hangs.ranks_of([0, 1, 4, 5])
 
 
 def test_snapshots_keep_the_heartbeats_bound_even_while_the_first_step_posts_ops(monkeypatch, tmp_path):
@@ -279,12 +279,11 @@ def test_snapshots_keep_the_heartbeats_bound_even_while_the_first_step_posts_ops
     first step too (which the heartbeat file itself may rewrite at every change), and its last
     state once more when the heartbeat closes."""
     import time
-    import ft
-    cfg = ft.FTConfig(hang_timeout=2.0, first_step_timeout=30, heartbeat_interval=0.01)
-    recorder = observe.Recorder(observe.ObserveConfig(), 0, {"rank": 0}, {})
+    cfg = heartbeat.FTConfig(hang_timeout=2.0, first_step_timeout=30, heartbeat_interval=0.01)
+    recorder = oplog.Recorder(oplog.ObserveConfig(), 0, {"rank": 0}, {})
     writes, write = [], recorder.write
     monkeypatch.setattr(recorder, "write", lambda *a, **k: (writes.append(time.monotonic()), write(*a, **k)))
-    beat = ft.Heartbeat(tmp_path, 0, 1, cfg, observer=recorder)
+    beat = heartbeat.Heartbeat(tmp_path, 0, 1, cfg, observer=recorder)
     try:
         beat.progress(1, "compute")
         start = time.monotonic()
@@ -298,7 +297,7 @@ def test_snapshots_keep_the_heartbeats_bound_even_while_the_first_step_posts_ops
     finally:
         recorder.version += 1
         beat.close()
-    snap = json.loads((observe.snapshot_dir(tmp_path, 0) / "rank0.json").read_text())
+    snap = json.loads((hangs.snapshot_dir(tmp_path, 0) / "rank0.json").read_text())
     assert (snap["rank"], snap["step"], snap["phase"]) == (0, 1, "compute") and len(writes) >= 2
 
 
@@ -324,17 +323,17 @@ def test_a_swap_of_two_same_size_collectives_is_reported_without_a_hang(swapped_
     (event,) = [e for e in events if e["event"] == "desync"]  # once per group
     desync = event["desync"]
     # The first sequence number at which the two ranks' own snapshots differ, and both call sites
-    rings = [{e[observe.SEQ]: e for e in json.loads((observe.snapshot_dir(run_dir, 0) / f"rank{r}.json").read_text())
-              ["ops"] if e[observe.PEER] is None and e[observe.DIM] == "tp"} for r in (0, 1)]
+    rings = [{e[timeline.SEQ]: e for e in json.loads((hangs.snapshot_dir(run_dir, 0) / f"rank{r}.json").read_text())
+              ["ops"] if e[timeline.PEER] is None and e[timeline.DIM] == "tp"} for r in (0, 1)]
     first = min(seq for seq in rings[0]
-                if seq in rings[1] and rings[0][seq][observe.SITE] != rings[1][seq][observe.SITE])
+                if seq in rings[1] and rings[0][seq][timeline.SITE] != rings[1][seq][timeline.SITE])
     assert (desync["rank"], desync["dim"], desync["seq"], desync["step"]) == (1, "tp", first, 2)
-    assert desync["sites"] == [rings[0][first][observe.SITE], rings[1][first][observe.SITE]]
+    assert desync["sites"] == [rings[0][first][timeline.SITE], rings[1][first][timeline.SITE]]
     assert desync["sites"][0] != desync["sites"][1] and desync["ops"][0] == desync["ops"][1]
     assert desync["bytes"][0] == desync["bytes"][1]  # the same size: gloo pairs them silently
-    assert rings[1][first + 1][observe.SITE] == desync["sites"][0]  # swapped: rank 1 posted rank 0's next
+    assert rings[1][first + 1][timeline.SITE] == desync["sites"][0]  # swapped: rank 1 posted rank 0's next
     assert "desync on rank 1" in proc.stdout + proc.stderr
-    out = subprocess.run([sys.executable, "observe.py", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "observe", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     diagnosis = json.loads((run_dir / "observe" / "diagnosis.json").read_text())
     assert diagnosis["hang"] is None and [d["seq"] for d in diagnosis["desync"]] == [first]
@@ -351,7 +350,7 @@ def _ring(rank, sites, group="g"):
 
 
 def _recorder(rank, sites, members):
-    rec = observe.Recorder(observe.ObserveConfig(desync_every=2), rank, {"rank": rank}, {})
+    rec = oplog.Recorder(oplog.ObserveConfig(desync_every=2), rank, {"rank": rank}, {})
     rec.ops.extend(_ring(rank, sites))
     rec.members = {"g": members}
     return rec
@@ -362,7 +361,7 @@ def test_the_desync_check_bisects_to_the_first_differing_op_and_names_the_odd_ra
     """Through a real c10d store: every rank sets its (seq, hash), the group's lowest rank reads its
     members' once every desync_every beats and bisects against the odd rank's snapshot ring."""
     import torch.distributed as dist
-    monkeypatch.setattr(observe, "_attempt", lambda: 0)
+    monkeypatch.setattr(oplog, "attempt", lambda: 0)
     good = [f"a.py:{n} f" for n in range(1, 41)]
     bad = good[:22] + [good[23], good[22]] + good[24:]  # #23 and #24 swapped
     members = ["range", 0, 3, 1]
@@ -397,20 +396,20 @@ def test_the_desync_check_leaves_out_groups_larger_than_its_bound():
     from pathlib import Path
     import torch.distributed as dist
     store = dist.HashStore()
-    rec = observe.Recorder(observe.ObserveConfig(desync_every=1, desync_max_group=4), 0, {"rank": 0}, {})
+    rec = oplog.Recorder(oplog.ObserveConfig(desync_every=1, desync_max_group=4), 0, {"rank": 0}, {})
     rec.members = {"tp": ["range", 0, 4, 1], "world": ["range", 0, 4096, 1]}
     rec.ops.append(["tp", "tp", 0, "all_reduce", 4, "float32", None, None, "a.py:1", 1, 0.0, 0.0, 0.0, 7])
     rec.ops.append(["world", "dp", 0, "all_reduce", 4, "float32", None, None, "a.py:2", 1, 0.0, 0.0, 0.0, 9])
     assert rec.check_desync(Path("."), store) == []
-    prefix = f"observe/desync/{observe._attempt()}/"
+    prefix = f"observe/desync/{heartbeat.attempt()}/"
     assert store.check([f"{prefix}tp/0"]) and not store.check([f"{prefix}world/0"])
 
 
 def test_the_figure_draws_each_ranks_spans_by_kind_and_a_wait_still_unfinished(tmp_path):
     """A hand-made hang: rank 0 waits in a receive from t=2 until its snapshot at t=7; rank 1 ran a
     forward and a backward and is busy. Each drawn once, on aligned clocks."""
-    import timeline
-    recv = ["g", "pp", 0, "recv", 4, "float32", 1, 1, "pipeline.py:9 _post", 1, 1.5, 2.0, None, None]
+    from observe import timeline
+    recv = ["g", "pp", 0, "recv", 4, "float32", 1, 1, "parallelisms/pipeline.py:9 _post", 1, 1.5, 2.0, None, None]
     snaps = {0: {"time": 7.0, "ops": [recv], "spans": [["wait", "bubble pp recv", 1, 1.0, 0.5]]},
              1: {"time": 7.0, "ops": [], "spans": [["segment", "forward c0 mb0", 1, 1.0, 0.4],
                                                    ["segment", "backward c0 mb0", 1, 1.5, 0.6],

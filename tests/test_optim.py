@@ -15,7 +15,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import optim  # noqa: E402
-import sharding  # noqa: E402
+from parallelisms import sharding  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 
 import forked  # noqa: E402

@@ -348,7 +348,7 @@ class _GemmCounter(TorchDispatchMode):
 def _count_tp_collectives(rank: int, world: int, port: int, block: str, out_dir: str, mode: str = "off") -> None:
     import collections
     import torch.distributed as dist
-    import overlap
+    from parallelisms import overlap
     import parallel
     from model import GPT, ModelConfig
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,4 +1,4 @@
-"""The pipeline alone (pipeline.py), primitive by primitive, in a few seconds: its plan of sends and
+"""The pipeline alone (parallelisms/pipeline.py), primitive by primitive, in a few seconds: its plan of sends and
 receives against NCCL's rules and its own bookkeeping, and 1F1B and interleaved 1F1B on 2 gloo
 ranks against the unsplit model in one process (the same loss, the same gradients). The
 whole-run layouts (tests/test_parallel.py: pp2_vpp2, pp2_dp2, ...) run train.py with these
@@ -10,8 +10,8 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-import pipeline
-from clustermodel.nccl_rules import check
+from parallelisms import pipeline
+from clustermodel.nccl_rules import check, pipeline_programs
 from conftest import spawn
 
 # (pp, vpp, microbatches): plain 1F1B and interleaved, with fewer and more microbatches than a
@@ -63,7 +63,7 @@ def test_each_channel_carries_its_messages_in_the_order_they_are_received(pp, vp
     assert sent == received
     boundaries = pp * vpp - 1  # messages of one microbatch: one activation (and one gradient) per boundary
     assert sum(map(len, sent.values())) == m * boundaries * (2 if backward else 1)
-    assert check(pipeline.nccl_programs(pp, vpp, m, overlap, backward)) == []
+    assert check(pipeline_programs(pp, vpp, m, overlap, backward)) == []
 
 
 # --- the executor on 2 gloo ranks against the unsplit model ---

@@ -83,7 +83,7 @@ def test_a_64_rank_layout_rehearses_its_first_and_last_rank(tmp_path):
     first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 63))
     assert first["coordinates"] == {"rank": 0, "dp": 0, "pp": 0, "tp": 0}
     assert last["coordinates"] == {"rank": 63, "dp": 3, "pp": 3, "tp": 3}
-    import pipeline
+    from parallelisms import pipeline
     for rec in (first, last):
         order = pipeline.pipeline_order(4, rec["coordinates"]["pp"], 2, 4)
         assert rec["schedule"] == [f"{k}{mb}.{c}" for k, mb, c in order]
@@ -341,7 +341,7 @@ def test_a_cpu_tensor_in_the_loss_all_reduce_is_named(monkeypatch, tmp_path):
 
 def test_a_host_read_per_microbatch_is_named(monkeypatch, tmp_path):
     """Finding 3: .item() on every microbatch's loss on the last stage stalls the host."""
-    import pipeline
+    from parallelisms import pipeline
     compute = pipeline.Pipeline._compute
 
     def reading(self, *args, **kwargs):

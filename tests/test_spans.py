@@ -1,13 +1,13 @@
-"""Named segments (spans.py) and the wait spans observe.py labels with what they wait for, on the
+"""Named segments (observe/spans.py) and the wait spans oplog.py labels with what they wait for, on the
 host-clock path and the CUDA-event path (through test_gpu_paths' stand-in event). A real 2-rank
 pipeline run's spans are checked in test_observe.py."""
 import time
 
 import pytest
 
-import observe
-import spans
-from overlap import WaitClock
+from observe import oplog
+from observe import spans
+from parallelisms.overlap import WaitClock
 from test_gpu_paths import StandInEvent
 
 
@@ -19,7 +19,7 @@ class _Work:
 
 @pytest.fixture
 def recorder():
-    rec = observe.Recorder(observe.ObserveConfig(), 0, {"rank": 0}, {})
+    rec = oplog.Recorder(oplog.ObserveConfig(), 0, {"rank": 0}, {})
     rec.members.update({"tp": ["range", 0, 2, 1], "pp": ["range", 0, 2, 1], "dp": ["range", 0, 2, 1]})
     rec.dims.update({"tp": "tp", "pp": "pp", "dp": "dp"})
     spans.SINK = rec
@@ -29,7 +29,7 @@ def recorder():
 
 def _waited(rec, op, group, peer=None, site=None):
     entry = rec.post(op, [], None if group is None else _Group(group), peer, site=site)
-    observe._Watched(_Work(), entry, rec).wait()
+    oplog._Watched(_Work(), entry, rec).wait()
 
 
 class _Group:
@@ -43,9 +43,9 @@ def test_each_wait_is_named_by_the_op_it_waits_for_on_both_paths(recorder, devic
     clock.on_wait, clock.describe = recorder.wait_span, recorder.wait_label
     clock.start_step(device)
     waits = [("comm", "all_reduce", "tp", None, "parallel.py:9 forward", "comm tp"),
-             ("comm", "reduce_scatter", "dp", None, "zero.py:9 reduce_gradients", "comm dp"),
-             ("bubble", "recv", "pp", 1, "pipeline.py:9 _post", "bubble pp recv"),
-             ("comm", "send", "pp", 1, "pipeline.py:9 _post", "comm pp send"),
+             ("comm", "reduce_scatter", "dp", None, "parallelisms/zero.py:9 reduce_gradients", "comm dp"),
+             ("bubble", "recv", "pp", 1, "parallelisms/pipeline.py:9 _post", "bubble pp recv"),
+             ("comm", "send", "pp", 1, "parallelisms/pipeline.py:9 _post", "comm pp send"),
              ("comm", "all_reduce", "tp", None, "optim.py:9 trust_ratios", "comm optimizer"),
              ("comm", "all_reduce", "tp", None, "parallel.py:9 finish_gradients", "comm optimizer"),
              ("bubble", "all_reduce", "tp", None, "parallel.py:9 agree", "bubble agree")]

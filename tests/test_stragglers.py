@@ -1,4 +1,4 @@
-"""Stragglers named as culprits (stragglers.py): a rank slowed by slow:RANK@1.5 is the only one
+"""Stragglers named as culprits (observe/stragglers.py): a rank slowed by slow:RANK@1.5 is the only one
 flagged, its waiting peer and a rank with a one-step spike are not, a pipeline whose last stage
 does more work flags no one, and in a pipeline of single-rank dp groups the slowed stage is named
 from its compute over the performance model's prediction; offline, a replay prices it. Three short
@@ -8,8 +8,8 @@ import statistics
 import pytest
 import torch
 
-import observe
-import stragglers
+from observe import diagnose
+from observe import stragglers
 from clustermodel import predicted
 from conftest import SMALL, read_metrics, run_train
 
@@ -71,7 +71,7 @@ def test_a_slowed_rank_is_the_only_one_flagged_and_its_waiting_peer_and_a_spike_
 
 
 def test_the_diagnosis_lists_the_culprit_and_draws_the_heat_map(slowed_run):
-    diagnosis = observe.diagnose(slowed_run, price=predicted.price_stragglers)
+    diagnosis = diagnose.diagnose(slowed_run, price=predicted.price_stragglers)
     assert [(s["rank"], s["kind"]) for s in diagnosis["stragglers"]] == [(1, "compute")]
     assert set(diagnosis["stragglers"][0]) >= {"rank", "kind", "slowdown", "cost_pct", "post_late_ms"}
     late = diagnosis["post_late_ms"]  # from the op logs: the culprit posts late, the victim early
@@ -107,7 +107,7 @@ def test_a_slowed_stage_whose_dp_group_is_one_rank_is_named_from_its_normalised_
 
 def test_a_replay_prices_a_pipeline_straggler_below_its_excess_where_the_bubble_absorbs_part(slowed_pipeline_run):
     from clustermodel import cli, replay
-    diagnosis = observe.diagnose(slowed_pipeline_run, price=predicted.price_stragglers)
+    diagnosis = diagnose.diagnose(slowed_pipeline_run, price=predicted.price_stragglers)
     (culprit,) = diagnosis["stragglers"]
     assert (culprit["rank"], culprit["priced_by"]) == (0, "replay") and culprit["excess_pct"] > 0
     priced = culprit["replayed"]  # the lighter stage slowed: the other's wait absorbs part of it

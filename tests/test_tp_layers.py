@@ -1,4 +1,4 @@
-"""Each tensor-parallel primitive of tensor_parallel.py against its unsharded torch reference, on 2
+"""Each tensor-parallel primitive of parallelisms/tensor_parallel.py against its unsharded torch reference, on 2
 gloo ranks, forward and backward: the column- and row-parallel linear layers with sequence
 parallelism (the sequence sharded around them, as the blocks run them) and without (the input
 whole on every rank), the vocab-parallel embedding, and the vocab-parallel head with its loss.
@@ -46,8 +46,8 @@ def column_parallel(tp, sequence_parallel: bool, keep_full: bool = False) -> flo
     slice, gathered inside (overlap.GatheredLinears, as the blocks call it); without, the whole
     input goes through the plain nn.Linear on its slices, and its input gradient is partial."""
     import torch.distributed as dist
-    import overlap
-    from tensor_parallel import COLWISE
+    from parallelisms import overlap
+    from parallelisms.tensor_parallel import COLWISE
     ref, x, gy = torch.nn.Linear(D, OUT), torch.randn(B, T, D, requires_grad=True), torch.randn(B, T, OUT)
     want = reference(ref, x, gy)
     dims = dict(COLWISE.split)
@@ -73,7 +73,7 @@ def row_parallel(tp, sequence_parallel: bool) -> float:
     over the sequence and the whole bias added after, its gradient partial (a TP-replicated
     parameter); without, all-reduced (Megatron's row-parallel linear: identity backward)."""
     import torch.distributed as dist
-    from tensor_parallel import ROWWISE, ReduceScatterSeq, RowParallelLinear
+    from parallelisms.tensor_parallel import ROWWISE, ReduceScatterSeq, RowParallelLinear
     ref, h, gy = torch.nn.Linear(OUT, D), torch.randn(B, T, OUT, requires_grad=True), torch.randn(B, T, D)
     want = reference(ref, h, gy)
     plain = torch.nn.Linear(OUT // tp.size, D)
@@ -100,7 +100,7 @@ def row_parallel(tp, sequence_parallel: bool) -> float:
 
 def vocab_embedding(tp) -> float:
     """The vocabulary's rows split; out comes this rank's slice of the sequence, summed."""
-    from tensor_parallel import VOCAB_PARALLEL_EMBEDDING, VocabParallelEmbedding
+    from parallelisms.tensor_parallel import VOCAB_PARALLEL_EMBEDDING, VocabParallelEmbedding
     ref, tokens, gy = torch.nn.Embedding(VOCAB, D), torch.randint(0, VOCAB, (B, T)), torch.randn(B, T, D)
     want = reference(ref, tokens, gy)
     plain = torch.nn.Embedding(VOCAB // tp.size, D)
@@ -115,7 +115,7 @@ def vocab_embedding(tp) -> float:
 def vocab_head_and_loss(tp) -> float:
     """The output projection's vocabulary rows split, on this rank's sequence slice, into the
     vocab-parallel cross-entropy: the loss and its gradients against F.cross_entropy's."""
-    from tensor_parallel import VOCAB_PARALLEL_HEAD, VocabParallelHead, vocab_parallel_cross_entropy
+    from parallelisms.tensor_parallel import VOCAB_PARALLEL_HEAD, VocabParallelHead, vocab_parallel_cross_entropy
     ref, x = torch.nn.Linear(D, VOCAB, bias=False), torch.randn(B, T, D, requires_grad=True)
     targets = torch.randint(0, VOCAB, (B, T))
     want = F.cross_entropy(ref(x).flatten(0, 1), targets.flatten())
@@ -149,11 +149,11 @@ def fused_accumulation(tp, layer: str, dtype: torch.dtype) -> float:
     """A column-parallel (overlap.GatheredLinears) or row-parallel (RowParallelLinear) layer's weight
     gradient accumulated by its own GEMM into an fp32 buffer over two microbatches, against the
     same layer unfused: each microbatch's gradient left on .grad in the weight's dtype and added
-    into a buffer, as zero.py adds the other gradients. fp32: the GEMM's C += A @ B; bf16 on a CPU:
+    into a buffer, as parallelisms/zero.py adds the other gradients. fp32: the GEMM's C += A @ B; bf16 on a CPU:
     the product, then the add, so exactly the unfused sums. inf if the fused weight got a .grad."""
-    import overlap
-    from sharding import describe
-    from tensor_parallel import RowParallelLinear
+    from parallelisms import overlap
+    from parallelisms.sharding import describe
+    from parallelisms.tensor_parallel import RowParallelLinear
     torch.manual_seed(1)
     column = layer == "column_sp"
     shape = (OUT // tp.size, D) if column else (D, OUT // tp.size)
@@ -200,7 +200,7 @@ def sequence_parallel_block(tp, shape: dict, mode: str, sequence_parallel: bool 
     and the norms' and biases' gradients are whole on each rank, not summed (tp_summed_replicas)."""
     import copy
     import torch.distributed as dist
-    import tensor_parallel as tpl
+    from parallelisms import tensor_parallel as tpl
     from model import GPT, ModelConfig
     torch.manual_seed(2)
     ref = GPT(ModelConfig(**shape))
@@ -234,8 +234,8 @@ def sequence_parallel_block(tp, shape: dict, mode: str, sequence_parallel: bool 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
-    from overlap import TPGroup, WaitClock
-    from tensor_parallel import TPSettings
+    from parallelisms.overlap import TPGroup, WaitClock
+    from parallelisms.tensor_parallel import TPSettings
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)  # the same references on both ranks
@@ -281,7 +281,7 @@ def test_apply_tp_walks_the_plan_and_keeps_every_name(model_name):
     """apply_tp on a meta-built GPT (or Llama): the same parameter names in the same order, each
     split one 1/tp of its plan's dim (QKV's whole with one KV head, on both ranks), the TP modules
     in the plain ones' places."""
-    import tensor_parallel as tpl
+    from parallelisms import tensor_parallel as tpl
     from model import GPT, ModelConfig
     shape = dict(SHAPES[model_name], n_layers=2, d_model=64, vocab_size=128)
     with torch.device("meta"):
@@ -315,7 +315,7 @@ def test_recompute_and_tp_apply_in_either_order():
     recompute before TP is recompute after TP; a module already hooked is refused, not replaced
     with its hooks dropped."""
     import parallel
-    import tensor_parallel as tpl
+    from parallelisms import tensor_parallel as tpl
     from model import GPT, ModelConfig
     for first in ("recompute", "tp"):
         with torch.device("meta"):

@@ -451,7 +451,7 @@ def test_each_step_is_one_context_of_clock_heartbeat_batch_and_recording(tmp_pat
     resumed step, and written after the last of them; the step's one read is the recorder's named
     read and ends the clock's span."""
     import torch.distributed as dist
-    import overlap
+    from parallelisms import overlap
     import parallel
     import train
     from clustermodel.recorder import Recorder

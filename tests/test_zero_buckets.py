@@ -1,4 +1,4 @@
-"""ZeRO's buckets alone (zero.py), on 2 gloo ranks against one unsharded copy of the same model:
+"""ZeRO's buckets alone (parallelisms/zero.py), on 2 gloo ranks against one unsharded copy of the same model:
 each rank's shards receive the average of both ranks' gradients (reduce-scatter, or all-reduce at
 ZeRO-0), and the all-gather rebuilds every parameter from the updated shards, with and without DP
 overlap, ZeRO stages 0, 1 and 2. Buckets are small enough that shards cut parameters in two and
@@ -22,7 +22,7 @@ class AccumulatingLinear(torch.nn.Linear):
     """nn.Linear through tensor_parallel's Linear, as the TP layers run their GEMMs."""
 
     def forward(self, x):
-        from tensor_parallel import linear
+        from parallelisms.tensor_parallel import linear
         return linear(x, self.weight, self.bias)
 
 
@@ -56,7 +56,7 @@ def reference_step(model: TwoLinears, step: int, world: int) -> list:
 
 def _buckets_against_reference(rank, world, port, out):
     import parallel
-    from zero import ZeroDataParallel, plan_buckets
+    from parallelisms.zero import ZeroDataParallel, plan_buckets
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     layout = parallel.build_layout(parallel.ParallelConfig(), rank, world, torch.device("cpu"))

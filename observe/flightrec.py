@@ -1,4 +1,4 @@
-"""PyTorch Flight Recorder dumps read as observe.py snapshots, so that a job that ran without
+"""PyTorch Flight Recorder dumps read as oplog.py snapshots, so that a job that ran without
 megarepro's op log (an NCCL job of another codebase) gets the same hang report and timeline.
 
 The Flight Recorder (TORCH_FR_BUFFER_SIZE=N) keeps a ring of each rank's collectives; a dump is one
@@ -26,8 +26,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-import hangs
-import timeline
+from observe import hangs
+from observe import timeline
 
 DTYPE_BYTES = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "long": 8, "int": 4, "short": 2, "char": 1,
                "byte": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -56,7 +56,7 @@ def load(file: Path) -> dict:
 
 
 def read_dumps(path: Path) -> dict:
-    """{rank: its dump as an observe.py snapshot} of every dump under `path`."""
+    """{rank: its dump as an oplog.py snapshot} of every dump under `path`."""
     dumps = {rank: load(file) for rank, file in dump_files(path).items()}
     world = sorted(dumps)
     return {rank: snapshot(rank, dump, world) for rank, dump in dumps.items()}

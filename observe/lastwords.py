@@ -1,5 +1,5 @@
-"""A rank's last state on disk when it is signalled, even while its main thread is wedged (observe.py's
-recorder writes it). Apart from observe.py, which records, so that each file holds one thing."""
+"""A rank's last state on disk when it is signalled, even while its main thread is wedged (oplog.py's
+recorder writes it). Apart from oplog.py, which records, so that each file holds one thing."""
 from __future__ import annotations
 
 import faulthandler
@@ -10,8 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-import ft
-from hangs import snapshot_dir
+from observe.heartbeat import attempt
+from observe.hangs import snapshot_dir
 
 log = logging.getLogger("observe")
 
@@ -34,7 +34,7 @@ class LastWords:
 
     def __init__(self, recorder, run_dir: Path):
         self.recorder, self.run_dir = recorder, run_dir
-        folder = snapshot_dir(run_dir, ft.attempt())
+        folder = snapshot_dir(run_dir, attempt())
         folder.mkdir(parents=True, exist_ok=True)
         self.stacks = open(folder / f"rank{recorder.rank}.stacks.txt", "w")
         self.faulthandler_was = faulthandler.is_enabled()  # (to stderr: PYTHONFAULTHANDLER, torchrun's)

@@ -13,7 +13,7 @@ while it runs, and on a hang the rank it started from.
   times (forward and backward per chunk and microbatch, gc, checkpoint save, the agreed read) and
   every wait overlap.WaitClock times, named by what it waits for (comm tp, bubble pp recv, comm pp
   send, comm dp, comm optimizer, bubble agree: wait_label), with wall-clock start and duration.
-- Snapshots: the heartbeat thread (ft.Heartbeat) writes <run dir>/observe/attempt<A>/rank<K>.json (temporary
+- Snapshots: the heartbeat thread (observe/heartbeat.py) writes <run dir>/observe/attempt<A>/rank<K>.json (temporary
   file, then rename) with the ring, the spans, the main thread's Python stack and who wrote it
   (rank, host, pid, attempt, dp/pp/tp coordinates), at the heartbeat file's own bounded rate
   (at most every ft.hang_timeout/10 seconds once the first step is over, and only when
@@ -21,12 +21,12 @@ while it runs, and on a hang the rank it started from.
   (lastwords.py, which also leaves every thread's stack on a fatal one).
 - Hang localization (hangs.localize): on the hang timeout, rank 0 reads every rank's snapshot
   (once, O(world) on one rank only) and names the root rank and why. The report is appended to
-  faults.jsonl; the job then exits HANG_EXIT as ft.py does.
+  faults.jsonl; the job then exits HANG_EXIT as the heartbeat does.
 - Desync (check_desync): every observe.desync_every heartbeats each rank publishes each group's
   (seq, hash) through the c10d store, and each group's lowest rank compares its members' with its
   own at that seq; a divergence is bisected to the first differing seq in the snapshots' rings and
   reported (the odd rank, both call sites) to the log and faults.jsonl, before anything hangs.
-- Faults (MEGAREPRO_FAULT, ft.planned_faults): skip:RANK@STEP (that rank does not post the first
+- Faults (MEGAREPRO_FAULT, fault_injection.py; start() is given them): skip:RANK@STEP (that rank does not post the first
   collective of that step on a group of more than one rank, and goes on); swap:RANK@STEP (that
   rank posts two same-size collectives of that step from two call sites in swapped order).
 """
@@ -50,17 +50,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import spans
-import timeline
+from observe import spans
+from observe.heartbeat import append_event, attempt
 # Where a hang started (hangs.py reads the snapshots this module writes)
-from hangs import _blocked, localize, ranks_of, read_snapshots, read_snapshots_of, snapshot_dir  # noqa: F401
+from observe.hangs import localize, ranks_of, read_snapshots, read_snapshots_of, snapshot_dir
 # An op-log entry's fields (timeline.py defines them: it reads entries without importing this module)
-from timeline import BYTES, DIM, DONE, DTYPE, FIELDS, GROUP, HASH, OP, PAIR_SEQ, PEER, POST, SEQ, SITE, STEP, WAIT  # noqa: F401
+from observe.timeline import BYTES, DIM, DONE, FIELDS, GROUP, HASH, OP, PEER, POST, SEQ, SITE, STEP, WAIT
 
 log = logging.getLogger("observe")
 
-HERE = str(Path(__file__).resolve().parent)
-WRAPPERS = {str(Path(HERE) / name) for name in ("observe.py", "clustermodel/recorder.py")}  # their frames are not call sites
+HERE = str(Path(__file__).resolve().parents[1])
+WRAPPERS = {str(Path(HERE) / name) for name in ("observe/oplog.py", "clustermodel/recorder.py")}  # their frames are not call sites
 
 COLLECTIVES = {  # torch.distributed function -> op name
     "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
@@ -117,7 +117,7 @@ class Recorder:
     # --- recording ---
 
     def mark(self, step: int, phase: str) -> None:
-        """The training loop's phase changed (ft.Heartbeat.progress calls this)."""
+        """The training loop's phase changed (heartbeat.Heartbeat.progress calls this)."""
         now = time.time()
         if spans.DEVICE is not None and phase != "compute":  # the last step's host sync has passed its events
             spans.DEVICE.resolve(self)
@@ -296,11 +296,11 @@ class Recorder:
             return None
         self.stall_checked = waiting
         self.write(run_dir)
-        root = localize(read_snapshots(run_dir, world, _attempt()))
+        root = localize(read_snapshots(run_dir, world, attempt()))
         return root if root["reason"] in ("dead", "skipped", "mismatch") else None
 
     def report_hang(self, run_dir: Path, world: int, grace_s: float) -> Optional[dict]:
-        """On this rank's hang timeout (ft.Heartbeat): write its snapshot at once; rank 0 then reads
+        """On this rank's hang timeout (observe/heartbeat.py): write its snapshot at once; rank 0 then reads
         every rank's and returns where the hang started (the other ranks return None)."""
         self.write(run_dir, exiting="hang")
         if self.rank != 0 or not self.cfg.localize:
@@ -308,12 +308,12 @@ class Recorder:
             # once one exits, so this one waits a little for rank 0 to have read the snapshots.
             time.sleep(min(2.0, grace_s))
             return None
-        return localize(read_snapshots(run_dir, world, _attempt()))
+        return localize(read_snapshots(run_dir, world, attempt()))
 
     # --- the snapshot ---
 
     def snapshot(self, exiting: str = "") -> dict:
-        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "attempt": _attempt(),
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt(),
                 "coords": self.coords, "time": time.time(), "step": self.step, "phase": self.phase,
                 "exiting": exiting, "fields": FIELDS, "ops": [list(e) for e in list(self.ops)],
                 "spans": [list(s) for s in list(self.spans)], "seq": dict(self.seq), "pairs": dict(self.pairs),
@@ -321,7 +321,7 @@ class Recorder:
                 "signals": list(self.signals)}
 
     def write(self, run_dir: Path, exiting: str = "") -> Path:
-        folder = snapshot_dir(run_dir, _attempt())
+        folder = snapshot_dir(run_dir, attempt())
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.rank}.json"
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")  # the heartbeat's and a signal's may write at once
@@ -347,7 +347,7 @@ class Recorder:
             return []
 
     def _compare(self, run_dir: Path, store) -> list:
-        prefix = f"observe/desync/{_attempt()}/"
+        prefix = f"observe/desync/{attempt()}/"
         newest = {}
         for e in reversed(list(self.ops)):  # whole entries: the main thread sets seq and hash apart
             if e[HASH] is not None and e[GROUP] not in newest:
@@ -379,9 +379,8 @@ class Recorder:
         name the odd rank (this one where every other member differs from it and they are several),
         log it and append it to faults.jsonl. None while that snapshot holds no differing op yet
         (it is written at most every ft.hang_timeout/10 s): a later check reports it."""
-        import ft
         other = differ[0]
-        snap = read_snapshots_of(run_dir, _attempt(), [other])[other]
+        snap = read_snapshots_of(run_dir, attempt(), [other])[other]
         theirs = {e[SEQ]: e for e in (snap["ops"] if snap else []) if e[GROUP] == name and e[HASH] is not None}
         seqs = sorted(set(mine) & set(theirs))
         if not seqs or mine[seqs[-1]][HASH] == theirs[seqs[-1]][HASH]:
@@ -399,7 +398,7 @@ class Recorder:
                   "detail": f"#{seq} of group {name} ({a[DIM]}): rank {self.rank} posted {a[OP]} of {a[BYTES]} "
                             f"bytes at {a[SITE]}, rank {other} posted {b[OP]} of {b[BYTES]} bytes at {b[SITE]}"}
         log.error("desync on rank %d (of ranks %s differing in group %s): %s", odd, differ, name, report["detail"])
-        ft._append(Path(run_dir) / "faults.jsonl", {"event": "desync", "rank": self.rank, "attempt": _attempt(),
+        append_event(Path(run_dir) / "faults.jsonl", {"event": "desync", "rank": self.rank, "attempt": attempt(),
                                                     "time": time.time(), "desync": report})
         return report
 
@@ -494,10 +493,6 @@ def main_stack(limit: int = 12) -> list:
     return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-limit:]]
 
 
-def _attempt() -> int:
-    import ft
-    return ft.attempt()
-
 
 RECORDER: Optional[Recorder] = None  # this process's, while a run records
 
@@ -521,15 +516,14 @@ def span_capacity(cfg) -> int:
 
 
 def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=None,
-          spans_capacity: int = SPANS_BOUNDS[0]) -> Optional[Recorder]:
+          spans_capacity: int = SPANS_BOUNDS[0], faults: tuple = ()) -> Optional[Recorder]:
     """Install this rank's recorder (cfg.ops), its segments (cfg.spans; spans_capacity entries where
     it is -1: span_capacity's) and, with a run dir, its last words on a signal (cfg.signals; from
-    the main thread); or none."""
+    the main thread); or none. faults: the planned faults (fault_injection.planned_faults), whose skip:RANK@STEP
+    and swap:RANK@STEP this rank's recorder injects."""
     global RECORDER, LAST_WORDS
     if not cfg.ops:
         return None
-    import ft
-    faults = ft.planned_faults()
     skip = [int(v) for k, r, v in faults if k == "skip" and r == layout.rank]
     swap = [int(v) for k, r, v in faults if k == "swap" and r == layout.rank]
     if cfg.spans < 0:
@@ -542,7 +536,7 @@ def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=Non
         if device is not None and torch.device(device).type == "cuda":
             spans.DEVICE = spans.DeviceSegments(torch.cuda.Event)
     if cfg.signals and run_dir is not None and threading.current_thread() is threading.main_thread():  # (signal's rule)
-        import lastwords
+        from observe import lastwords
         LAST_WORDS = lastwords.LastWords(RECORDER, Path(run_dir))
     return RECORDER
 
@@ -572,100 +566,3 @@ def dim_names(layout) -> dict:
     for group in getattr(layout, "pp_channels", {}).values():
         names.setdefault(group.group_name, "pp")
     return names
-
-
-# --- python observe.py RUN_DIR: the diagnosis, the timeline and a short report ---
-
-def diagnose(run_dir: Path, price=None) -> dict:
-    """Write RUN_DIR/observe/diagnosis.json, trace.json, timeline.png, heatmap.png and report.txt
-    from the newest attempt's snapshots and faults.jsonl; works while the run still runs (the
-    snapshots are renamed into place). The timeline gains the replay's predicted track where
-    clustermodel/predicted.py has written observe/predicted.json. price(run_dir, stragglers) ->
-    stragglers re-prices the verdicts (`python -m clustermodel.predicted RUN_DIR` passes the
-    what-if replay's: the cluster model imports the config, which imports this module); without
-    it each keeps the detector's estimate (`priced_by` "excess")."""
-    run_dir = Path(run_dir)
-    attempts = sorted(int(p.name.removeprefix("attempt")) for p in (run_dir / "observe").glob("attempt*"))
-    if not attempts:
-        raise SystemExit(f"{run_dir}/observe has no snapshots: was the run started with observe.ops=true?")
-    folder = snapshot_dir(run_dir, attempts[-1])
-    snaps = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
-    offsets, residual = timeline.clock_offsets(snaps)
-    hangs, faults = [], run_dir / "faults.jsonl"
-    events = [json.loads(line) for line in faults.read_text().splitlines()] if faults.exists() else []
-    for event in events:
-        if event.get("event") == "hang_detected" and "root" in event:
-            hangs.append({**{k: event["root"].get(k) for k in ("rank", "op", "group", "seq", "reason")},
-                          "attempt": event["attempt"], "detail": event["root"]["detail"]})
-    desyncs = [{**e["desync"], "attempt": e["attempt"]} for e in events if e.get("event") == "desync"]
-    import stragglers
-    late = stragglers.post_lateness(snaps, offsets)
-    found = [{**v, "priced_by": "excess"} for v in stragglers.from_metrics(run_dir, late)]
-    signals = {r: s["signals"] for r, s in sorted(snaps.items()) if s.get("signals")}
-    fatal = {int(p.name.split(".")[0].removeprefix("rank")): p.read_text().splitlines()[0]
-             for p in sorted(folder.glob("rank*.stacks.txt")) if p.stat().st_size}  # faulthandler's first line
-    diagnosis = {"ranks": sorted(snaps), "attempt": attempts[-1], "hang": hangs[-1] if hangs else None,
-                 "hangs": hangs, "desync": desyncs, "stragglers": price(run_dir, found) if price else found,
-                 "post_late_ms": {str(r): ms for r, ms in late.items()}, "signals": signals, "fatal": fatal,
-                 "clock_offsets_s": {str(r): o for r, o in sorted(offsets.items())},
-                 "clock_residual_s": residual}
-    out = run_dir / "observe"
-    predicted = _predicted(run_dir, snaps)
-    diagnosis["predicted_track"] = sorted(predicted)
-    _write(out / "diagnosis.json", json.dumps(diagnosis, indent=1))
-    _write(out / "trace.json", json.dumps(timeline.trace(snaps, offsets, predicted)))
-    timeline.figure(snaps, offsets, out / "timeline.png", predicted)
-    stragglers.heat_map(run_dir, out)
-    lines = [f"{run_dir}: attempt {attempts[-1]}, {len(snaps)} ranks' snapshots",
-             f"clocks aligned from matched collectives; residual {residual * 1e3:.3f} ms"]
-    lines += [f"hang (attempt {h['attempt']}): rank {h['rank']}, {h['reason']}: {h['detail']}" for h in hangs] or \
-        ["no hang reported"]
-    lines += [f"desync (attempt {d['attempt']}): rank {d['rank']}: {d['detail']}" for d in desyncs] or \
-        ["no desync reported"]
-    lines += [f"straggler: rank {s['rank']}, {s['kind']}, {s['slowdown']:.2f}x its peers, {s['cost_pct']:.1f}% of "
-              f"the step (priced by {s['priced_by']}; first at step {s['first_step']}); posts its collectives {s.get('post_late_ms', '?')} ms "
-              "after the first member (median)" for s in diagnosis["stragglers"]] or ["no straggler reported"]
-    lines += [f"rank {r} received {', '.join(s['name'] for s in got)}" for r, got in signals.items()]
-    lines += [f"rank {r}: {first} (every thread's stack in {folder.name}/rank{r}.stacks.txt)" for r, first in fatal.items()]
-    _write(out / "report.txt", "\n".join(lines) + "\n")
-    return diagnosis
-
-
-def _predicted(run_dir: Path, snaps: dict) -> dict:
-    """{rank: the replay's predicted spans} from RUN_DIR/observe/predicted.json (python clustermodel/predicted.py
-    RUN_DIR writes it), or {}."""
-    path = Path(run_dir) / "observe" / "predicted.json"
-    return timeline.lay_predicted(snaps, json.loads(path.read_text())["stages"]) if path.exists() else {}
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def main(argv: Optional[list] = None, price=None) -> None:
-    """`python observe.py RUN_DIR`; price: as diagnose takes it."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="observe.py", description="A run dir's diagnosis, timeline and report.")
-    parser.add_argument("run_dir", type=Path, help="the run's directory (hydra.run.dir), or a folder of PyTorch "
-                        "Flight Recorder dumps (<prefix><rank>, as TORCH_FR_DUMP_TEMP_FILE names them)")
-    run_dir = parser.parse_args(argv).run_dir
-    if not any((run_dir / "observe").glob("attempt*")) and run_dir.is_dir() and _holds_dumps(run_dir):
-        import flightrec  # another job's collectives, from its Flight Recorder
-        flightrec.diagnose(run_dir)
-    else:
-        diagnose(run_dir, price)
-    print((run_dir / "observe" / "report.txt").read_text(), end="")
-
-
-def _holds_dumps(folder: Path) -> bool:
-    import flightrec
-    try:
-        return bool(flightrec.dump_files(folder))
-    except SystemExit:
-        return False
-
-
-if __name__ == "__main__":
-    main()

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sharding import shard_info
+from parallelisms.sharding import shard_info
 
 
 class WaitClock:
@@ -50,8 +50,8 @@ class WaitClock:
       TP and DP collectives, PP sends; bubble: PP receives and the slowest rank).
     - compute_s: the compute stream's own span of the step minus those stalls.
     - waits: those stalls summed per label, where `describe` labels them by what they wait for
-      ("comm dp", "comm tp", "bubble pp recv": observe.py's), so a group's own collectives can be
-      told from the rest (stragglers.py's link floor: the dp group's, not TP's on the host's loopback).
+      ("comm dp", "comm tp", "bubble pp recv": observe/oplog.py's), so a group's own collectives can be
+      told from the rest (observe/stragglers.py's link floor: the dp group's, not TP's on the host's loopback).
     On CPU everything blocks, so each is a host clock reading around the wait. On CUDA a wait only
     makes the compute stream wait, so each is a pair of events recorded on that stream (from a
     pool: a 175B step has ~6k TP waits), resolved once at the end of the step, after the sync.
@@ -62,8 +62,8 @@ class WaitClock:
         self.events_class = events
         self._pool, self._used, self.seconds, self.labelled = [], 0, {}, {}
         self._pairs, self._span, self._t0, self._wall0 = [], None, 0.0, 0.0
-        self.on_wait = None  # f(kind, wall-clock start, seconds) for each wait: observe.py's spans
-        self.describe = None  # f(kind) -> the wait's label as it is queued (observe.py: "comm tp", ...)
+        self.on_wait = None  # f(kind, wall-clock start, seconds) for each wait: observe/oplog.py's spans
+        self.describe = None  # f(kind) -> the wait's label as it is queued (observe/oplog.py: "comm tp", ...)
 
     def _event(self):
         if self._used == len(self._pool):

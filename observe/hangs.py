@@ -1,8 +1,8 @@
-"""Where a hang started, from every rank's observe.py snapshot (or a Flight Recorder dump read into
+"""Where a hang started, from every rank's oplog.py snapshot (or a Flight Recorder dump read into
 that form, flightrec.py): the root rank, its host and coordinates, and why: dead (no snapshot, or
 its process gone), skipped (went on to a later step without posting the collective the others
 wait in), mismatch (posted another op or size at the same sequence number: both call sites), busy
-outside communication (its Python stack), or a wait-for cycle. Apart from observe.py, which
+outside communication (its Python stack), or a wait-for cycle. Apart from oplog.py, which
 records, so that each file holds one thing."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from timeline import BYTES, DIM, DONE, GROUP, OP, PAIR_SEQ, PEER, SEQ, SITE, STEP, WAIT
+from observe.timeline import BYTES, DIM, DONE, GROUP, OP, PAIR_SEQ, PEER, SEQ, SITE, STEP, WAIT
 
 
 def ranks_of(members: list):

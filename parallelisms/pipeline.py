@@ -37,7 +37,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-import spans
+from observe import spans
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -228,26 +228,3 @@ class Pipeline:
         torch.autograd.backward(y, None if stage == self.stages - 1 else received)
         self.after_backward()
         return None if stage == 0 else x.grad
-
-
-def nccl_programs(pp: int, vpp: int, microbatches: int, overlap: bool, backward: bool = True,
-                  channel=Message.channel) -> dict:
-    """Every pp rank's plan as NCCL sees it ({pp rank: events} for nccl_rules.check): each receive
-    and send an unbatched op on its channel's group, each wait a compute-stream wait. `channel`
-    picks a message's group (tests pass one group for every message, to show the deadlocks that has)."""
-    from clustermodel.nccl_rules import Op
-    programs = {}
-    for rank in range(pp):
-        events, works = [], {}
-        for step in plan(pp, rank, vpp, microbatches, overlap, backward):
-            if step[0] in ("recv", "send"):
-                msg = step[2]
-                work = len(events)
-                works[step[1]] = work
-                peer = msg.src if step[0] == "recv" else msg.dst
-                events.append(("post", work, [Op(step[0], tuple(range(pp)), peer, sig=(msg.kind, msg.mb, msg.stage),
-                                                  comm=channel(msg))], False))
-            elif step[0] == "wait":
-                events.append(("wait", works[step[1]]))
-        programs[rank] = events
-    return programs

@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import kernels
-import overlap
+from parallelisms import overlap
 from model import Block, kv_heads
-from overlap import TPGroup
-from sharding import ShardInfo
+from parallelisms.overlap import TPGroup
+from parallelisms.sharding import ShardInfo
 
 
 @dataclass(frozen=True)

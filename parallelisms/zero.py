@@ -49,8 +49,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from overlap import timed_wait
-from sharding import describe, shard_info, tp_summed_replicas
+from parallelisms.overlap import timed_wait
+from parallelisms.sharding import describe, shard_info, tp_summed_replicas
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's --ddp-bucket-size
 

@@ -1,8 +1,8 @@
-"""The timeline of a run from its ranks' observe.py snapshots: each rank's clock aligned from matched
+"""The timeline of a run from its ranks' oplog.py snapshots: each rank's clock aligned from matched
 collectives, a Chrome/Perfetto trace (a process per host, a thread per rank and beside it the
 replay's predicted track where the run has one (clustermodel/predicted.py), matched collectives and
 send/receive pairs linked), and a figure of it (a row per rank, spans coloured by kind).
-`python observe.py RUN_DIR` writes both; this file is apart from observe.py only to keep each
+`python -m observe RUN_DIR` writes both; this file is apart from oplog.py only to keep each
 under ~700 lines."""
 from __future__ import annotations
 

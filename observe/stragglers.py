@@ -6,7 +6,7 @@ Every step a rank times its own work: compute is its forward and backward less e
 it only dilutes a slowdown; on CUDA, where the host's clock sees launches, not kernels, it is
 WaitClock's compute, the stream's span less its waits, optimizer included); input is the data
 loader's time; wait is the time blocked on the dp group's own collectives (what a slow link
-lengthens; group_wait: observe.py labels each wait by its op's mesh dimension, so TP's waits on a
+lengthens; group_wait: oplog.py labels each wait by its op's mesh dimension, so TP's waits on a
 host's loopback do not blur the floor of a DP link across hosts). Every ft.straggler_interval
 steps (a window) it keeps the median of each over the window, so a one-step spike moves nothing.
 
@@ -15,7 +15,7 @@ the dp group of a (pp, tp) coordinate (the same stage, the same slice): their pr
 identical, so the performance model's prediction, and its error, would cancel. Where the dp group
 is the rank alone (dp=1), its compute over what the model predicts for its stage
 (train.predicted_stage_compute, once at start-up: the last stage's head and loss, the first's
-embedding) is compared with the job's. The heat map of `python observe.py RUN_DIR` divides by
+embedding) is compared with the job's. The heat map of `python -m observe RUN_DIR` divides by
 the same prediction.
 
 Scores, computed on the device from the group's gathered figures (no host read):
@@ -52,7 +52,7 @@ pipeline absorbs.
 
 The performance model's per-stage compute (clustermodel.predicted.stage_compute_s) comes in as
 `stage_s`, computed by train.py at start-up, and is written beside each window's figures: this
-module imports nothing of the cluster model, which imports the config, which imports observe.py,
+module imports nothing of the cluster model, which imports the config, which imports observe/heartbeat.py,
 whose diagnosis reads this module.
 """
 from __future__ import annotations
@@ -339,7 +339,7 @@ def post_lateness(snaps: dict, offsets: dict) -> dict:
     the median over steps (a one-step spike moves nothing)}, clocks aligned (timeline.clock_offsets).
     A culprit posts late, its victims early and wait; a step's first collective that waits for every
     member (a DP reduction) puts the ranks back in step, so it is the sum that tells them apart."""
-    from timeline import GROUP, OP, PEER, POST, SEQ, STEP
+    from observe.timeline import GROUP, OP, PEER, POST, SEQ, STEP
     posts: dict = {}  # (group, seq) -> {rank: (aligned post time, step)}
     for rank, snap in snaps.items():
         for e in snap["ops"]:

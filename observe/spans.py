@@ -1,7 +1,7 @@
 """Named segments of a step (forward and backward per pipeline chunk and microbatch, GC, the
-checkpoint save, the agreed read) timed into observe.py's spans: `with spans.segment(name, device):`
-where the work runs. A leaf module (it imports no project module), so pipeline.py, parallel.py and
-ft.py can mark their segments without importing observe.py, whose analysis reaches the cluster
+checkpoint save, the agreed read) timed into oplog.py's spans: `with spans.segment(name, device):`
+where the work runs. A leaf module (it imports no project module), so parallelisms/pipeline.py, parallel.py and
+launch.py and the heartbeat can mark their segments without importing observe/oplog.py, whose analysis reaches the cluster
 model and through it parallel.py.
 
 On a CPU (or with no device) a segment is the host's wall clock around the work. On a GPU the host
@@ -97,7 +97,7 @@ class _Device:
         return False
 
 
-DEVICE: Optional[DeviceSegments] = None  # set by observe.py on a CUDA rank
+DEVICE: Optional[DeviceSegments] = None  # set by oplog.py on a CUDA rank
 
 
 def segment(name: str, device=None):
