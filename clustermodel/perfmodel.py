@@ -65,7 +65,7 @@ from config import HardwareConfig
 from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
 from clustermodel.memory import (MATERIALIZED, Memory, block_matrices, compiled_keeps_gathered, element_bytes,
-                                 fused_weight_params, kv_width, memory, memory_of_rank, precision, rank_params, stream_shards,
+                                 fused_weight_params, kv_width, layer_params, memory, memory_of_rank, precision, rank_params, stream_shards,
                                  swiglu)
 from clustermodel.layout import JobLayout, layout_of  # noqa: F401
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
@@ -353,6 +353,17 @@ def ends_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     return (emb_f, emb_b), (head_f, head_b)
 
 
+def layer_backward(cfg: config.Config, lay: JobLayout, r: Rates, net: Network) -> float:
+    """Seconds of one layer's backward for one microbatch, its recomputation included."""
+    fwd, bwd, attn_recompute = layer_time(cfg, lay, r, net)
+    busy = lambda c: sum(v for k, v in c.items() if k != "hidden")
+    if cfg.train.recompute == "full":
+        return busy(bwd) + busy(fwd)
+    if cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
+        return busy(bwd) + attn_recompute
+    return busy(bwd)
+
+
 def stage_microbatch(cfg: config.Config, lay: JobLayout, r: Rates, net: Network) -> Tuple[dict, dict]:
     """One microbatch's forward and backward (recomputation included) on the first and on the last
     pipeline rank, by part: its layers, the first's embedding, the last's head and loss (one rank
@@ -395,8 +406,6 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     fwd, (first, last) = layer_time(cfg, lay, r, net)[0], stage_microbatch(cfg, lay, r, net)
     busy = lambda c: sum(v for k, v in c.items() if k != "hidden")
     mb = max(first, last, key=busy)
-    fwd_s = busy(fwd) * (m.n_layers // lay.pp)  # one microbatch's forward; recomputation runs in the backward
-    bwd_s = busy(mb) - fwd_s
 
     send = net.pp_send(lay.micro_batch * lay.seq * m.d_model * element_bytes(cfg) / stream_shards(cfg, lay.tp)) if lay.pp > 1 else 0.0
     sends = 2 * lay.vpp * send  # each chunk sends an activation forward and a gradient back
@@ -406,7 +415,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     # that critical path still cost their latency.
     step["bubble"] = bubble_fraction(lay.pp, lay.microbatches, lay.vpp) * busy(step)
     step["bubble"] += 2 * (lay.pp - 1) * send if ov.pp else 0.0
-    step.update(dp_time(cfg, lay, net, fwd_s, bwd_s))
+    step.update(dp_time(cfg, lay, net, busy(fwd), layer_backward(cfg, lay, r, net)))
     step["optimizer"] = optimizer_time(cfg, lay, r)
     step["data"] = data_time(cfg, hw, lay.tp)
     hidden = step.pop("hidden", 0.0) + step.pop("dp_hidden", 0.0)
@@ -500,27 +509,70 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
             **{f"{k}_bytes": getattr(mem, k) * 2**30 for k in ("weights", "grads", "optimizer", "activations")}}
 
 
-def dp_time(cfg: config.Config, lay: JobLayout, net: Network, fwd_s: float, bwd_s: float) -> Dict[str, float]:
+def dp_time(cfg: config.Config, lay: JobLayout, net: Network, layer_fwd: float, layer_bwd: float) -> Dict[str, float]:
     """Gradient reduce-scatter and parameter all-gather over DP (an all-reduce without ZeRO), given
-    one microbatch's forward and backward seconds on this rank. DP overlap works a model chunk at a
-    time, as in MegaScale: in interleaved 1F1B chunk j's all-gather must land before its first
-    forward, j*p forward chunk-steps into the step, and its reduce-scatter can start j*p backward
-    chunk-steps before the end. Chunk 0's transfers have nothing to hide behind; a chunk that takes
-    longer than p chunk-steps of compute stalls the step, and the stalls add up over the chunks.
-    (The code's buckets are finer, one per module: priced so, the emulated cluster's dp_on run is
-    predicted within 8% instead of +61%, but Table 2's MegaScale column misses by 3.4 points at
-    one row.)"""
+    one layer's forward and backward seconds (one microbatch, recomputation included) on this rank.
+    Without DP overlap both run after the backward. With it they are priced as parallelisms/zero.py
+    issues them, a bucket per module (the embedding, each block, the head), on the busier of the
+    first and last pipeline rank (dp_overlap_exposed)."""
     if lay.dp == 1:
         return {"dp_comm": 0.0}
-    params = max(rank_params(cfg.model, lay))
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
-    rs = net.collective("reduce_scatter", params * grad_bytes, "dp")
-    ag = net.collective("all_gather", params * (grad_bytes if lay.zero == 0 else element_bytes(cfg)), "dp")
+    gather_bytes = grad_bytes if lay.zero == 0 else element_bytes(cfg)
     if not cfg.parallel.overlap.dp:
+        params = max(rank_params(cfg.model, lay))
+        rs = net.collective("reduce_scatter", params * grad_bytes, "dp")
+        ag = net.collective("all_gather", params * gather_bytes, "dp")
         return {"dp_comm": rs + ag, "dp_hidden": 0.0}
+    split, replicated = layer_params(cfg.model, lay.tp)
+    ends = cfg.model.vocab_size * cfg.model.d_model // lay.tp
+    rs = lambda n: net.collective("reduce_scatter", n * grad_bytes, "dp")
+    ag = lambda n: net.collective("all_gather", n * gather_bytes, "dp")
+    priced = [dp_overlap_exposed(lay, cfg.model.n_layers // lay.pp, layer_fwd, layer_bwd,
+                                 (rs(split + replicated), ag(split + replicated)), (rs(ends), ag(ends)), end)
+              for end in ("embedding", "head")]
+    exposed, total = max(priced)
+    return {"dp_comm": exposed, "dp_hidden": total - exposed}
+
+
+def dp_overlap_exposed(lay: JobLayout, layers: int, layer_fwd: float, layer_bwd: float,
+                       layer_comm: Tuple[float, float], end_comm: Tuple[float, float], end: str) -> Tuple[float, float]:
+    """(exposed, total) seconds of DP overlap's collectives on the pipeline rank holding `end`
+    (embedding: the first; head: the last), one DP stream running them in launch order.
+    Backward: a module's reduce-scatter launches once its last microbatch's backward ends and hides
+    behind the backward still to run. Interleaved 1F1B runs chunk v-1's last group of min(p, m)
+    microbatches, then chunk v-2's, ..., chunk 0's, so chunk j's last gradient arrives j groups of
+    chunk-steps before the end; the first rank's embedding, reduced last, shows whole.
+    Forward: after the optimizer the first module's all-gather launches; each module's forward waits
+    for its own and launches the next one's, so a gather shows where it outlasts the forward it
+    prefetches behind: one layer's, or before a chunk's first layer the group of chunk-steps between
+    that chunk's first microbatch and the one before."""
     v, group = lay.vpp, min(lay.pp, lay.microbatches)
-    exposed = sum(x / v + (v - 1) * max(0.0, x / v - group * step / v) for x, step in ((ag, fwd_s), (rs, bwd_s)))
-    return {"dp_comm": exposed, "dp_hidden": rs + ag - exposed}
+    per_chunk = layers // v
+    chunk_bwd, chunk_fwd = per_chunk * layer_bwd, per_chunk * layer_fwd
+    (layer_rs, layer_ag), (end_rs, end_ag) = layer_comm, end_comm
+    # backward: (compute still to run when the bucket launches, its reduce-scatter), in launch order
+    launches = [(i * layer_bwd + j * group * chunk_bwd, layer_rs) for j in reversed(range(v)) for i in reversed(range(per_chunk))]
+    if end == "head":
+        launches.insert(0, (chunk_bwd + (v - 1) * group * chunk_bwd, end_rs))
+    else:
+        launches.append((0.0, end_rs))
+    total_bwd = launches[0][0] + layer_bwd
+    done = 0.0
+    for remaining, seconds in launches:
+        done = max(done, total_bwd - remaining) + seconds
+    exposed = max(0.0, done - total_bwd)
+    # forward: (the compute the gather prefetches behind, its all-gather), in forward order
+    gathers = [(layer_fwd if i else chunk_fwd * group - (per_chunk - 1) * layer_fwd, layer_ag)
+               for j in range(v) for i in range(per_chunk)]
+    gathers[0] = (0.0, layer_ag)
+    if end == "embedding":  # gathered first; its forward, a lookup, hides nothing of the next
+        gathers.insert(0, (0.0, end_ag))
+    else:
+        gathers.append((layer_fwd, end_ag))
+    exposed += sum(max(0.0, seconds - window) for window, seconds in gathers)
+    total = sum(s for _, s in launches) + sum(s for _, s in gathers)
+    return exposed, total
 
 
 def optimizer_time(cfg: config.Config, lay: JobLayout, r: Rates) -> float:
