@@ -42,10 +42,14 @@ def config_key(key: str) -> str:
 
 # --- Hardware: conf/hardware completed by the fit, or on a CPU by measuring this machine ---
 
-def fitted_constants() -> Dict[str, float]:
-    """The constants experiments/fit_perfmodel.py fitted on the A100 cluster; a GPU cluster that
-    leaves one null takes it as is (there is no other cluster's data to fit on)."""
-    return json.loads(FIT_FILE.read_text())["constants"] if FIT_FILE.exists() else {}
+def fitted_constants(name: str = "") -> Dict[str, float]:
+    """The constants experiments/fit_perfmodel.py fitted, with those it fitted for hardware `name`
+    alone (a cluster whose network it has runs of: per_hardware) in their place; a GPU cluster
+    that leaves one null takes it as is."""
+    if not FIT_FILE.exists():
+        return {}
+    fit = json.loads(FIT_FILE.read_text())
+    return {**fit["constants"], **fit.get("per_hardware", {}).get(name, {})}
 
 
 def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
@@ -60,7 +64,7 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     if on_cpu and rates.cores is None:
         rates.cores = machine.cores()
     if not on_cpu:
-        for key, value in fitted_constants().items():
+        for key, value in fitted_constants(hw.name).items():
             if getattr(rates, key, 0) is None:
                 setattr(rates, key, value)
     if on_cpu and rates.inter_host_efficiency is None:

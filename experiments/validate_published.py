@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import machine  # noqa: E402
 import model as gpt  # noqa: E402
 from clustermodel import cli  # noqa: E402
 from clustermodel import perfmodel as pm  # noqa: E402
 from metrics import markdown_table  # noqa: E402
 
 CSV_FILE = pm.DATA_DIR / "published_runs.csv"
-HARDWARE = {"A100-80GB": "a100_cluster", "H100-80GB": "h100_cluster"}
 # Megatron-LM of 2021-22 as these sources ran it: materialized-softmax attention, its fused bias+GeLU,
 # bias+dropout+add and LayerNorm kernels (Narayanan et al. 2021 §4.2), Adam, no DP or PP overlap.
 MEGATRON_2021 = ["kernels.attention=unfused", "kernels.fused=true", "optim.name=adamw", "data.pipeline=naive",
@@ -66,17 +66,28 @@ def all_rows() -> List[Dict[str, str]]:
 
 # --- A row as a config ---
 
+# Knobs a published run may need that the code does not have: (test on the row, the one line).
+MISSING_KNOBS = [
+    (lambda r: r["zero_stage"] == "3", "fully sharded data parallelism (parallel.zero_stage=3) is not in the code yet"),
+    (lambda r: r.get("precision", "bf16") == "fp8", "FP8 GEMMs (precision=fp8) are not in the code"),
+    (lambda r: r["recompute"] not in ("none", "selective", "full"),
+     "recomputing N of a stage's layers (train.recompute=N) is not in the code: none, selective or full"),
+    (lambda r: int(r["layers"]) % (int(r["pp"]) * int(r["vpp"])),
+     "uneven pipeline stages are not in the code: parallel.pp*vpp must divide model.n_layers"),
+    (lambda r: r["pp_scatter_gather"] == "false" and r["sequence_parallel"] == "true" and int(r["pp"]) > 1 and int(r["tp"]) > 1,
+     "pipeline sends without the scatter/gather optimisation are not in the code under sequence parallelism "
+     "(each rank sends its sequence shard)"),
+]
+
+
 def missing_knob(row: Dict[str, str]) -> Optional[str]:
     """The one line naming what the code lacks to run this row as published, or None."""
-    if row.get("not_expressible"):
-        return row["not_expressible"]
     if row["source"] == MEGASCALE_TABLE2:
         return None
-    layers, pp, vpp = int(row["layers"]), int(row["pp"]), int(row["vpp"])
-    if layers % (pp * vpp):
-        return (f"uneven pipeline stages ({layers} layers over pp={pp}, vpp={vpp}) are not in the code: "
-                "parallel.pp*vpp must divide model.n_layers")
-    return None
+    for lacks, line in MISSING_KNOBS:
+        if lacks(row):
+            return line
+    return row.get("not_expressible") or None
 
 
 def row_config(row: Dict[str, str]):
@@ -89,15 +100,23 @@ def row_config(row: Dict[str, str]):
             if gpus == int(row["gpus"]) and r["batch"] == row["batch"]:
                 return cfg, gpus
     gpus, dp, mb, batch = (int(row[k]) for k in ("gpus", "dp", "micro_batch", "global_batch"))
-    overrides = ["model=175B", f"hardware={HARDWARE[row['gpu']]}", "precision=bf16", *MEGATRON_2021,
+    overrides = ["model=175B", f"hardware={row['hardware']}", "precision=bf16", *MEGATRON_2021,
                  f"model.n_layers={row['layers']}", f"model.d_model={row['hidden']}", f"model.n_heads={row['heads']}",
                  f"model.vocab_size={row['vocab']}", f"model.max_seq_len={row['seq']}", f"model.dropout={row['dropout']}",
                  f"train.seq_len={row['seq']}", f"train.batch_size={batch}", f"train.recompute={row['recompute']}",
                  f"parallel.tp={row['tp']}", f"parallel.pp={row['pp']}", f"parallel.vpp={row['vpp']}", f"parallel.dp={dp}",
                  f"parallel.zero_stage={row['zero_stage']}", f"parallel.microbatches={batch // (dp * mb)}",
-                 f"parallel.sequence_parallel={row['sequence_parallel']}",
+                 f"parallel.sequence_parallel={row['sequence_parallel']}", f"parallel.reduce_dtype={row['grad_reduce']}",
                  f"hardware.perfmodel.inter_host_Gbps={row['inter_host_Gbps']}"]
     return cli.compose(overrides), gpus
+
+
+def deviation(row: Dict[str, str]) -> str:
+    """What the code runs differently from the published run, where the difference is priced as the
+    code runs it (and so stays in the row's error), or ''."""
+    if row.get("pp_scatter_gather") == "true" and row["sequence_parallel"] == "false" and int(row["pp"]) > 1:
+        return "sends whole activations between stages (no scatter/gather without SP)"
+    return ""
 
 
 # --- The published figure in the project's MFU ---
@@ -112,23 +131,30 @@ def source_flops_per_sequence(row: Dict[str, str]) -> float:
     raise ValueError(f"{row['run']}: unknown flop_formula {row['flop_formula']!r}")
 
 
-def published_mfu(row: Dict[str, str], cfg) -> float:
+def row_model(row: Dict[str, str]) -> gpt.ModelConfig:
+    """The row's model as model.py builds it (GPT's block: LayerNorm, GeLU MLP, biases)."""
+    return gpt.ModelConfig(name=row["run"], n_layers=int(row["layers"]), n_heads=int(row["heads"]),
+                           d_model=int(row["hidden"]), vocab_size=int(row["vocab"]), max_seq_len=int(row["seq"]),
+                           dropout=float(row["dropout"]))
+
+
+def published_mfu(row: Dict[str, str]) -> float:
     """The run's measured throughput as the project's MFU (a fraction): the sequences per second per
-    GPU the source's figure implies, times model.flops_per_token's FLOPs a sequence, over the peak."""
+    GPU the source's figure implies, times model.flops_per_token's FLOPs a sequence, over the GPU's
+    dense bf16 peak (machine.DEVICE_PEAK_TFLOPS)."""
     measured = float(row["measured"])
     if row["flop_formula"] == "project":
         return measured / 100
-    peak = cfg.hardware.peak_tflops * 1e12
+    peak = machine.DEVICE_PEAK_TFLOPS[machine.gpu_key(row["gpu"])] * 1e12
     achieved = measured * 1e12 if row["measured_unit"] == "tflops_per_gpu" else measured / 100 * peak
     seq = int(row["seq"])
-    return achieved / source_flops_per_sequence(row) * gpt.flops_per_token(cfg.model, seq) * seq / peak
+    return achieved / source_flops_per_sequence(row) * gpt.flops_per_token(row_model(row), seq) * seq / peak
 
 
 # --- The table ---
 
-def validate(rows: List[Dict[str, str]], constants: Optional[Dict[str, float]] = None) -> List[Dict]:
-    """Each row priced: {row, published, predicted, error (points), fits} or {row, missing}. constants
-    overrides the fitted ones (experiments/fit_perfmodel.py --published)."""
+def priced_rows(rows: List[Dict[str, str]]) -> List[Dict]:
+    """Each row composed once: {row, cfg, gpus, hw (resolved), published} or {row, missing}."""
     out = []
     for row in rows:
         try:
@@ -136,13 +162,29 @@ def validate(rows: List[Dict[str, str]], constants: Optional[Dict[str, float]] =
         except NotExpressible as e:
             out.append({"row": row, "missing": str(e)})
             continue
-        hw = pm.resolve_hardware(cfg.hardware)
-        for key, value in (constants or {}).items():
+        out.append({"row": row, "cfg": cfg, "gpus": gpus, "hw": pm.resolve_hardware(cfg.hardware),
+                    "published": published_mfu(row)})
+    return out
+
+
+def predict_row(r: Dict, constants: Optional[Dict[str, float]] = None):
+    """r's prediction, with constants ({key: value}) in place of its hardware's where given."""
+    hw = r["hw"]
+    if constants:
+        hw = copy.deepcopy(hw)
+        for key, value in constants.items():
             setattr(pm.owner(hw, key), key, value)
-        pred = pm.predict(cfg, gpus, hw)
-        published = published_mfu(row, cfg)
-        out.append({"row": row, "published": published, "predicted": pred.mfu,
-                    "error": 100 * (pred.mfu - published), "fits": pred.memory.fits})
+    return pm.predict(r["cfg"], r["gpus"], hw)
+
+
+def validate(rows: List[Dict[str, str]]) -> List[Dict]:
+    """Each row priced: {row, published, predicted, error (points), fits} or {row, missing}."""
+    out = []
+    for r in priced_rows(rows):
+        if "missing" not in r:
+            pred = predict_row(r)
+            r.update(predicted=pred.mfu, error=100 * (pred.mfu - r["published"]), fits=pred.memory.fits)
+        out.append(r)
     return out
 
 
@@ -163,7 +205,9 @@ def summary(results: List[Dict]) -> List[list]:
 
 def tables(results: List[Dict]) -> str:
     rows = [[r["row"]["source"], r["row"]["run"], r["row"]["split"], f"{100 * r['published']:.1f}%",
-             f"{100 * r['predicted']:.1f}%", f"{r['error']:+.1f}", "" if r["fits"] else "over memory"]
+             f"{100 * r['predicted']:.1f}%", f"{r['error']:+.1f}",
+             "; ".join(n for n in (deviation(r["row"]) if r["row"]["source"] != MEGASCALE_TABLE2 else "",
+                                   "" if r["fits"] else "over memory") if n)]
             for r in results if "error" in r]
     priced = markdown_table(["source", "run", "split", "published MFU", "predicted MFU", "error (pts)", "note"], rows)
     missing = "\n".join(f"- {r['missing']}" for r in results if "missing" in r)
