@@ -19,8 +19,8 @@ shards. Megatron-LM's distributed optimizer is the model. Its words, used throug
   microbatch. Where the code owns a weight's backward (the TP layers' GEMMs) the
   weight-gradient GEMM accumulates straight into the weight's view of it, as Megatron-LM's
   gradient-accumulation fusion does (weight_gradient, into the parameter's GradientSink): no
-  gradient in the parameters' dtype is written and read again. Every other gradient (biases, norms, the
-  embedding, any weight at tp=1) is added when its module's backward ends, in one foreach add a
+  gradient in the parameters' dtype is written and read again. Every other gradient (biases,
+  norms, the embedding, any weight at tp=1) is added when its module's backward ends, in one foreach add a
   bucket, and freed (so it waits at most that long), not one Python hook and one add a
   parameter. ZeRO-0 all-reduces the buffer; ZeRO-1 and 2 reduce-scatter it, each rank receiving
   the sum of its shard; ZeRO-2 allocates it when the bucket's first gradient arrives and frees
@@ -219,10 +219,11 @@ class ZeroDataParallel:
             lo, hi = self.shard_ranges[i]
             start = bucket.offsets[k] + lo - bucket.shard_start
             shard = torch.nn.Parameter(bucket.master[start:start + hi - lo])
-            info = dataclasses.replace(info, logical_ndim=p.ndim)  # a flat shard of a matrix is still a matrix's (weight decay)
+            info = dataclasses.replace(info, logical_ndim=p.ndim)  # a flat shard of a matrix is still a matrix's
         # LAMB and gradient clipping sum squared norms over ranks: count each element once.
         tp_owner = self.layout.tp_rank % shard_info(p).tp_replicas == 0
-        set_shard_info(shard, dataclasses.replace(info, norm_owner=tp_owner and (self.stage > 0 or self.layout.dp_rank == 0)))
+        owner = tp_owner and (self.stage > 0 or self.layout.dp_rank == 0)
+        set_shard_info(shard, dataclasses.replace(info, norm_owner=owner))
         return shard
 
     def _grad_views(self, bucket: Bucket) -> list:
