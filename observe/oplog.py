@@ -96,15 +96,17 @@ class Recorder:
     ends; the heartbeat thread copies the ring when it writes a snapshot."""
 
     def __init__(self, cfg: ObserveConfig, rank: int, coords: dict, dims: dict, skip_step: Optional[int] = None,
-                 swap_step: Optional[int] = None):
+                 swap_step: Optional[int] = None, run_dir: Optional[Path] = None):
         self.cfg, self.rank, self.coords, self.dims = cfg, rank, coords, dims  # dims: group name -> mesh dim
+        self.run_dir = run_dir  # where faults.jsonl is, if any
         self.ops = collections.deque(maxlen=cfg.ring)
         self.spans = collections.deque(maxlen=SPANS_BOUNDS[0] if cfg.spans < 0 else max(cfg.spans, 1))
         self.seq, self.hash, self.pairs, self.members = {}, {}, {}, {}
         self.step, self.phase, self.version = 0, "start", 0
         self.skip_step, self.skipped = skip_step, None
         self.stall_checked = None  # the op whose stall rank 0 last looked into
-        self.swap_step, self.swapped, self.held = swap_step, None, None  # swap:RANK@STEP
+        # swap:RANK@STEP; swapped: None until that step swaps (its number) or ends with no swap (False)
+        self.swap_step, self.swapped, self.held = swap_step, None, None
         self.beats, self.desynced = 0, set()  # the desync check's state
         self.waited = None  # the op whose wait began last (what a WaitClock wait waits for)
         self.signals = []  # [{name, time}] of the stop signals this rank received (LastWords)
@@ -120,6 +122,8 @@ class Recorder:
             self.spans[-1][4] = now - self.spans[-1][3]
         if self.cfg.spans:
             self.spans.append(["phase", phase, step, now, None])
+        if self.step == self.swap_step and self.swapped is None and (step != self.step or phase == "done"):
+            self._note_unswapped()
         self.step, self.phase = step, phase
         self.version += 1
 
@@ -248,7 +252,8 @@ class Recorder:
         group, nbytes = kwargs.get("group"), sum(t.numel() * t.element_size() for t in tensors[:1])
         held, self.held = self.held, None
         if held is not None:
-            same = (held[1], held[2], held[3]) == (self._group(group), op, nbytes) and held[4] != site
+            same = (held[1], held[2], held[3]) == (self._group(group), op, nbytes) and held[4] != site \
+                and self.step == self.swap_step
             if same:
                 self.swapped = self.step
                 result = self._run(proceed, args, kwargs, self.post(op, tensors, group, None, site))
@@ -262,6 +267,19 @@ class Recorder:
             self.held = ((proceed, args, kwargs, tensors), self._group(group), op, nbytes, site)
             return _Held(self) if kwargs.get("async_op") else None
         return self._run(proceed, args, kwargs, self.post(op, tensors, group, None, site))
+
+    def _note_unswapped(self) -> None:
+        """The step of swap:RANK@STEP ended with nothing swapped: its collectives went out in
+        order. A warning says so, and faults.jsonl records it (as fault_injection.py's faults)."""
+        self.swapped = False
+        detail = (f"swap:{self.rank}@{self.swap_step} swapped nothing: step {self.swap_step} posted no two "
+                  f"same-size collectives one after the other from two call sites on a group of several ranks, "
+                  f"so its collectives went out in order")
+        log.warning(detail)
+        if self.run_dir is not None:
+            append_event(Path(self.run_dir) / "faults.jsonl", {"event": "injected_swap", "rank": self.rank,
+                                                             "step": self.swap_step, "attempt": attempt(),
+                                                             "time": time.time(), "swapped": False, "detail": detail})
 
     def _post_held(self, held: tuple) -> None:
         (proceed, args, kwargs, tensors), _, op, _, site = held
@@ -502,7 +520,7 @@ def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=Non
     if cfg.spans < 0:
         cfg = dataclasses.replace(cfg, spans=spans_capacity)
     RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None,
-                        swap[0] if swap else None)
+                        swap[0] if swap else None, run_dir)
     RECORDER.install()
     if cfg.spans:
         spans.SINK = RECORDER
