@@ -37,8 +37,7 @@ OBJECTS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatt
 BATCH = "batch_isend_irecv"
 WRAPPED = (*COLLECTIVES, *POINT_TO_POINT, BATCH, *OBJECTS)
 
-HANDLERS: list = []  # the registered handlers, the newest first
-ORIGINALS: dict = {}  # torch.distributed function name -> the function, while HANDLERS is not empty
+HANDLERS: list = []  # the registered handlers, the newest first; the functions are patched while it has any
 
 
 def register(handler) -> None:
@@ -60,17 +59,18 @@ def _patch() -> None:
     for name in WRAPPED:
         original = getattr(dist, name, None)
         if original is not None:
-            ORIGINALS[name] = original
             setattr(dist, name, _interposed(name, original))
 
 
 def _unpatch() -> None:
-    for name, original in ORIGINALS.items():
-        setattr(dist, name, original)
-    ORIGINALS.clear()
+    for name in WRAPPED:
+        wrapper = getattr(dist, name, None)
+        if wrapper is not None:
+            setattr(dist, name, wrapper.__wrapped__)
 
 
 def _interposed(name: str, original):
+    """`original` with the handlers in front (functools.wraps keeps it as __wrapped__)."""
     @functools.wraps(original)
     def call(*args, **kwargs):
         return _chain(tuple(HANDLERS), 0, name, call_site(), original)(*args, **kwargs)
