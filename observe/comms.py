@@ -73,7 +73,11 @@ def _interposed(name: str, original):
     """`original` with the handlers in front (functools.wraps keeps it as __wrapped__)."""
     @functools.wraps(original)
     def call(*args, **kwargs):
-        return _chain(tuple(HANDLERS), 0, name, call_site(), original)(*args, **kwargs)
+        handlers = tuple(HANDLERS)  # (a handler that leaves during the call stays in its chain)
+        if not handlers:  # a wrapper kept by someone since the last handler left
+            return original(*args, **kwargs)
+        site = call_site()
+        return handlers[0](name, site, _chain(handlers, 1, name, site, original), args, kwargs)
     return call
 
 
