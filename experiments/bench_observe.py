@@ -60,7 +60,7 @@ def block(ops: int, tensor: torch.Tensor, async_op: bool) -> float:
 def call_site_cost(ops: int) -> float:
     start = time.perf_counter()
     for _ in range(ops):
-        oplog.call_site()
+        comms.call_site()
     return (time.perf_counter() - start) / ops
 
 

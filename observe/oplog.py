@@ -64,7 +64,6 @@ log = logging.getLogger("observe")
 # point-to-point op (comms.POINT_TO_POINT) too, and passes the others on unrecorded.
 COLLECTIVES = {**comms.COLLECTIVES, "all_gather_object": "all_gather_object",
                "broadcast_object_list": "broadcast_object_list"}
-call_site = comms.call_site  # the line that posted an op (its cost is measured in experiments/bench_observe.py)
 
 
 @dataclass
