@@ -1,8 +1,9 @@
 """Recording every collective and send/receive a rank posts: the rehearsal's eyes (rehearsal.py),
 also worn by a real run (rehearse.record) so that the two compare op by op. While active, a
 Recorder is a handler of observe/comms.py's interposer on torch.distributed's collectives and
-point-to-point (beside the op log's, in a real run); with NCCL's rules on it also names every tensor off the compute device, every host read of a device tensor beyond the step's
-one, and every host-to-device copy that waits for the host (host_syncs.py).
+point-to-point (in front of the op log's, in a real run); with NCCL's rules on it also names
+every tensor off the compute device, every host read of a device tensor beyond the step's one,
+and every host-to-device copy that waits for the host (host_syncs.py).
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ class Recorder:
         self._saved, self._reading = {}, False
         self.take_work = None  # the compute since the last event (FlopLedger.segment.take), stamped on each
 
-    # patching
+    # recording while active
 
     def __enter__(self):
         comms.register(self._call)
