@@ -13,7 +13,9 @@ range of a TP slice, so those rectangles are written as DCP write items directly
 
 A checkpoint holds model, optimizer (ZeRO shards included), scheduler, data-sampler position
 (counted in sequences, so any dp continues the same stream), every rank's RNG state, and the
-resolved config. checkpoint.async_save=true (`async` is a Python keyword): a snapshot to host
+resolved config. What is not a tensor is a DCP bytes item holding JSON (our planners write and
+read its bytes as they are; DCP's own would pickle them), and the RNG's ByteTensors are tensors,
+so a load unpickles nothing of ours: DCP's .metadata is the one pickle left. checkpoint.async_save=true (`async` is a Python keyword): a snapshot to host
 memory, after which training continues, and a background thread writes it; the next save waits
 only if that one is still being written. A manifest (every file's size and sha256) is written
 last, by rank 0 once DCP has finished on every rank: a folder without it, or whose files do not
