@@ -14,8 +14,9 @@ range of a TP slice, so those rectangles are written as DCP write items directly
 A checkpoint holds model, optimizer (ZeRO shards included), scheduler, data-sampler position
 (counted in sequences, so any dp continues the same stream), every rank's RNG state, and the
 resolved config. What is not a tensor is a DCP bytes item holding JSON (our planners write and
-read its bytes as they are; DCP's own would pickle them), and the RNG's ByteTensors are tensors,
-so a load unpickles nothing of ours: DCP's .metadata is the one pickle left. checkpoint.async_save=true (`async` is a Python keyword): a snapshot to host
+read its bytes as they are; DCP's own would pickle them), the RNG's ByteTensors are tensors, and
+a "format" item says so (FORMAT): a load unpickles nothing of ours, DCP's .metadata is the one
+pickle left. checkpoint.async_save=true (`async` is a Python keyword): a snapshot to host
 memory, after which training continues, and a background thread writes it; the next save waits
 only if that one is still being written. A manifest (every file's size and sha256) is written
 last, by rank 0 once DCP has finished on every rank: a folder without it, or whose files do not
@@ -686,8 +687,8 @@ def load(folder: Path, engine, optimizer, scheduler, loader, group=None) -> int:
 def _rng_tensors(saved: dict, rank: int, device: Optional[torch.device]) -> dict:
     """Fresh tensors for this rank's saved generator states (its GPU's only where it runs on one)."""
     kinds = [k for k in RNG_TENSORS if k != "cuda" or (device is not None and device.type == "cuda")]
-    return {f"rng/{rank}/{k}": torch.empty(saved[f"rng/{rank}/{k}"].size, dtype=saved[f"rng/{rank}/{k}"].properties.dtype)
-            for k in kinds if f"rng/{rank}/{k}" in saved}
+    keys = [f"rng/{rank}/{k}" for k in kinds if f"rng/{rank}/{k}" in saved]
+    return {k: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) for k in keys}
 
 
 def _load_optimizer(engine, optimizer, state: dict, groups: list) -> None:

@@ -1,6 +1,7 @@
 """Sharded checkpoints (checkpoint.py): resume at the same layout is bitwise, resume at another
 layout continues the same training within fp32 tolerance, async saves write the same bytes as
-sync ones, and a checkpoint that does not verify is never loaded."""
+sync ones, a checkpoint that does not verify is never loaded, and a load unpickles nothing of ours
+(non-tensor state is JSON)."""
 import json
 import pickle
 import shutil
