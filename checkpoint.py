@@ -7,13 +7,16 @@ vpp, dp, zero_stage) asks for its own pieces and DCP reads the overlapping parts
 torchtitan #811/#850 and Megatron's optimizer-state resharding ask for.
 
 What a rank holds, in logical coordinates: TP slices a parameter along its split dim (the offset
-and the number of ranks holding the same slice in parallelisms/sharding.py's registry); ZeRO 1/2 then keeps a flat range of that slice's values (parallelisms/zero.py), which is
+and the number of ranks holding the same slice, its parallelisms/sharding.py ShardInfo); ZeRO 1/2 then keeps a flat range of that slice's values (parallelisms/zero.py), which is
 up to three rectangles: a partial row, whole rows, a partial row. DTensor cannot express a flat
 range of a TP slice, so those rectangles are written as DCP write items directly (Chunks, below).
 
 A checkpoint holds model, optimizer (ZeRO shards included), scheduler, data-sampler position
 (counted in sequences, so any dp continues the same stream), every rank's RNG state, and the
-resolved config. checkpoint.async_save=true (`async` is a Python keyword): a snapshot to host
+resolved config. What is not a tensor is a DCP bytes item holding JSON (our planners write and
+read its bytes as they are; DCP's own would pickle them), the RNG's ByteTensors are tensors, and
+a "format" item says so (FORMAT): a load unpickles nothing of ours, DCP's .metadata is the one
+pickle left. checkpoint.async_save=true (`async` is a Python keyword): a snapshot to host
 memory, after which training continues, and a background thread writes it; the next save waits
 only if that one is still being written. A manifest (every file's size and sha256) is written
 last, by rank 0 once DCP has finished on every rank: a folder without it, or whose files do not
@@ -28,7 +31,6 @@ import io
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
@@ -103,16 +105,22 @@ def recover(ckpt_dir: Path) -> None:
 
 def rng_state(device: Optional[torch.device] = None) -> dict:
     """Every generator this rank draws from: the host's, and its own GPU's (only the run's device:
-    a restart may see fewer GPUs, or the same GPU under another index)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    a restart may see fewer GPUs, or the same GPU under another index). Python's and numpy's
+    states as plain lists (JSON), torch's as their ByteTensors."""
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(words), gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
     if device is not None and device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if device is not None and device.type == "cuda" and torch.is_tensor(state.get("cuda")):
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -271,26 +279,40 @@ def optimizer_chunks(engine, optimizer, template: Optional[dict] = None) -> dict
 
 
 def training_state(step: int, engine, optimizer, scheduler, loader, config: dict) -> dict:
-    """Everything a run needs to continue, as DCP keys (views into live state where tensors)."""
+    """Everything a run needs to continue, as DCP keys: tensors (views into live state), and the
+    rest as JSON, encoded now (an asynchronous save writes the values of this step)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return {**model_chunks(engine), **optimizer_chunks(engine, optimizer),
             "optim/param_groups": _blob(groups), "scheduler": _blob(scheduler.state_dict()),
-            "loader": _blob(loader.state_dict()), f"rng/{rank}": _blob(rng_state(engine.device)),
+            "loader": _blob(loader.state_dict()), **rng_items(rank, engine.device),
             "step": _blob(step), "config": _blob(config)}
 
 
+def rng_items(rank: int, device: Optional[torch.device] = None) -> dict:
+    """This rank's generators: rng/<rank> (Python's and numpy's, JSON) and rng/<rank>/torch and
+    /cuda (ByteTensors, stored as tensors)."""
+    state = rng_state(device)
+    tensors = {f"rng/{rank}/{k}": state.pop(k) for k in RNG_TENSORS if k in state}
+    return {f"rng/{rank}": _blob(state), **tensors}
+
+
+RNG_TENSORS = ("torch", "cuda")
+FORMAT = 2  # the "format" item: 1 (no item) pickled the non-tensor state, 2 stores it as JSON
+
+
 def _blob(obj) -> io.BytesIO:
-    """A non-tensor value as one DCP bytes item."""
-    return io.BytesIO(pickle.dumps(obj))
+    """A non-tensor value (plain numbers, strings, lists, dicts) as one DCP bytes item: JSON."""
+    return io.BytesIO(json.dumps(obj).encode())
 
 
-def _unblob(value) -> object:
-    return pickle.loads(value.getvalue())
+def _unblob(value: io.BytesIO) -> object:
+    return json.loads(value.getvalue())
 
 
 class _SavePlanner(DefaultSavePlanner):
-    """DCP's planner, finding a Chunks' rectangle by its offsets."""
+    """DCP's planner, finding a Chunks' rectangle by its offsets, and writing a bytes item's bytes
+    as they are (DCP's own torch.saves, that is pickles, whatever object it is given)."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -298,6 +320,14 @@ class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
         return obj.tensor_at(index.offset) if isinstance(obj, Chunks) else super().lookup_object(index)
+
+    def transform_object(self, write_item: WriteItem, obj):
+        if write_item.type != WriteItemType.BYTE_IO:
+            return super().transform_object(write_item, obj)
+        if not isinstance(obj, io.BytesIO):
+            raise TypeError(f"checkpoint item {write_item.index.fqn} is a {type(obj).__name__}: "
+                            "save tensors, or other values as checkpoint._blob(value) (JSON)")
+        return io.BytesIO(obj.getvalue())
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -312,6 +342,9 @@ class _LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         return obj.tensor_at(index.offset) if isinstance(obj, Chunks) else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = value  # the bytes as stored (DCP's own would unpickle them)
 
 
 # --- Saving ---
@@ -453,12 +486,10 @@ class _Writer(dcp.FileSystemWriter):
 
 
 def write_dcp(folder: Path, state: dict, group=None, error: Optional[OSError] = None, delay: float = 0.0) -> list:
-    """DCP save by every rank of the group (one process when not distributed); returns the files
-    this rank wrote."""
+    """DCP save by every rank of the group (one process when not distributed), stamped with this
+    code's FORMAT; returns the files this rank wrote."""
     folder.mkdir(parents=True, exist_ok=True)
-    for blob in state.values():
-        if isinstance(blob, io.BytesIO):
-            blob.seek(0)
+    state = {**state, "format": _blob(FORMAT)}
     writer = _Writer(folder, error, delay)
     _dcp(dcp.save, state, storage_writer=writer, planner=_SavePlanner(), process_group=group)
     return writer.own_files()
@@ -601,15 +632,32 @@ def _read_alone(folder: Path, state: dict) -> None:
 
 def read_blob(folder: Path, key: str):
     """One non-tensor value (config, step, ...), read by this process alone."""
-    state = {key: io.BytesIO()}
+    state = {"format": io.BytesIO(), key: io.BytesIO()}
+    if "format" not in saved_keys(folder):
+        check_format(folder, 1, "CKPT")
     _read_alone(folder, state)
+    check_format(folder, _unblob(state["format"]), "CKPT")
     return _unblob(state[key])
+
+
+def check_format(folder: Path, found: int, key: str) -> None:
+    """ConfigError (under `key`) for a checkpoint of another format than FORMAT (`found`: its
+    "format" item, 1 where it has none): one whose non-tensor state is pickled, or a newer one."""
+    if found < FORMAT:
+        raise ConfigError(key, f"{folder} is in checkpoint format {found}, whose optimizer, scheduler, data and "
+                          f"RNG state are pickled; this version reads format {FORMAT} (JSON) only",
+                          "resume=none to start afresh, or continue (or export) it with the commit that saved it")
+    if found > FORMAT:
+        raise ConfigError(key, f"{folder} is in checkpoint format {found}, newer than this version's {FORMAT}",
+                          "use the version of megarepro that saved it")
 
 
 def load(folder: Path, engine, optimizer, scheduler, loader, group=None) -> int:
     """Load a checkpoint saved at any layout into this one; returns its step. Each rank asks for
     its own pieces (views into its parameters and fresh optimizer-state tensors)."""
     saved = saved_keys(folder)
+    if "format" not in saved:
+        check_format(folder, 1, "resume")
     rank = dist.get_rank() if dist.is_initialized() else 0
     opt_meta = {k: m for k, m in saved.items() if k.startswith("optim/") and isinstance(m, TensorStorageMetadata)}
     state = {**model_chunks(engine), **optimizer_chunks(engine, optimizer, template=opt_meta)}
@@ -621,16 +669,26 @@ def load(folder: Path, engine, optimizer, scheduler, loader, group=None) -> int:
         if tuple(saved[key].size) != tuple(state[key].size()):
             raise ConfigError("resume", f"{folder} holds {key} as {list(saved[key].size)}, this model as "
                               f"{list(state[key].size())}: another model", "resume a checkpoint of this model, or resume=none")
-    blobs = ["optim/param_groups", "scheduler", "loader", "step"] + [f"rng/{rank}"] * (f"rng/{rank}" in saved)
+    blobs = ["format", "optim/param_groups", "scheduler", "loader", "step"] + [f"rng/{rank}"] * (f"rng/{rank}" in saved)
     state.update({k: io.BytesIO() for k in blobs})
+    state.update(_rng_tensors(saved, rank, engine.device))
     _dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(), process_group=group)
+    check_format(folder, _unblob(state["format"]), "resume")
     engine.parameters_loaded()  # re-derive the ZeRO shards from the parameters loaded in place
     _load_optimizer(engine, optimizer, state, _unblob(state["optim/param_groups"]))
     scheduler.load_state_dict(_unblob(state["scheduler"]))
     loader.load_state_dict(_unblob(state["loader"]))
     if f"rng/{rank}" in state:  # a run at another world size keeps its own seeds' streams
-        set_rng_state(_unblob(state[f"rng/{rank}"]), engine.device)
+        rng = {k.rsplit("/", 1)[1]: v for k, v in state.items() if k.startswith(f"rng/{rank}/")}
+        set_rng_state({**_unblob(state[f"rng/{rank}"]), **rng}, engine.device)
     return _unblob(state["step"])
+
+
+def _rng_tensors(saved: dict, rank: int, device: Optional[torch.device]) -> dict:
+    """Fresh tensors for this rank's saved generator states (its GPU's only where it runs on one)."""
+    kinds = [k for k in RNG_TENSORS if k != "cuda" or (device is not None and device.type == "cuda")]
+    keys = [f"rng/{rank}/{k}" for k in kinds if f"rng/{rank}/{k}" in saved]
+    return {k: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) for k in keys}
 
 
 def _load_optimizer(engine, optimizer, state: dict, groups: list) -> None:
@@ -645,8 +703,9 @@ def _load_optimizer(engine, optimizer, state: dict, groups: list) -> None:
         if own:
             full["state"][index[id(shard)]] = {k: v.backing.view(shard.shape) if isinstance(v, Chunks) else v
                                                for k, v in own.items()}
-    for group, saved in zip(full["param_groups"], groups):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    for group, saved in zip(full["param_groups"], groups):  # JSON gave tuples (betas, trust_clamp) back as lists
+        group.update({k: tuple(v) if isinstance(v, list) and k != "param_names" else v
+                      for k, v in saved.items() if k != "params"})
     optimizer.load_state_dict(full)
 
 
@@ -683,7 +742,10 @@ def model_mismatch(folder: Path, model_cfg) -> Optional[str]:
     if model_cfg is None or "config" not in saved_keys(folder):
         return None
     from model import identity
-    theirs, ours = identity(saved_model_config(folder)), identity(model_cfg)
+    try:
+        theirs, ours = identity(saved_model_config(folder)), identity(model_cfg)
+    except ConfigError:  # another checkpoint format, which load() refuses in one line
+        return None
     differ = [f"{k} {theirs[k]} there, {ours[k]} here" for k in ours if theirs[k] != ours[k]]
     return f"{folder} is another model's checkpoint ({'; '.join(differ)})" if differ else None
 

@@ -18,7 +18,7 @@ from errors import ConfigError
 from model import ffn_width, kv_heads
 from parallelisms.overlap import TPGroup, WaitClock
 from parallelisms.pipeline import Pipeline, autocast, split_for_pipeline
-from parallelisms.sharding import describe
+from parallelisms.sharding import set_shard_info
 from parallelisms.tensor_parallel import TPSettings, apply_tp, tp_shard_infos, vocab_parallel_cross_entropy
 from parallelisms.zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
 
@@ -416,8 +416,8 @@ def _materialize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, dt
                  device: Optional[torch.device], seed: int) -> None:
     """This rank's chunk in `dtype`; if it was built on the meta device, its parameters on `device`,
     initialized (not on meta: a rehearsal keeps shapes only) with the values one process would
-    hold (device None: the chunk holds its values already). Then each TP slice is described in the
-    shard registry (parallelisms/sharding.py), after to_empty, which makes new parameters."""
+    hold (device None: the chunk holds its values already). Then each TP slice gets its
+    sharding.ShardInfo, after to_empty, which makes new parameters."""
     chunk.to(dtype)  # on meta first: the shard is materialized in its own dtype, never in fp32
     infos = tp_shard_infos(chunk, tp_settings(layout, cfg)) if layout.tp > 1 else {}
     if device is not None:
@@ -427,7 +427,7 @@ def _materialize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, dt
                                              if i.split_dim is not None})
     for name, p in chunk.named_parameters():
         if name in infos:
-            describe(p, infos[name])
+            set_shard_info(p, infos[name])
 
 
 def _norm_group(layout: Layout):

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 BATCHED = (torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 ACCUMULATING = (torch.ops.aten.add_.Tensor, torch.ops.aten._foreach_add_.List)  # the gradient accumulation's ops
-# A weight-gradient GEMM accumulating into its gradient buffer (overlap.weight_gradient): C += A @ B,
+# A weight-gradient GEMM accumulating into its gradient buffer (zero.weight_gradient): C += A @ B,
 # in C's dtype or (bf16 operands, CUDA's and meta's) into fp32.
 GEMM_ACCUMULATING = (torch.ops.aten.addmm_.default, torch.ops.aten.addmm.dtype_out)
 

@@ -216,7 +216,7 @@ def in_flight_layers(lay: JobLayout, n_layers: int, rank: int) -> float:
 
 def fuses_weight_gradients(lay: JobLayout) -> bool:
     """Whether the weight-gradient GEMMs accumulate into ZeRO's buffer themselves
-    (overlap.weight_gradient): under TP, whose layers own their backward; at tp=1 nn.Linear's
+    (zero.weight_gradient): under TP, whose layers own their backward; at tp=1 nn.Linear's
     backward is autograd's, which hands parallelisms/zero.py a gradient to add."""
     return lay.tp > 1
 

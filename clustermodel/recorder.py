@@ -1,8 +1,9 @@
 """Recording every collective and send/receive a rank posts: the rehearsal's eyes (rehearsal.py),
 also worn by a real run (rehearse.record) so that the two compare op by op. While active, a
-Recorder patches torch.distributed's collectives and point-to-point; with NCCL's rules on it also
-names every tensor off the compute device, every host read of a device tensor beyond the step's
-one, and every host-to-device copy that waits for the host (host_syncs.py).
+Recorder is a handler of observe/comms.py's interposer on torch.distributed's collectives and
+point-to-point (in front of the op log's, in a real run); with NCCL's rules on it also names
+every tensor off the compute device, every host read of a device tensor beyond the step's one,
+and every host-to-device copy that waits for the host (host_syncs.py).
 """
 from __future__ import annotations
 
@@ -17,22 +18,16 @@ import torch
 import torch.distributed as dist
 
 from clustermodel import host_syncs
+from observe import comms
+from observe.comms import COLLECTIVES, OBJECTS, POINT_TO_POINT
 
 HERE = str(Path(__file__).resolve().parents[1])  # the repository: frames under it are the code's own
-# Frames that wrap torch.distributed, not call sites.
+# Frames of the rules on host reads and copies, and of the rehearsal, not call sites.
 WRAPPERS = {str(Path(__file__).resolve()), str(Path(__file__).with_name("rehearsal.py").resolve()),
             str(Path(host_syncs.__file__).resolve())}
 
 
 # --- Recording every collective and send/receive ---
-
-COLLECTIVES = {  # torch.distributed function -> (op name, its tensor arguments: output first)
-    "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-    "broadcast": "broadcast", "all_to_all_single": "all_to_all", "barrier": "barrier",
-}
-POINT_TO_POINT = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
-OBJECTS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 
 
 class Violation(Exception):
@@ -76,7 +71,7 @@ class _Tracked:
 
 
 class Recorder:
-    """Patches torch.distributed's collectives and point-to-point while active. fake=True does
+    """Records torch.distributed's collectives and point-to-point while active. fake=True does
     nothing but record and hand back completed works (the rehearsal); fake=False records and
     calls through (a real run, to compare with its rehearsal). With nccl_rules, a tensor that is
     not on `device` is a violation naming the call site, and so are every host read of a
@@ -91,12 +86,10 @@ class Recorder:
         self._saved, self._reading = {}, False
         self.take_work = None  # the compute since the last event (FlopLedger.segment.take), stamped on each
 
-    # patching
+    # recording while active
 
     def __enter__(self):
-        for name in list(COLLECTIVES) + list(POINT_TO_POINT) + ["batch_isend_irecv"] + list(OBJECTS):
-            self._saved[name] = getattr(dist, name)
-            setattr(dist, name, functools.partial(self._call, name))
+        comms.register(self._call)
         if self.nccl_rules:
             for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
                 self._saved[f"Tensor.{name}"] = getattr(torch.Tensor, name)
@@ -105,13 +98,12 @@ class Recorder:
         return self
 
     def __exit__(self, *exc):
+        comms.unregister(self._call)
         for name, fn in self._saved.items():
             if name.startswith("Tensor."):
                 setattr(torch.Tensor, name[7:], fn)
-            elif name.startswith("torch."):
-                setattr(torch, name[6:], fn)
             else:
-                setattr(dist, name, fn)
+                setattr(torch, name[6:], fn)
         self._saved.clear()
 
     @contextlib.contextmanager
@@ -126,40 +118,39 @@ class Recorder:
 
     # what a call records
 
-    def _call(self, name, *args, **kwargs):
-        original = self._saved[name]
+    def _call(self, name, site, proceed, args, kwargs):
+        """The interposer's handler (observe/comms.py): record the call, then, unless fake, make it."""
         if name in OBJECTS:
-            self._record(name, [], kwargs.get("group"), None, async_op=False)
+            self._record(name, [], kwargs.get("group"), None, site, async_op=False)
             if self.fake:
                 return _fake_object_collective(name, *args, **kwargs)
-            return original(*args, **kwargs)
-        if name == "batch_isend_irecv":
+            return proceed(*args, **kwargs)
+        if name == comms.BATCH:
             ops = args[0]
             index = self._record("batch", [(POINT_TO_POINT[o.op.__name__], o.tensor, o.group, o.peer) for o in ops],
-                                 None, None, async_op=True, batched=True)
+                                 None, None, site, async_op=True, batched=True)
             if self.fake:
                 return [_Done(self, index) for _ in ops]
-            return [_Tracked(self, index, w) for w in original(*args, **kwargs)]
+            return [_Tracked(self, index, w) for w in proceed(*args, **kwargs)]
         async_op = kwargs.get("async_op", False) or name in ("isend", "irecv")
         if name in POINT_TO_POINT:
             tensor = args[0]
             peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
-            index = self._record(POINT_TO_POINT[name], [tensor], kwargs.get("group"), peer, async_op)
+            index = self._record(POINT_TO_POINT[name], [tensor], kwargs.get("group"), peer, site, async_op)
         else:
             tensors = [a for a in args if torch.is_tensor(a)]
-            index = self._record(COLLECTIVES[name], tensors, kwargs.get("group"), None, async_op)
+            index = self._record(COLLECTIVES[name], tensors, kwargs.get("group"), None, site, async_op)
         if self.fake:
             work = _Done(self, index)
         else:
-            real = original(*args, **kwargs)
+            real = proceed(*args, **kwargs)
             work = _Tracked(self, index, real) if real is not None else None
         if not async_op:
             self.waited(index)
             return None
         return work
 
-    def _record(self, op, tensors, group, peer, async_op, batched=False) -> int:
-        site = _site()
+    def _record(self, op, tensors, group, peer, site, async_op, batched=False) -> int:
         index = len(self.events)
         self._posting = []
         if batched:  # [(send|recv, tensor, group, peer)]

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from observe import oplog
+from observe import comms, oplog
 from corpus.__main__ import build_for  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def block(ops: int, tensor: torch.Tensor, async_op: bool) -> float:
 def call_site_cost(ops: int) -> float:
     start = time.perf_counter()
     for _ in range(ops):
-        oplog.call_site()
+        comms.call_site()
     return (time.perf_counter() - start) / ops
 
 
@@ -78,13 +78,17 @@ def _returns_at_once(*args, **kwargs):
 def wrapper_cost(recorder, tensor: torch.Tensor, ops: int, rounds: int) -> dict:
     """The op log's own seconds per op (blocking; asynchronous with its wait) and per wait's span:
     the wrapper around a collective that returns at once, less that collective alone."""
-    wrapped = recorder._wrap("all_reduce", _returns_at_once)
+    wrapped = comms._interposed("all_reduce", _returns_at_once)  # as the interposer wraps dist.all_reduce
     out = {}
-    for name, async_op in (("blocking", False), ("async", True)):
-        deltas = []
-        for _ in range(rounds):
-            deltas.append(block_of(wrapped, ops, tensor, async_op) - block_of(_returns_at_once, ops, tensor, async_op))
-        out[name] = quantiles(deltas)
+    recorder.install()  # its handler, the only one
+    try:
+        for name, async_op in (("blocking", False), ("async", True)):
+            deltas = []
+            for _ in range(rounds):
+                deltas.append(block_of(wrapped, ops, tensor, async_op) - block_of(_returns_at_once, ops, tensor, async_op))
+            out[name] = quantiles(deltas)
+    finally:
+        recorder.uninstall()
     spans = []
     for _ in range(rounds):
         start = time.perf_counter()

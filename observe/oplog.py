@@ -6,9 +6,9 @@ while it runs, and on a hang the rank it started from.
   collective of a group is the same collective on every member), per-pair sequence number of
   a send or receive, op, bytes, dtype, peer, call site, step, and the wall times of its post,
   the start of its wait and the end of its wait. Per group, a running hash of (op, bytes,
-  dtype, call site), kept in each entry. The functions are wrapped once at start-up, here, so
-  no call site changes, and the rehearsal's Recorder (clustermodel/recorder.py), which wraps the same
-  functions, wraps these in turn.
+  dtype, call site), kept in each entry. The recorder is a handler of observe/comms.py's
+  interposer, registered at start-up, beside the rehearsal's Recorder (clustermodel/recorder.py)
+  when a real run records its first steps for its rehearsal.
 - Spans: the phases the heartbeat is told (data, compute, eval, checkpoint), the segments spans.py
   times (forward and backward per chunk and microbatch, gc, checkpoint save, the agreed read) and
   every wait overlap.WaitClock times, named by what it waits for (comm tp, bubble pp recv, comm pp
@@ -28,7 +28,8 @@ while it runs, and on a hang the rank it started from.
   reported (the odd rank, both call sites) to the log and faults.jsonl, before anything hangs.
 - Faults (MEGAREPRO_FAULT, fault_injection.py; start() is given them): skip:RANK@STEP (that rank does not post the first
   collective of that step on a group of more than one rank, and goes on); swap:RANK@STEP (that
-  rank posts two same-size collectives of that step from two call sites in swapped order).
+  rank posts two same-size collectives of that step from two call sites in swapped order; where its
+  step has none, a warning says so and faults.jsonl records it).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from observe import spans
+from observe import comms, spans
 from observe.heartbeat import append_event, attempt
 # Where a hang started (hangs.py reads the snapshots this module writes)
 from observe.hangs import localize, ranks_of, read_snapshots, read_snapshots_of, snapshot_dir
@@ -59,16 +60,10 @@ from observe.timeline import BYTES, DIM, DONE, FIELDS, GROUP, HASH, OP, PEER, PO
 
 log = logging.getLogger("observe")
 
-HERE = str(Path(__file__).resolve().parents[1])
-WRAPPERS = {str(Path(HERE) / name) for name in ("observe/oplog.py", "clustermodel/recorder.py")}  # their frames are not call sites
-
-COLLECTIVES = {  # torch.distributed function -> op name
-    "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-    "broadcast": "broadcast", "all_to_all_single": "all_to_all", "barrier": "barrier",
-    "all_gather_object": "all_gather_object", "broadcast_object_list": "broadcast_object_list",
-}
-POINT_TO_POINT = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
+# The collectives the op log keeps (torch.distributed function -> op name); it keeps every
+# point-to-point op (comms.POINT_TO_POINT) too, and passes the others on unrecorded.
+COLLECTIVES = {**comms.COLLECTIVES, "all_gather_object": "all_gather_object",
+               "broadcast_object_list": "broadcast_object_list"}
 
 
 @dataclass
@@ -100,19 +95,20 @@ class Recorder:
     ends; the heartbeat thread copies the ring when it writes a snapshot."""
 
     def __init__(self, cfg: ObserveConfig, rank: int, coords: dict, dims: dict, skip_step: Optional[int] = None,
-                 swap_step: Optional[int] = None):
+                 swap_step: Optional[int] = None, run_dir: Optional[Path] = None):
         self.cfg, self.rank, self.coords, self.dims = cfg, rank, coords, dims  # dims: group name -> mesh dim
+        self.run_dir = run_dir  # where faults.jsonl is, if any
         self.ops = collections.deque(maxlen=cfg.ring)
         self.spans = collections.deque(maxlen=SPANS_BOUNDS[0] if cfg.spans < 0 else max(cfg.spans, 1))
         self.seq, self.hash, self.pairs, self.members = {}, {}, {}, {}
         self.step, self.phase, self.version = 0, "start", 0
         self.skip_step, self.skipped = skip_step, None
         self.stall_checked = None  # the op whose stall rank 0 last looked into
-        self.swap_step, self.swapped, self.held = swap_step, None, None  # swap:RANK@STEP
+        # swap:RANK@STEP; swapped: None until that step swaps (its number) or ends with no swap (False)
+        self.swap_step, self.swapped, self.held = swap_step, None, None
         self.beats, self.desynced = 0, set()  # the desync check's state
         self.waited = None  # the op whose wait began last (what a WaitClock wait waits for)
         self.signals = []  # [{name, time}] of the stop signals this rank received (LastWords)
-        self._saved = {}
 
     # --- recording ---
 
@@ -125,6 +121,8 @@ class Recorder:
             self.spans[-1][4] = now - self.spans[-1][3]
         if self.cfg.spans:
             self.spans.append(["phase", phase, step, now, None])
+        if self.step == self.swap_step and self.swapped is None and (step != self.step or phase == "done"):
+            self._note_unswapped()
         self.step, self.phase = step, phase
         self.version += 1
 
@@ -165,10 +163,10 @@ class Recorder:
             self.members[name] = as_range(dist.get_process_group_ranks(group))
         return name
 
-    def post(self, op: str, tensors: list, group, peer: Optional[int] = None, site: Optional[str] = None) -> list:
+    def post(self, op: str, tensors: list, group, peer: Optional[int], site: str) -> list:
         name = self._group(group)
         nbytes, dtype = (tensors[0].nbytes, _dtype_name(tensors[0].dtype)) if tensors else (0, "")
-        site, running = site or call_site(), None
+        running = None
         if peer is None:
             seq = self.seq[name] = self.seq.get(name, 0) + 1
             self._hash_before = self.hash.get(name, 0)
@@ -199,69 +197,65 @@ class Recorder:
         self.skipped = self.step
         return True
 
-    def _note_skipped(self, op: str, tensors: list, group) -> None:
-        entry = self.post(f"skipped {op}", tensors, group)
+    def _note_skipped(self, op: str, tensors: list, group, site: str) -> None:
+        entry = self.post(f"skipped {op}", tensors, group, None, site)
         name = entry[GROUP]
         self.seq[name] -= 1  # it never went on the wire: the next op takes its number
         self.hash[name] = self._hash_before
         entry[WAIT] = entry[DONE] = entry[POST]
 
     def install(self) -> None:
-        for name in list(COLLECTIVES) + list(POINT_TO_POINT):
-            original = getattr(dist, name, None)  # (all_gather_single and reduce_scatter_single are torch 2.13's)
-            if original is not None:
-                self._saved[name] = original
-                setattr(dist, name, self._wrap(name, original))
+        """Register this recorder with the interposer (observe/comms.py)."""
+        comms.register(self.intercept)
 
     def uninstall(self) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved.clear()
+        comms.unregister(self.intercept)
 
-    def _wrap(self, name: str, original):
-        point_to_point = name in POINT_TO_POINT
-        op = POINT_TO_POINT[name] if point_to_point else COLLECTIVES[name]
+    def intercept(self, name: str, site: str, proceed, args: tuple, kwargs: dict):
+        """The interposer's handler: log the op (a collective of COLLECTIVES, a send or receive)
+        and post it through `proceed`, or inject skip:... or swap:..."""
+        if name in comms.POINT_TO_POINT:
+            self._release()
+            peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+            entry = self.post(comms.POINT_TO_POINT[name], [args[0]], kwargs.get("group"), peer, site)
+            return self._run(proceed, args, kwargs, entry, launched=name in ("isend", "irecv"))
+        op = COLLECTIVES.get(name)
+        if op is None:  # gather_object, scatter_object_list, batch_isend_irecv: not in the op log
+            return proceed(*args, **kwargs)
+        tensors = [a for a in args if torch.is_tensor(a)]
+        if self.skips(kwargs.get("group")):
+            self._note_skipped(op, tensors, kwargs.get("group"), site)
+            return _Skipped() if kwargs.get("async_op") else None
+        if self.swap_step is not None:
+            return self._swap(proceed, op, tensors, args, kwargs, site)
+        return self._run(proceed, args, kwargs, self.post(op, tensors, kwargs.get("group"), None, site))
 
-        def call(*args, **kwargs):
-            if point_to_point:
-                self._release()
-                peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
-                entry = self.post(op, [args[0]], kwargs.get("group"), peer)
-                return self._run(original, args, kwargs, entry, launched=name in ("isend", "irecv"))
-            tensors = [a for a in args if torch.is_tensor(a)]
-            if self.skips(kwargs.get("group")):
-                self._note_skipped(op, tensors, kwargs.get("group"))
-                return _Skipped() if kwargs.get("async_op") else None
-            if self.swap_step is not None:
-                return self._swap(original, op, tensors, args, kwargs)
-            return self._run(original, args, kwargs, self.post(op, tensors, kwargs.get("group")))
-        call.__wrapped__ = original
-        return call
-
-    def _run(self, original, args, kwargs, entry: list, launched: bool = False):
+    def _run(self, proceed, args, kwargs, entry: list, launched: bool = False):
         if launched or kwargs.get("async_op"):
-            return _Watched(original(*args, **kwargs), entry, self)
+            return _Watched(proceed(*args, **kwargs), entry, self)
         entry[WAIT] = entry[POST]  # a blocking op waits from its post
         self.waited = entry
-        work = original(*args, **kwargs)
+        work = proceed(*args, **kwargs)
         entry[DONE] = time.time()
         self.version += 1
         return work
 
-    def _swap(self, original, op: str, tensors: list, args: tuple, kwargs: dict):
+    def _swap(self, proceed, op: str, tensors: list, args: tuple, kwargs: dict, site: str):
         """swap:RANK@STEP: in that step, a collective on a group of several ranks is held back, and
         posted after the next one when that one is the same op and size from another call site (a
         swap of two posts of one line, a loop's, is invisible to any hash of what is posted);
         else it is posted before it, unswapped, and the next is held instead. A held blocking op
         returns at once and goes on the wire later on copies of its tensors: its caller computes on
-        an output never written, as a rank whose posts were swapped computes on another's data."""
+        an output never written, as a rank whose posts were swapped computes on another's data.
+        A step with no such pair is reported as it ends (_note_unswapped)."""
         group, nbytes = kwargs.get("group"), sum(t.numel() * t.element_size() for t in tensors[:1])
         held, self.held = self.held, None
         if held is not None:
-            same = (held[1], held[2], held[3]) == (self._group(group), op, nbytes) and held[4] != call_site()
+            same = (held[1], held[2], held[3]) == (self._group(group), op, nbytes) and held[4] != site \
+                and self.step == self.swap_step
             if same:
                 self.swapped = self.step
-                result = self._run(original, args, kwargs, self.post(op, tensors, group))
+                result = self._run(proceed, args, kwargs, self.post(op, tensors, group, None, site))
                 self._post_held(held)
                 return result
             self._post_held(held)
@@ -269,13 +263,26 @@ class Recorder:
                 self.members[self._group(group)])) > 1 and "object" not in op:
             if not kwargs.get("async_op"):  # its caller goes on with the output: it is written elsewhere
                 args = tuple(a.clone() if torch.is_tensor(a) else a for a in args)
-            self.held = ((original, args, kwargs, tensors), self._group(group), op, nbytes, call_site())
+            self.held = ((proceed, args, kwargs, tensors), self._group(group), op, nbytes, site)
             return _Held(self) if kwargs.get("async_op") else None
-        return self._run(original, args, kwargs, self.post(op, tensors, group))
+        return self._run(proceed, args, kwargs, self.post(op, tensors, group, None, site))
+
+    def _note_unswapped(self) -> None:
+        """The step of swap:RANK@STEP ended with nothing swapped: its collectives went out in
+        order. A warning says so, and faults.jsonl records it (as fault_injection.py's faults)."""
+        self.swapped = False
+        detail = (f"swap:{self.rank}@{self.swap_step} swapped nothing: step {self.swap_step} posted no two "
+                  f"same-size collectives one after the other from two call sites on a group of several ranks, "
+                  f"so its collectives went out in order")
+        log.warning(detail)
+        if self.run_dir is not None:
+            append_event(Path(self.run_dir) / "faults.jsonl", {"event": "injected_swap", "rank": self.rank,
+                                                             "step": self.swap_step, "attempt": attempt(),
+                                                             "time": time.time(), "swapped": False, "detail": detail})
 
     def _post_held(self, held: tuple) -> None:
-        (original, args, kwargs, tensors), _, op, _, site = held
-        work = self._run(original, args, kwargs, self.post(op, tensors, kwargs.get("group"), site=site))
+        (proceed, args, kwargs, tensors), _, op, _, site = held
+        work = self._run(proceed, args, kwargs, self.post(op, tensors, kwargs.get("group"), None, site))
         if isinstance(work, _Watched):
             work.wait()  # its caller's work object (_Held) has no wait of its own to do
 
@@ -458,22 +465,6 @@ def as_range(ranks: list) -> list:
     return list(ranks)
 
 
-def call_site() -> str:
-    """The first frame outside torch and the wrappers (this file's, the rehearsal's): the project's
-    line that posted the op."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        file = _SITE_FILES.get(code)
-        if file is None:  # once per code object: a Path per op would cost more than the walk
-            name = code.co_filename
-            file = _SITE_FILES[code] = Path(name).name if name.startswith(HERE) and name not in WRAPPERS else ""
-        if file:
-            return f"{file}:{frame.f_lineno} {code.co_name}"
-        frame = frame.f_back
-    return "?"
-
-
 def _dtype_name(dtype) -> str:
     name = _DTYPES.get(dtype)
     if name is None:
@@ -482,7 +473,6 @@ def _dtype_name(dtype) -> str:
 
 
 _DTYPES: dict = {}  # torch dtype -> its name ("float32"), found once
-_SITE_FILES: dict = {}  # code object -> its file's name if it is the project's (not a wrapper's), else ""
 
 
 def main_stack(limit: int = 12) -> list:
@@ -529,7 +519,7 @@ def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=Non
     if cfg.spans < 0:
         cfg = dataclasses.replace(cfg, spans=spans_capacity)
     RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None,
-                        swap[0] if swap else None)
+                        swap[0] if swap else None, run_dir)
     RECORDER.install()
     if cfg.spans:
         spans.SINK = RECORDER

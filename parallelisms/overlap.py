@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallelisms.sharding import shard_info
+from parallelisms.zero import gradient_sink, weight_gradient
 
 
 class WaitClock:
@@ -423,33 +423,6 @@ class GatheredLinears(torch.autograd.Function):
         for g, w, has_bias, sink in zip(grads, weights, ctx.has_bias, ctx.sinks):
             param_grads += [weight_gradient(sink, w.dtype, g, rows.to(g.dtype)), g.sum(0).to(w.dtype) if has_bias else None]
         return reduce_scatter.wait(), None, None, *param_grads
-
-
-def gradient_sink(weight: torch.Tensor):
-    """Where the weight's gradient accumulates, if not in autograd's .grad (sharding's
-    ShardInfo.grad_sink), asked in forward, of the parameter itself: what backward finds saved
-    may be another tensor object (a checkpoint's recomputation). None while dynamo traces: a
-    compiled backward returns its gradients."""
-    return None if torch.compiler.is_compiling() else shard_info(weight).grad_sink
-
-
-def weight_gradient(sink, dtype: torch.dtype, grad: torch.Tensor, rows: torch.Tensor):
-    """A linear layer's weight gradient, grad^T @ rows ([tokens, out]^T @ [tokens, in]). Where ZeRO
-    gives the weight a view of its gradient buffer (`sink`, gradient_sink's) the GEMM accumulates
-    into it, Megatron-LM's gradient-accumulation fusion: no gradient in the weight's dtype is
-    written, read back and added. It returns None then (autograd gets no .grad), else the
-    gradient in the weight's dtype. No switch turns it off: it changes no result beyond the
-    rounding of the sum (bf16 on a CPU: none at all) and is none of the paper's ablations."""
-    view = None if sink is None else sink.take()
-    if view is None:
-        return (grad.t() @ rows).to(dtype)
-    if view.dtype == grad.dtype:  # fp32 parameters (or a bf16 buffer for bf16 ones): C += A @ B
-        view.addmm_(grad.t(), rows)
-    elif view.dtype == torch.float32 and view.device.type != "cpu":  # bf16 GEMM, fp32 accumulator (CUDA; meta stands in)
-        torch.addmm(view, grad.t(), rows, out_dtype=torch.float32, out=view)
-    else:  # a CPU has no kernel for a bf16 GEMM accumulating in fp32: the product, then an add, as unfused
-        view.add_((grad.t() @ rows).to(dtype))
-    return None
 
 
 # --- MegaScale's chunked overlap: pieces of the sequence through the token-wise GEMMs ---

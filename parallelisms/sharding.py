@@ -1,23 +1,22 @@
-"""What a rank's tensor is of its logical parameter (the whole one a single process holds), kept
-in one registry that every file reads.
+"""What a rank's tensor is of its logical parameter (the whole one a single process holds): a
+ShardInfo set on the tensor where it is made, read by shard_info.
 
-tensor_parallel.py's plan slices parameters and zero.py cuts them into the optimizer's flat
-pieces; ZeRO's TP sum of replicas' gradients, the optimizer's weight decay and its norms summed over ranks each need to
-know what a tensor is a part of (parallel.py describes the TP slices, zero.py the pieces), and the
-TP layers' backward where a weight's gradient accumulates (zero.py describes its buckets' views). A tensor with
-no entry is a whole parameter, counted once.
+tensor_parallel.py's plan slices parameters (parallel.py sets each slice's tp_shard_infos entry)
+and zero.py cuts them into the optimizer's flat pieces (it sets each piece's); ZeRO's TP sum of
+replicas' gradients, the optimizer's weight decay, its norms summed over ranks and the checkpoint's
+logical coordinates read them. A tensor with none is a whole parameter, counted once.
 
-Keyed by the tensor object, weakly (torch's WeakIdKeyDictionary): an entry goes when its tensor
-does, and holds no reference that could keep a model alive.
+The ShardInfo is an attribute of the tensor itself, not an entry in a table: it goes when its
+tensor does, holds nothing else alive, and survives whatever keeps the tensor object (the meta
+device, .data replaced by ZeRO's flat buffers). A copy is a new tensor with none, as
+nn.Parameter's deepcopy and to_empty make.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(frozen=True)
@@ -40,27 +39,21 @@ class ShardInfo:
     # Whether this tensor's elements count in a norm summed over ranks: False on a copy whose
     # elements another rank of the sum also holds (a TP replica off the first rank of its replicas).
     norm_owner: bool = True
-    # Where a backward that computes this parameter's gradient itself (the TP layers' weight GEMMs,
-    # overlap.weight_gradient) accumulates it instead of handing autograd a .grad: ZeRO's
-    # zero.GradientSink, whose take() gives the parameter's view of its gradient buffer (None:
-    # autograd's .grad, as for any other tensor).
-    grad_sink: Optional[object] = None
 
 
 WHOLE = ShardInfo()
-_INFO = WeakIdKeyDictionary()
 
 
 def shard_info(tensor: torch.Tensor) -> ShardInfo:
-    return _INFO.get(tensor, WHOLE)
+    return getattr(tensor, "shard_info", WHOLE)
+
+
+def set_shard_info(tensor: torch.Tensor, info: ShardInfo) -> None:
+    """Records what `tensor` is, where it is made."""
+    tensor.shard_info = info
 
 
 def tp_summed_replicas(tensor: torch.Tensor) -> int:
     """Over how many TP replicas the tensor's gradient is summed (1: not summed)."""
     info = shard_info(tensor)
     return info.tp_replicas if info.tp_partial_grad else 1
-
-
-def describe(tensor: torch.Tensor, info: Optional[ShardInfo] = None, **fields) -> None:
-    """Record what `tensor` is (`info`, else its current entry), with `fields` changed."""
-    _INFO[tensor] = dataclasses.replace(info if info is not None else shard_info(tensor), **fields)

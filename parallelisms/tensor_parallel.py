@@ -10,8 +10,8 @@ where a style runs a module differently, a TP module takes the plain one's place
 name, holding the same parameters, so parameter names (and checkpoints) do not depend on the
 layout. What other files need to know about a TP slice comes from the same plan: tp_shard_dim
 (the dim it splits) and tp_shard_infos (where this rank's slice lies and how many ranks hold
-it, which parallel.py records in sharding.py's registry: the checkpoint's logical coordinates,
-ZeRO's sums of replicated gradients, the norms that count each element once).
+it, which parallel.py sets on each slice as its sharding.ShardInfo: the checkpoint's logical
+coordinates, ZeRO's sums of replicated gradients, the norms that count each element once).
 
 The layers are written here by hand rather than taken from torch.distributed.tensor.parallel:
 the ablations control when each all-gather and reduce-scatter runs (parallel.overlap.tp: off,
@@ -35,6 +35,7 @@ from parallelisms import overlap
 from model import Block, kv_heads
 from parallelisms.overlap import TPGroup
 from parallelisms.sharding import ShardInfo
+from parallelisms.zero import gradient_sink, weight_gradient
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class TPSettings:
 
 class Linear(torch.autograd.Function):
     """F.linear(x, weight, bias) whose backward computes the weight gradient itself, so that it
-    accumulates into ZeRO's gradient buffer (overlap.weight_gradient). The TP layers' GEMMs that
+    accumulates into ZeRO's gradient buffer (zero.weight_gradient). The TP layers' GEMMs that
     do not go through overlap.GatheredLinears (the row-parallel projections; the column-parallel
     ones on TP overlap's pieces) run through it."""
 
@@ -61,7 +62,7 @@ class Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         x = x.to(overlap.compute_dtype(x))  # what F.linear would keep under autocast
         ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.bias_dtype = overlap.gradient_sink(weight), None if bias is None else bias.dtype
+        ctx.sink, ctx.bias_dtype = gradient_sink(weight), None if bias is None else bias.dtype
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -69,7 +70,7 @@ class Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])  # [tokens, out features]
         input_grad = (g @ weight.to(g.dtype)).view(*grad.shape[:-1], -1)
-        w_grad = overlap.weight_gradient(ctx.sink, weight.dtype, g, x.reshape(-1, x.shape[-1]).to(g.dtype))
+        w_grad = weight_gradient(ctx.sink, weight.dtype, g, x.reshape(-1, x.shape[-1]).to(g.dtype))
         return input_grad, w_grad, None if ctx.bias_dtype is None else g.sum(0).to(ctx.bias_dtype)
 
 

@@ -16,11 +16,11 @@ shards. Megatron-LM's distributed optimizer is the model. Its words, used throug
   stay exact (optim.py). The optimizer updates the parameters' shards (`shards`; at ZeRO-0 the
   whole parameters).
 - gradient buffer: the bucket's gradients in the reduction dtype, accumulated microbatch after
-  microbatch. Where the code owns a weight's backward (the TP layers' GEMMs,
-  overlap.weight_gradient) the weight-gradient GEMM accumulates straight into the weight's view
-  of it, as Megatron-LM's gradient-accumulation fusion does (GradientSink): no gradient in the
-  parameters' dtype is written and read again. Every other gradient (biases, norms, the
-  embedding, any weight at tp=1) is added when its module's backward ends, in one foreach add a
+  microbatch. Where the code owns a weight's backward (the TP layers' GEMMs) the
+  weight-gradient GEMM accumulates straight into the weight's view of it, as Megatron-LM's
+  gradient-accumulation fusion does (weight_gradient, into the parameter's GradientSink): no
+  gradient in the parameters' dtype is written and read again. Every other gradient (biases,
+  norms, the embedding, any weight at tp=1) is added when its module's backward ends, in one foreach add a
   bucket, and freed (so it waits at most that long), not one Python hook and one add a
   parameter. ZeRO-0 all-reduces the buffer; ZeRO-1 and 2 reduce-scatter it, each rank receiving
   the sum of its shard; ZeRO-2 allocates it when the bucket's first gradient arrives and frees
@@ -44,13 +44,14 @@ Nothing here holds a full-size copy of the gradients or parameters besides the b
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from parallelisms.overlap import timed_wait
-from parallelisms.sharding import describe, shard_info, tp_summed_replicas
+from parallelisms.sharding import WHOLE, set_shard_info, shard_info, tp_summed_replicas
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's --ddp-bucket-size
 
@@ -110,10 +111,11 @@ class _BackwardDone(torch.autograd.Function):
 
 
 class GradientSink:
-    """Where a backward that computes parameter i's gradient itself accumulates it (sharding's
-    ShardInfo.grad_sink): take() gives the parameter's view of its bucket's gradient buffer and
-    counts the gradient as arrived when the module's backward ends. Holds the schedule weakly, so
-    that the registry's entry keeps no model alive."""
+    """Where a backward that computes parameter i's gradient itself accumulates it (weight_gradient):
+    take() gives the parameter's view of its bucket's gradient buffer and counts the gradient as
+    arrived when the module's backward ends. ZeroDataParallel.attach sets one on each parameter,
+    as its `grad_sink`. Holds the schedule weakly: the schedule holds the parameters, and a
+    parameter keeps no schedule (nor its buffers) alive."""
 
     def __init__(self, schedule: "ZeroDataParallel", i: int):
         self.schedule, self.i = weakref.ref(schedule), i
@@ -121,6 +123,33 @@ class GradientSink:
     def take(self):
         schedule = self.schedule()
         return None if schedule is None else schedule.fused_view(self.i)
+
+
+def gradient_sink(weight: torch.Tensor) -> Optional[GradientSink]:
+    """Where the weight's gradient accumulates, if not in autograd's .grad: its GradientSink, asked
+    in forward, of the parameter itself (what backward finds saved may be another tensor object: a
+    checkpoint's recomputation). None while dynamo traces: a compiled backward returns its gradients."""
+    return None if torch.compiler.is_compiling() else getattr(weight, "grad_sink", None)
+
+
+def weight_gradient(sink, dtype: torch.dtype, grad: torch.Tensor, rows: torch.Tensor):
+    """A linear layer's weight gradient, grad^T @ rows ([tokens, out]^T @ [tokens, in]), as the TP
+    layers' backward computes it. Where the weight has a sink (gradient_sink's) the GEMM
+    accumulates into its view of the gradient buffer, Megatron-LM's gradient-accumulation fusion:
+    no gradient in the weight's dtype is written, read back and added. It returns None then
+    (autograd gets no .grad), else the gradient in the weight's dtype. No switch turns it off: it
+    changes no result beyond the rounding of the sum (bf16 on a CPU: none at all) and is none of
+    the paper's ablations."""
+    view = None if sink is None else sink.take()
+    if view is None:
+        return (grad.t() @ rows).to(dtype)
+    if view.dtype == grad.dtype:  # fp32 parameters (or a bf16 buffer for bf16 ones): C += A @ B
+        view.addmm_(grad.t(), rows)
+    elif view.dtype == torch.float32 and view.device.type != "cpu":  # bf16 GEMM, fp32 accumulator (CUDA; meta stands in)
+        torch.addmm(view, grad.t(), rows, out_dtype=torch.float32, out=view)
+    else:  # a CPU has no kernel for a bf16 GEMM accumulating in fp32: the product, then an add, as unfused
+        view.add_((grad.t() @ rows).to(dtype))
+    return None
 
 
 class ZeroDataParallel:
@@ -180,19 +209,21 @@ class ZeroDataParallel:
         view into the bucket."""
         p, (b, k) = self.params[i], self.where[i]
         bucket = self.buckets[b]
+        info = WHOLE
         if self.stage == 0:
             if not self.mixed:
-                shard = p
+                shard, info = p, shard_info(p)
             else:
                 shard = torch.nn.Parameter(bucket.master[bucket.offsets[k]:bucket.offsets[k] + p.numel()].view_as(p))
         else:
             lo, hi = self.shard_ranges[i]
             start = bucket.offsets[k] + lo - bucket.shard_start
             shard = torch.nn.Parameter(bucket.master[start:start + hi - lo])
-            describe(shard, logical_ndim=p.ndim)  # a flat shard of a matrix is still a matrix's (weight decay)
+            info = dataclasses.replace(info, logical_ndim=p.ndim)  # a flat shard of a matrix is still a matrix's
         # LAMB and gradient clipping sum squared norms over ranks: count each element once.
         tp_owner = self.layout.tp_rank % shard_info(p).tp_replicas == 0
-        describe(shard, norm_owner=tp_owner and (self.stage > 0 or self.layout.dp_rank == 0))
+        owner = tp_owner and (self.stage > 0 or self.layout.dp_rank == 0)
+        set_shard_info(shard, dataclasses.replace(info, norm_owner=owner))
         return shard
 
     def _grad_views(self, bucket: Bucket) -> list:
@@ -218,7 +249,7 @@ class ZeroDataParallel:
             self.modules.append(indices)
             register(self._hook(m, sorted({self.where[i][0] for i in indices})))
         for i, p in enumerate(self.params):
-            describe(p, grad_sink=GradientSink(self, i))
+            p.grad_sink = GradientSink(self, i)
 
     def _hook(self, m: int, buckets: list):
         def before_module(module, args, *output):  # a forward pre-hook, or (the tail's) a forward hook
@@ -247,7 +278,7 @@ class ZeroDataParallel:
         """Parameter i's view of its gradient buffer, for its backward's weight-gradient GEMM to
         accumulate into (GradientSink.take); it counts as arrived at its module's end (under a
         compiled forward, whose hooks mark none, at backward_done). A GEMM that dynamo traces
-        returns its gradient instead (overlap.weight_gradient)."""
+        returns its gradient instead (gradient_sink)."""
         b, k = self.where[i]
         self.fused.add(i)
         return self._grad_views(self.buckets[b])[k]
@@ -334,7 +365,8 @@ class ZeroDataParallel:
     def _finish_reduction(self, b: int) -> None:
         work, out = self.reducing.pop(b)
         if work is not None:
-            timed_wait(work, self.clock, out.device)
+            with self.clock.waiting("comm", out.device):
+                work.wait()
         if self.layout.dp > 1:
             out.div_(self.layout.dp)
         bucket = self.buckets[b]
@@ -392,7 +424,8 @@ class ZeroDataParallel:
         work, _ = self.gathering.pop(b)
         self.current.add(b)
         if work is not None:
-            timed_wait(work, self.clock, self.buckets[b].params.device)
+            with self.clock.waiting("comm", self.buckets[b].params.device):
+                work.wait()
 
     def gather_all(self) -> None:
         for b in range(len(self.buckets)):

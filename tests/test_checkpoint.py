@@ -1,7 +1,7 @@
 """Sharded checkpoints (checkpoint.py): resume at the same layout is bitwise, resume at another
 layout continues the same training within fp32 tolerance, async saves write the same bytes as
-sync ones, and a checkpoint that does not verify is never loaded."""
-import io
+sync ones, a checkpoint that does not verify is never loaded, and a load unpickles nothing of ours
+(non-tensor state is JSON)."""
 import json
 import pickle
 import shutil
@@ -107,7 +107,7 @@ def same(a, b) -> bool:
 
 def saved_items(folder) -> dict:
     """Every item as stored, by key (and offset for tensor pieces): a tensor's raw bytes, and a
-    non-tensor's value (stored pickled, and pickles of tensors carry a per-save id)."""
+    non-tensor's value (stored as JSON)."""
     meta = torch.distributed.checkpoint.FileSystemReader(folder).read_metadata()
     out = {}
     for index, info in meta.storage_data.items():
@@ -115,7 +115,7 @@ def saved_items(folder) -> dict:
             f.seek(info.offset)
             raw = f.read(info.length)
         if isinstance(meta.state_dict_metadata[index.fqn], torch.distributed.checkpoint.metadata.BytesStorageMetadata):
-            out[index.fqn] = pickle.loads(torch.load(io.BytesIO(raw), weights_only=False).getvalue())
+            out[index.fqn] = json.loads(raw)
         else:
             out[(index.fqn, tuple(index.offset))] = raw
     return out
@@ -231,6 +231,66 @@ def test_a_checkpoint_of_other_shapes_is_refused_by_load(sync_run):
     opt = optim.build_optimizer(engine.named_optimizer_parameters(), optim.OptimConfig(), 1e-3)
     with pytest.raises(ConfigError, match=r"holds model/\S+ as \[\d+(, \d+)*\], this model as .*another model"):
         checkpoint.load(checkpoint.step_dir(sync_run / "checkpoints", 4), engine, opt, None, None)
+
+
+class RecordingLoader:
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def test_loading_unpickles_nothing_but_dcps_metadata(sync_run, monkeypatch):
+    """A load in this process reads the optimizer's settings, the scheduler, the data position and
+    Python's and numpy's RNG states as JSON, and every tensor (torch's RNG state included) with
+    torch.load(weights_only=True): the only pickle it opens is DCP's own .metadata. What it
+    restores is what the run saved."""
+    import optim
+    import parallel
+    from model import GPT
+    folder = checkpoint.step_dir(sync_run / "checkpoints", 4)
+    model = GPT(checkpoint.saved_model_config(folder))
+    layout = parallel.build_layout(parallel.ParallelConfig(), 0, 1, torch.device("cpu"))
+    engine = parallel.build(model, layout, parallel.ParallelConfig(), device=torch.device("cpu"))
+    opt = optim.build_optimizer(engine.named_optimizer_parameters(), optim.OptimConfig(), 1e-3)
+    scheduler, loader = optim.build_scheduler(opt, optim.OptimConfig(), 4), RecordingLoader()
+    unpickled, loads, ours = [], [], checkpoint.rng_state()
+    load, torch_load = pickle.load, torch.load
+    monkeypatch.setattr(pickle, "load", lambda f, *a, **k: unpickled.append(f.name) or load(f, *a, **k))
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled bytes"))
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("weights_only")) or torch_load(*a, **k))
+    assert checkpoint.load(folder, engine, opt, scheduler, loader) == 4
+    monkeypatch.undo()
+    assert unpickled and all(name.endswith(".metadata") for name in unpickled), unpickled
+    assert loads and all(w is True for w in loads), loads
+    items = saved_items(folder)  # (every non-tensor item parses as JSON)
+    assert loader.state == items["loader"] and loader.state["sampler"]["consumed"] == 4 * 8
+    assert scheduler.state_dict()["last_epoch"] == items["scheduler"]["last_epoch"] == 4
+    assert all(isinstance(g["betas"], tuple) for g in opt.param_groups)
+    restored = checkpoint.rng_state()
+    checkpoint.set_rng_state(ours)
+    rng = {"rng/0/torch": torch.empty(checkpoint.saved_keys(folder)["rng/0/torch"].size, dtype=torch.uint8)}
+    checkpoint._read_alone(folder, rng)
+    assert torch.equal(restored["torch"], rng["rng/0/torch"])
+    assert {k: restored[k] for k in ("python", "numpy")} == items["rng/0"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_in_the_pickled_format_is_refused_in_one_line(tmp_path, capsys):
+    """A checkpoint of the format before this one (its non-tensor state pickled by DCP, no "format"
+    item) is neither unpickled nor loaded: resume and export stop in one line naming the fix."""
+    from errors import ConfigError
+    folder = checkpoint.step_dir(tmp_path, 2)
+    torch.distributed.checkpoint.save({"model/w": torch.zeros(2), "step": 2, "config": {"model": {}}},
+                                      checkpoint_id=folder, no_dist=True)
+    checkpoint.mark_complete(folder)
+    assert checkpoint.problem(folder) is None
+    with pytest.raises(ConfigError, match=r"CKPT: .*checkpoint format 1, whose .* pickled.* Fix: resume=none"):
+        checkpoint.saved_model_config(folder)
+    assert checkpoint.model_mismatch(folder, object()) is None  # (load says why)
+    with pytest.raises(SystemExit) as exit:
+        train.resume(str(folder), tmp_path, None, None, None, None, None)
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and err.startswith("config error: resume:") and len(err.splitlines()) == 1
+    assert "format 1" in err and "Fix: resume=none" in err
 
 
 def test_async_saves_reuse_one_staging_buffer(tmp_path):

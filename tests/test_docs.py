@@ -228,6 +228,13 @@ def check_python(argv: list, world: int | None = None, gpus: bool = False, var: 
         check_perfmodel(args[1:])
     elif script == "-m" and args[0] == "corpus":
         check_corpus(args[1:])
+    elif script == "-m" and args[0] == "observe":
+        from observe import diagnose
+        with parse_only(), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                diagnose.main(args[1:])
+            except Parsed:
+                pass
     elif script == "-m" and args[0] == "pytest":
         paths = [a.split("::")[0] for a in args[1:] if a.startswith("tests/")]
         assert paths and all((ROOT / p).exists() for p in paths), f"pytest: no such test file in {args}"

@@ -175,6 +175,89 @@ def test_the_op_log_is_a_bounded_ring_with_a_running_hash_per_group(monkeypatch)
         dist.destroy_process_group()
 
 
+def test_the_op_log_and_the_rehearsals_recorder_share_one_interposer(monkeypatch):
+    """Both register with observe/comms.py: torch.distributed is patched once, each handler sees a
+    call with the same call site, the newest first, and the last one out puts the functions back."""
+    import torch
+    import torch.distributed as dist
+    import parallel
+    from clustermodel.recorder import Recorder
+    from observe import comms
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        original = dist.all_reduce
+        layout = parallel.build_layout(parallel.ParallelConfig(), 0, 1, torch.device("cpu"))
+        oplog_recorder = oplog.Recorder(oplog.ObserveConfig(), 0, {"rank": 0}, {})
+        oplog_recorder.install()
+        try:
+            interposed = dist.all_reduce
+            assert interposed is not original and interposed.__wrapped__ is original
+            with Recorder(layout, torch.device("cpu"), fake=False) as rehearsal:
+                assert dist.all_reduce is interposed and comms.HANDLERS[1] == oplog_recorder.intercept
+                x = torch.ones(4)
+                dist.all_reduce(x)
+            assert dist.all_reduce is interposed
+        finally:
+            oplog_recorder.uninstall()
+        assert dist.all_reduce is original and not comms.HANDLERS
+        (posted,) = [e for e in rehearsal.events if e["op"] == "all_reduce"]
+        (logged,) = oplog_recorder.ops
+        assert posted["site"] == logged[timeline.SITE] and x.tolist() == [1.0] * 4  # called through once
+        assert posted["site"].startswith("test_observe.py:") and posted["site"].endswith("_share_one_interposer")
+        # The rehearsal's fake mode calls nothing through: the op log below it sees nothing
+        oplog_recorder = oplog.Recorder(oplog.ObserveConfig(), 0, {"rank": 0}, {})
+        oplog_recorder.install()
+        try:
+            with Recorder(layout, torch.device("cpu"), fake=True) as rehearsal:
+                dist.all_reduce(torch.ones(4), async_op=True).wait()
+        finally:
+            oplog_recorder.uninstall()
+        assert [e["op"] for e in rehearsal.events] == ["all_reduce", "wait"] and not oplog_recorder.ops
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes, swapped", [((4, 4), True), ((4, 8), False)])
+def test_a_swap_fault_whose_step_has_no_pair_is_reported(sizes, swapped, monkeypatch, tmp_path, caplog):
+    """swap:0@1 on a group taken for one of two ranks: two same-size all-reduces from two lines are
+    posted in swapped order; two of different sizes go out in order, and as the step ends a warning
+    says that nothing was swapped and faults.jsonl records it."""
+    import torch
+    import torch.distributed as dist
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        rec = oplog.Recorder(oplog.ObserveConfig(), 0, {"rank": 0}, {}, swap_step=1, run_dir=tmp_path)
+        rec.members[dist.group.WORLD.group_name] = ["range", 0, 2, 1]  # as if it had two ranks
+        rec.install()
+        try:
+            rec.mark(1, "compute")
+            dist.all_reduce(torch.ones(sizes[0]))
+            dist.all_reduce(torch.ones(sizes[1]))
+            rec.mark(2, "data")
+            dist.all_reduce(torch.ones(2))
+        finally:
+            rec.uninstall()
+    finally:
+        dist.destroy_process_group()
+    posted = [(e[timeline.BYTES] // 4, e[timeline.SITE].split()[0]) for e in rec.ops]
+    first, second = [site for _, site in posted[:2]]
+    assert first != second and posted[2][0] == 2
+    events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()] \
+        if (tmp_path / "faults.jsonl").exists() else []
+    if swapped:
+        assert rec.swapped == 1 and int(first.split(":")[1]) > int(second.split(":")[1])  # the later line first
+        assert not events and "swapped nothing" not in caplog.text
+    else:
+        assert rec.swapped is False and [size for size, _ in posted] == [4, 8, 2]  # in order
+        (event,) = events
+        assert (event["event"], event["rank"], event["step"], event["swapped"]) == ("injected_swap", 0, 1, False)
+        assert "swap:0@1 swapped nothing" in caplog.text and event["detail"] in caplog.text
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as sock:

@@ -264,8 +264,8 @@ def sharded_worker(rank: int, world: int, tmp: str) -> None:
     for name, t in full.items():
         data, owner = piece(name, t, rank, world)
         params[name] = nn.Parameter(data)
-        if not owner:  # owners are not described: the default must count
-            sharding.describe(params[name], norm_owner=False)
+        if not owner:  # owners get no ShardInfo: the default must count
+            sharding.set_shard_info(params[name], sharding.ShardInfo(norm_owner=False))
     opt = optim.Lamb([dict(params=[params[n] for n in names], **o) for names, o in GROUPS],
                      lr=LR, betas=BETAS, eps=EPS, norm_group=dist.group.WORLD)
     real, calls = dist.all_reduce, []

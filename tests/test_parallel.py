@@ -339,7 +339,7 @@ class _GemmCounter(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # addmm_: a weight-gradient GEMM accumulating into ZeRO's gradient buffer (overlap.weight_gradient)
+        # addmm_: a weight-gradient GEMM accumulating into ZeRO's gradient buffer (zero.weight_gradient)
         self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
                                               torch.ops.aten.bmm)
         return func(*args, **(kwargs or {}))

@@ -132,7 +132,8 @@ def vocab_head_and_loss(tp) -> float:
 
 
 class BufferSink:
-    """zero.GradientSink as the layers' backward sees it: take() gives a gradient buffer's view."""
+    """zero.GradientSink as the layers' backward sees it (zero.weight_gradient): take() gives a
+    gradient buffer's view."""
 
     def __init__(self, view: torch.Tensor):
         self.view = view
@@ -152,7 +153,6 @@ def fused_accumulation(tp, layer: str, dtype: torch.dtype) -> float:
     into a buffer, as parallelisms/zero.py adds the other gradients. fp32: the GEMM's C += A @ B; bf16 on a CPU:
     the product, then the add, so exactly the unfused sums. inf if the fused weight got a .grad."""
     from parallelisms import overlap
-    from parallelisms.sharding import describe
     from parallelisms.tensor_parallel import RowParallelLinear
     torch.manual_seed(1)
     column = layer == "column_sp"
@@ -160,7 +160,7 @@ def fused_accumulation(tp, layer: str, dtype: torch.dtype) -> float:
     weight = torch.randn(shape).to(dtype)
     fused, plain = leaf(weight), leaf(weight)
     sums = {"fused": torch.zeros(shape), "plain": torch.zeros(shape)}
-    describe(fused, grad_sink=BufferSink(sums["fused"]))
+    fused.grad_sink = BufferSink(sums["fused"])  # as ZeroDataParallel.attach sets a parameter's
     for _ in range(2):
         x = torch.randn(B, T // tp.size if column else T, shape[1]).to(dtype)
         gy = torch.randn(B, T, shape[0]).to(dtype)

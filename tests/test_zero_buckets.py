@@ -117,3 +117,30 @@ def test_buckets_average_gradients_and_rebuild_parameters_like_one_process(tmp_p
             assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
             if name.startswith(("zero1", "zero2")):
                 assert e["split"] > 0, (name, e)  # some parameter straddles the ranks' shards
+
+
+def test_what_a_parameter_is_and_where_its_gradient_goes_stay_on_it_on_meta():
+    """On the meta device, as a rehearsal builds a rank: a parameter's ShardInfo stays on it through
+    ZeRO's flattening (its .data becomes a view of the bucket), each ZeRO-1 shard says it is a flat
+    piece of a matrix, each parameter's gradient sink gives its view of the bucket's gradient
+    buffer, and a copy of a parameter is a new, whole tensor with no sink."""
+    import parallel
+    from parallelisms import sharding
+    from parallelisms.zero import ZeroDataParallel, gradient_sink, plan_buckets
+    layout = parallel.build_layout(parallel.ParallelConfig(), 0, 1, torch.device("meta"))
+    with torch.device("meta"):
+        model = TwoLinears()
+    params = list(model.parameters())
+    tp_slice = sharding.ShardInfo(split_dim=0, offset=3)
+    sharding.set_shard_info(params[2], tp_slice)
+    modules = [([0, 1], model.a.register_forward_pre_hook), ([2, 3], model.b.register_forward_pre_hook)]
+    zero = ZeroDataParallel(params, layout, 1, torch.float32, plan_buckets([m for m, _ in modules], params, 40, False))
+    zero.attach(modules)
+    assert sharding.shard_info(params[2]) == tp_slice and sharding.shard_info(params[3]) == sharding.WHOLE
+    assert [sharding.shard_info(s).logical_ndim for s in zero.shards] == [2, 1, 2, 1]
+    for i, p in enumerate(params):
+        b, k = zero.where[i]
+        view = gradient_sink(p).take()
+        assert view.device.type == "meta" and view.shape == p.shape and view._base is zero.buckets[b].grads
+    copied = copy.deepcopy(params[2])
+    assert sharding.shard_info(copied) == sharding.WHOLE and gradient_sink(copied) is None
