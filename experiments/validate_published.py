@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +37,10 @@ CSV_FILE = pm.DATA_DIR / "published_runs.csv"
 MEGATRON_2021 = ["kernels.attention=unfused", "kernels.fused=true", "optim.name=adamw", "data.pipeline=naive",
                  "parallel.overlap.tp=off", "parallel.overlap.pp=false", "parallel.overlap.dp=false"]
 MEGASCALE_TABLE2 = "jiang2024"
+# The frameworks whose overhead the hardware constants carry (the project's own family): efficiency 1.0.
+# Any other framework's runs are scaled by one multiplicative efficiency fitted on its fit rows
+# (experiments/fit_perfmodel.py, perfmodel_fit.json's framework_efficiency); none fitted: 1.0.
+OWN_FRAMEWORKS = ("megatron-lm", "megascale")
 
 
 class NotExpressible(Exception):
@@ -53,6 +58,9 @@ def megascale_table2_rows() -> List[Dict[str, str]]:
     for setting, key, split in (("Megatron-LM", "megatron", "fit"), ("MegaScale", "megascale", "held_out")):
         for row, _, gpus in cli.table2_configs(setting):
             rows.append({"source": MEGASCALE_TABLE2, "run": f"175B {setting}@{gpus}", "split": split,
+                         "framework": "megatron-lm" if key == "megatron" else "megascale",
+                         "verified": "unverified: megascale_table2.csv, the project's transcription, not re-checked "
+                                     "against the paper in this pass",
                          "gpu": "A100-80GB", "measured": str(100 * float(row[f"{key}_mfu"])),
                          "measured_unit": "mfu_percent", "flop_formula": "project", "setting": setting,
                          "gpus": str(gpus), "batch": row["batch"], "not_expressible": "",
@@ -167,6 +175,21 @@ def priced_rows(rows: List[Dict[str, str]]) -> List[Dict]:
     return out
 
 
+def verified(row: Dict[str, str]) -> bool:
+    """Whether the row's figures were checked against its source (the CSV's verified column)."""
+    return bool(row.get("verified")) and not row["verified"].startswith("unverified")
+
+
+def framework_efficiency(framework: str, fitted: Optional[Dict[str, float]] = None) -> float:
+    """The fitted multiplicative efficiency of a framework's runs relative to the project's own family
+    (OWN_FRAMEWORKS: 1.0); 1.0 for a framework no fit row was run on. A fitted constant, not a model."""
+    if framework in OWN_FRAMEWORKS:
+        return 1.0
+    if fitted is None:
+        fitted = json.loads(pm.FIT_FILE.read_text()).get("framework_efficiency", {}) if pm.FIT_FILE.exists() else {}
+    return fitted.get(framework, 1.0)
+
+
 def predict_row(r: Dict, constants: Optional[Dict[str, float]] = None):
     """r's prediction, with constants ({key: value}) in place of its hardware's where given."""
     hw = r["hw"]
@@ -183,7 +206,9 @@ def validate(rows: List[Dict[str, str]]) -> List[Dict]:
     for r in priced_rows(rows):
         if "missing" not in r:
             pred = predict_row(r)
-            r.update(predicted=pred.mfu, error=100 * (pred.mfu - r["published"]), fits=pred.memory.fits)
+            eff = framework_efficiency(r["row"]["framework"])
+            r.update(hardware_predicted=pred.mfu, framework_efficiency=eff, predicted=eff * pred.mfu,
+                     error=100 * (eff * pred.mfu - r["published"]), fits=pred.memory.fits)
         out.append(r)
     return out
 
@@ -195,8 +220,10 @@ def summary(results: List[Dict]) -> List[list]:
         if "error" in r:
             groups.setdefault((r["row"]["source"], r["row"]["split"]), []).append(r)
             groups.setdefault(("all", r["row"]["split"]), []).append(r)
+            if verified(r["row"]):
+                groups.setdefault(("all, verified only", r["row"]["split"]), []).append(r)
     lines = []
-    for (source, split), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] == "all", kv[0])):
+    for (source, split), rs in sorted(groups.items(), key=lambda kv: (kv[0][0].startswith("all"), kv[0])):
         worst = max(rs, key=lambda r: abs(r["error"]))
         lines.append([source, split, len(rs), f"{statistics.mean(abs(r['error']) for r in rs):.2f}",
                       f"{worst['error']:+.1f} ({worst['row']['run']})"])
@@ -204,12 +231,15 @@ def summary(results: List[Dict]) -> List[list]:
 
 
 def tables(results: List[Dict]) -> str:
-    rows = [[r["row"]["source"], r["row"]["run"], r["row"]["split"], f"{100 * r['published']:.1f}%",
+    rows = [[r["row"]["source"], r["row"]["run"], r["row"]["split"], r["row"]["framework"],
+             "yes" if verified(r["row"]) else "no", f"{100 * r['published']:.1f}%",
+             f"{100 * r['hardware_predicted']:.1f}%", f"{r['framework_efficiency']:.3f}",
              f"{100 * r['predicted']:.1f}%", f"{r['error']:+.1f}",
              "; ".join(n for n in (deviation(r["row"]) if r["row"]["source"] != MEGASCALE_TABLE2 else "",
                                    "" if r["fits"] else "over memory") if n)]
             for r in results if "error" in r]
-    priced = markdown_table(["source", "run", "split", "published MFU", "predicted MFU", "error (pts)", "note"], rows)
+    priced = markdown_table(["source", "run", "split", "framework", "verified", "published MFU",
+                             "hardware-only MFU", "framework overhead", "predicted MFU", "error (pts)", "note"], rows)
     missing = "\n".join(f"- {r['missing']}" for r in results if "missing" in r)
     totals = markdown_table(["source", "split", "rows", "mean abs error (pts)", "worst row (pts)"], summary(results))
     return f"{priced}\n\n{totals}\n\nNot expressible:\n{missing}\n"
@@ -219,10 +249,13 @@ def main(argv: List[str]) -> int:
     results = validate(all_rows())
     if "--csv" in argv:
         w = csv.writer(sys.stdout)
-        w.writerow(["source", "run", "split", "published_mfu", "predicted_mfu", "error_points", "missing"])
+        w.writerow(["source", "run", "split", "framework", "verified", "published_mfu", "hardware_predicted_mfu",
+                    "framework_efficiency", "predicted_mfu", "error_points", "missing"])
         for r in results:
-            w.writerow([r["row"]["source"], r["row"]["run"], r["row"]["split"], r.get("published", ""),
-                        r.get("predicted", ""), r.get("error", ""), r.get("missing", "")])
+            w.writerow([r["row"]["source"], r["row"]["run"], r["row"]["split"], r["row"]["framework"],
+                        verified(r["row"]), r.get("published", ""), r.get("hardware_predicted", ""),
+                        r.get("framework_efficiency", ""), r.get("predicted", ""), r.get("error", ""),
+                        r.get("missing", "")])
     else:
         print(tables(results))
     return 0
