@@ -10,8 +10,8 @@ objective is the mean absolute MFU error over them, ties broken by the largest; 
 a fine one around its best. The hardware constants are fitted on the rows of the project's own
 framework family only (Megatron-LM and MegaScale); each other framework with fit rows (MT-NLG's
 Megatron-DeepSpeed) then gets one multiplicative efficiency on its own fit rows, the framework
-overhead: a fitted constant per framework, not a model of why it is slower. The held-out rows (MegaScale's column of Table 2, Table 3, the other
-published runs) are what the model predicts.
+overhead: a fitted constant per framework, not a model of why it is slower. The held-out rows
+(MegaScale's column of Table 2, Table 3, the other published runs) are what the model predicts.
 
     python experiments/fit_perfmodel.py            # writes experiments/data/perfmodel_fit.json (~1-2 min)
     python experiments/fit_perfmodel.py --table2   # the former fit: Table 2's Megatron-LM column alone, minimax
@@ -86,7 +86,8 @@ def framework_efficiencies(vp, rows, gemm: float, nets) -> dict:
     published / predicted, weights the predictions; a single row: the ratio itself)."""
     by_fw = {}
     for r in rows:
-        pred = vp.predict_row(r, {"gemm_efficiency": gemm, "inter_host_efficiency": nets.get(r["hw"].name, nets["a100_cluster"])}).mfu
+        net = nets.get(r["hw"].name, nets["a100_cluster"])
+        pred = vp.predict_row(r, {"gemm_efficiency": gemm, "inter_host_efficiency": net}).mfu
         by_fw.setdefault(r["row"]["framework"], []).append((r["published"] / pred, pred))
     out = {}
     for fw, pairs in by_fw.items():

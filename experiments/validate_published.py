@@ -8,8 +8,10 @@ source's own FLOP formula (published_mfu), the run is composed as a config train
 stages, ...) is not approximated: it is reported with one line naming the missing knob.
 
 The rows' split (fit / held_out) is in the CSV, fixed before any error was looked at. Table 2 of
-MegaScale is a source too: its Megatron-LM column is what experiments/fit_perfmodel.py fits the two
-efficiency constants on (fit), its MegaScale column is held out.
+MegaScale is a source too: its Megatron-LM column is fit, its MegaScale column held out. A run
+measured on a framework outside the project's family (Megatron-LM, MegaScale) is scaled by that
+framework's fitted overhead (framework_efficiency); the summary is given over all rows and over
+the rows whose figures were checked against their source (the CSV's verified column).
 
     python experiments/validate_published.py            # the table and its summary, per source and split (~1 min)
     python experiments/validate_published.py --csv      # the same rows as CSV
