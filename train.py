@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Optional
 
@@ -243,64 +244,41 @@ def open_run_log(run: Run, start: int) -> None:
                  peak, peak_source)
 
 
-class Step:
-    """One training step, as the loop's body sees it: its batch (a token stream on the host), the seconds the
-    loader took to hand it over, and its one read."""
+class StepRecording:
+    """rehearse.record: for the run's first rehearse.steps steps, the recorder
+    (clustermodel/recorder.py) of every collective and host read a step makes after its batch is
+    read (where a rehearsal's step starts: it has no loader), its steps numbered from the resumed
+    step, written to `path` after the last, so that the rehearsal of this run can be compared with
+    it op by op."""
 
-    def __init__(self, batch, data_s: float, clock, device: torch.device, recorder):
-        self.batch, self.data_s, self.clock, self.device, self.recorder = batch, data_s, clock, device, recorder
-        self.timing: dict = {}  # the wait clock's figures, once read
-
-    def read(self, host_sync):
-        """The step's one host read (`host_sync`: loss, stop flag and grad norm together, once the
-        step has run): it ends the clock's span of the step (self.timing) and is the read the
-        recorder names. Returns what host_sync returns."""
-        with self.recorder.named_read() if self.recorder is not None else contextlib.nullcontext():
-            value, self.timing = self.clock.end_step(self.device, host_sync)
-        return value
-
-
-class StepContext:
-    """What the loop enters for each training step, `with steps.enter(n) as step:`. It holds:
-    - the clock (overlap.WaitClock): the step's span from entry to its one host read, and the
-      compute stream's stalls on communication inside it (the step's metrics: metrics.breakdown);
-    - the heartbeat's phase: "data" while the batch is read, then "compute";
-    - the batch, read inside the clock's span (a slow loader shows in the step's time), and the
-      loader's own seconds (the straggler detector's data time);
-    - with rehearse.record, for the run's first rehearse.steps steps, the recorder
-      (clustermodel/recorder.py): every collective and host read the step makes after its batch is
-      read (where a rehearsal's step starts: it has no loader), written to `record_to` after the
-      last, so that the rehearsal of this run can be compared with it op by op."""
-
-    def __init__(self, clock, device: torch.device, beat, loader, recorder=None, first: int = 0, recorded: int = 0,
-                 record_to: Optional[Path] = None):
-        self.clock, self.device, self.beat, self.loader = clock, device, beat, loader
-        self.recorder, self.first, self.last_recorded, self.record_to = recorder, first, first + recorded, record_to
+    def __init__(self, recorder, first: int = 0, recorded: int = 0, path: Optional[Path] = None):
+        self.recorder, self.first, self.last, self.path = recorder, first, first + recorded, path
 
     @contextlib.contextmanager
-    def enter(self, number: int):
-        self.clock.start_step(self.device)
-        self.beat.progress(number, "data")
-        loading = time.perf_counter()
-        batch = next(self.loader)
-        data_s = time.perf_counter() - loading
-        self.beat.progress(number, "compute")
-        recorder = self.recorder if self.recorder is not None and number <= self.last_recorded else None
-        with recorder if recorder is not None else contextlib.nullcontext():
-            if recorder is not None:
-                recorder.step = number - self.first
-            yield Step(batch, data_s, self.clock, self.device, recorder)
-        if recorder is not None and number == self.last_recorded:
-            recorder.write(self.record_to)
+    def of(self, step: int):
+        """The recorder, recording inside the block, while `step` is one of those recorded; else a
+        stand-in that records nothing. Either names the step's one host read (named_read)."""
+        if self.recorder is None or step > self.last:
+            yield NOT_RECORDING
+            return
+        self.recorder.step = step - self.first
+        with self.recorder:
+            yield self.recorder
+        if step == self.last:
+            self.recorder.write(self.path)
 
 
-def step_recorder(cfg: config.Config, run: Run):
-    """rehearse.record: the recorder of what this real run posts in its first rehearse.steps steps,
-    in the form a rehearsal records it (clustermodel/recorder.py); None without it."""
+NOT_RECORDING = types.SimpleNamespace(named_read=contextlib.nullcontext)
+
+
+def step_recording(cfg: config.Config, run: Run, start: int) -> StepRecording:
+    """rehearse.record: what this real run posts in its first rehearse.steps steps, recorded in
+    the form a rehearsal records it (clustermodel/recorder.py); nothing recorded without it."""
     if not cfg.rehearse.record:
-        return None
+        return StepRecording(None)
     from clustermodel.recorder import Recorder
-    return Recorder(run.layout, run.device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
+    recorder = Recorder(run.layout, run.device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
+    return StepRecording(recorder, start, cfg.rehearse.steps, run.run_dir / "comm" / f"rank{run.rank}.json")
 
 
 class Loop:
@@ -321,33 +299,17 @@ class Loop:
         self.beat = heartbeat.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
         self.faults = fault_injection.Faults(run.rank, run.run_dir)
         self.collector = launch.CollectGarbage(cfg.train.gc_interval)
-        self.detector = self._time_compute(run)
-        self.steps = StepContext(layout.clock, run.device, self.beat, run.loader, step_recorder(cfg, run), start,
-                                 cfg.rehearse.steps, run.run_dir / "comm" / f"rank{run.rank}.json")
+        self.detector = straggler_detector(cfg, run)
+        timed = self.detector.timed if self.detector is not None else None
+        slowing = self.faults.slowing(lambda: self.beat.step, layout.clock)  # None unless slow:/spike: name this rank
+        run.engine.around_compute = [hook for hook in (timed, slowing) if hook]  # outermost first: timed sees the slowing
+        self.recording = step_recording(cfg, run, start)
+        self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         self.bar = _progress(cfg, run.rank, start)
         self.eval_set = sampling.eval_batches(run.corpus, cfg.train.seq_len, cfg.train.eval_batches,
                                               cfg.train.batch_size, layout.dp_rank, layout.dp,
                                               pin_memory=run.device.type == "cuda") \
             if cfg.train.eval_interval > 0 else []
-
-    def _time_compute(self, run: Run):
-        """The slow:/spike: faults, in the step's own compute, and the straggler detector
-        (observe/stragglers.py), timing the forward and backward, slowed ones included. Returns the
-        detector, or None without ft.straggler_interval."""
-        cfg, engine = run.cfg, run.engine
-        if engine.pipeline is not None:
-            engine.pipeline._compute = self.faults.slowing(engine.pipeline._compute, lambda: self.beat.step,
-                                                            run.layout.clock)
-        else:
-            engine.forward_backward = self.faults.slowing(engine.forward_backward, lambda: self.beat.step,
-                                                            run.layout.clock)
-        if not cfg.ft.straggler_interval:
-            return None
-        detector = stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
-                                       cfg.ft.straggler_windows, run.device, run.run_dir,
-                                       predicted_stage_compute(cfg, run.layout, run.device))
-        engine.forward_backward = detector.timed(engine.forward_backward)
-        return detector
 
     def run_steps(self) -> None:
         """Steps to train.max_steps, each followed by what falls due (evaluation, the health checks,
@@ -356,11 +318,11 @@ class Loop:
         cfg, run = self.run.cfg, self.run
         for step in range(self.start + 1, cfg.train.max_steps + 1):
             self.step = step
-            row, stop_now, current = self.train_step(step)
+            row, stop_now, timing, data_s = self.run_step(step)
             if self.eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
                 self.beat.progress(step, "eval")
                 row["val_loss"] = evaluate(run.engine, self.eval_set, run.device, run.autocast_dtype, run.layout)
-            row.update(health(step, current.timing, current.data_s, self.collector, self.detector, run.rank))
+            row.update(health(step, timing, data_s, self.collector, self.detector, run.rank))
             run.log.step(row)
             self.history.append(row)
             _report(row, cfg, self.bar, run.rank)
@@ -373,22 +335,34 @@ class Loop:
                             step, self.stop.signal_name or "another rank's signal")
                 return
 
-    def train_step(self, step: int) -> tuple:
-        """One optimizer step in the step context. Returns its row of metrics, whether the ranks
-        agreed to stop, and the step (its timing, its data loader's time)."""
-        run = self.run
-        with self.steps.enter(step) as current:
-            inputs, targets = sampling.to_device(current.batch, run.device)
-            loss, grad_norm = parallel.train_step(run.engine, run.optimizer, inputs, targets, run.cfg,
-                                                  run.autocast_dtype)
+    def run_step(self, step: int) -> tuple:
+        """One optimizer step, in order: the clock starts; the batch is read (inside the clock's
+        span: a slow loader shows in the step's time; its own seconds are the straggler detector's
+        data time); forward and backward; the gradients reduced and clipped; the update and the
+        learning rate's next value; the ranks' agreement and the step's one host read, which ends
+        the clock's span. Returns its row of metrics, whether the ranks agreed to stop, the clock's
+        figures (timing) and the batch's seconds."""
+        run, engine, clock = self.run, self.run.engine, self.run.layout.clock
+        clock.start_step(run.device)
+        self.beat.progress(step, "data")
+        reading = time.perf_counter()
+        batch = next(run.loader)
+        data_s = time.perf_counter() - reading
+        self.beat.progress(step, "compute")
+        with self.recording.of(step) as recorder:
+            inputs, targets = sampling.to_device(batch, run.device)
+            loss = engine.forward_backward(inputs, targets, run.autocast_dtype)
+            grad_norm = engine.finish_gradients(self.max_norm)
+            engine.optimizer_step(run.optimizer)
             run.scheduler.step()
             agreed = parallel.agree(loss, self.stop.requested, run.layout, grad_norm)
-            loss, stop_now, grad_norm = current.read(lambda: parallel.read_agreed(agreed, run.layout))
-        timing = current.timing
+            with recorder.named_read():
+                (loss, stop_now, grad_norm), timing = clock.end_step(run.device,
+                                                                     lambda: parallel.read_agreed(agreed, run.layout))
         row = {"step": step, "loss": loss, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                **run.meter(timing["step_s"]), **metrics.breakdown(timing), "memory_gib": metrics.memory_gib(run.device),
                **metrics.memory_reserved(run.device)}
-        return row, stop_now, current
+        return row, stop_now, timing, data_s
 
     def save(self, step: int) -> None:
         self.beat.progress(step, "checkpoint")
@@ -435,6 +409,15 @@ def finish(run: Run, loop: Loop) -> dict:
     if loop.status == "interrupted":
         loop.stop.hand_back()
     return final
+
+
+def straggler_detector(cfg: config.Config, run: Run) -> Optional[stragglers.Detector]:
+    """The straggler detector (observe/stragglers.py), or None without ft.straggler_interval."""
+    if not cfg.ft.straggler_interval:
+        return None
+    return stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
+                               cfg.ft.straggler_windows, run.device, run.run_dir,
+                               predicted_stage_compute(cfg, run.layout, run.device))
 
 
 def predicted_stage_compute(cfg: config.Config, layout, device: torch.device) -> Optional[list]:

@@ -242,7 +242,7 @@ def test_compiled_tp_overlap_gathers_nothing_again_in_backward():
                 torch._dynamo.reset()
                 engine.compile(backend="eager")
             phase[0] = ("compiled " if compiled else "eager ") + "forward"
-            loss = engine._microbatch_loss(tokens[:, :-1], tokens[:, 1:])
+            loss = engine.microbatch_loss(tokens[:, :-1], tokens[:, 1:])
             phase[0] = ("compiled " if compiled else "eager ") + "backward"
             loss.backward()
     finally:
