@@ -63,6 +63,8 @@ log = logging.getLogger("train")
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg) -> float:
+    """What the command asks for, by the first row of JOBS that matches: a rehearsal, a dry run,
+    a pending study row, else training. Returns what a Hydra sweeper optimises."""
     from hydra.core.hydra_config import HydraConfig
     cfg = config.to_object(dict_cfg)
     connections = launch.set_cuda_connections(cfg.parallel.tp, cfg.hardware.device)  # before anything starts CUDA
@@ -72,27 +74,57 @@ def main(dict_cfg) -> float:
         config.validate(cfg)
     except ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
         fail(str(err))
-    if cfg.rehearse.rank >= 0:  # one rank of a rehearsal (clustermodel/rehearsal.py), in its own process
-        from clustermodel import rehearsal
-        rehearsal.rehearse_rank(cfg, cfg.rehearse.rank, cfg.rehearse.world, Path(cfg.rehearse.out))
-        return 0.0
-    if cfg.rehearse.ranks:
-        from clustermodel import rehearsal
-        hydra_cfg = HydraConfig.get()
-        code = rehearsal.main(cfg, list(hydra_cfg.overrides.task), Path(hydra_cfg.runtime.output_dir))
-        if code:
-            sys.exit(code)
-        return 0.0
-    if cfg.dry_run:
-        return dry_run(cfg)
-    if cfg.study.pending:
-        return record_pending(cfg, Path(HydraConfig.get().runtime.output_dir))
+    job = next(job for asked, job in JOBS if asked(cfg))
+    return job(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def rehearse_one_rank(cfg: config.Config, run_dir: Path) -> float:
+    """rehearse.rank=N: one rank of a rehearsal (clustermodel/rehearsal.py), in its own process."""
+    from clustermodel import rehearsal
+    rehearsal.rehearse_rank(cfg, cfg.rehearse.rank, cfg.rehearse.world, Path(cfg.rehearse.out))
+    return 0.0
+
+
+def rehearse(cfg: config.Config, run_dir: Path) -> float:
+    """rehearse.ranks=[...]: those ranks of the job rehearsed on this CPU, NCCL's rules checked."""
+    from hydra.core.hydra_config import HydraConfig
+    from clustermodel import rehearsal
+    code = rehearsal.main(cfg, list(HydraConfig.get().overrides.task), run_dir)
+    if code:
+        sys.exit(code)
+    return 0.0
+
+
+def dry_run(cfg: config.Config, run_dir: Path) -> float:
+    """dry_run=true: size, FLOPs and memory per GPU, with no hardware (clustermodel/dry_run.py)."""
+    from clustermodel import dry_run as sizes
+    sizes.report(cfg)
+    return 0.0
+
+
+def record_pending(cfg: config.Config, run_dir: Path) -> float:
+    """study.pending: the study row's run.json says pending (metrics.record_pending); nothing trains."""
+    metrics.record_pending(cfg, run_dir, config.world_size())
+    return float("nan")
+
+
+def train_job(cfg: config.Config, run_dir: Path) -> float:
+    """The training run (train); its validation loss, else its loss."""
     problem = next(filter(None, (data.build_problem(source, config.world_size(), cfg.model.vocab_size)
                                  for source in blend.source_configs(cfg.data))), None)
     if problem:  # before any process group: one open of the manifest per rank (a source's)
         fail(problem)
-    result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    return result.get("val_loss", result.get("loss", float("nan")))  # what a Hydra sweeper optimises
+    result = train(cfg, run_dir)
+    return result.get("val_loss", result.get("loss", float("nan")))
+
+
+JOBS = [  # (whether the config asks for it, the job): the first that matches runs
+    (lambda cfg: cfg.rehearse.rank >= 0, rehearse_one_rank),
+    (lambda cfg: bool(cfg.rehearse.ranks), rehearse),
+    (lambda cfg: cfg.dry_run, dry_run),
+    (lambda cfg: cfg.study.pending, record_pending),
+    (lambda cfg: True, train_job),
+]
 
 
 def train(cfg: config.Config, run_dir: Path) -> dict:
@@ -582,57 +614,6 @@ def _progress(cfg, rank: int, start: int):
     return tqdm(total=cfg.train.max_steps, initial=start, desc="train", dynamic_ncols=True, leave=False)
 
 
-def record_pending(cfg: config.Config, run_dir: Path) -> float:
-    """A study row whose switch has not landed yet (ablation.pending): its run.json says so, so the
-    table shows "pending" in its place, and no process trains or joins a process group."""
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
-        record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
-                  "study": dataclasses.asdict(cfg.study), "world_size": config.world_size()}
-        run_log = metrics.RunLog(run_dir, record, dataclasses.replace(cfg.logging.wandb, mode="disabled"))
-        run_log.finish("pending", {})
-        print(f"pending: {cfg.study.label} (step {cfg.study.step}) has no switch yet; recorded in {run_dir}", flush=True)
-    return float("nan")
-
-
-# --- Dry run: size, FLOPs and memory of any config, with no hardware ---
-
-def dry_run(cfg: config.Config) -> float:
-    """Size, FLOPs and memory per GPU of a config, with no hardware: the first and last pipeline
-    rank's memory as rehearsed (rehearse.ranks=[...] measures it; remembered per config), else as
-    clustermodel/memory.py models it (weights, gradients, optimizer and activations)."""
-    from clustermodel import memory, perfmodel
-    from clustermodel import rehearsal
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    n = count_params(model)
-    p = cfg.parallel
-    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    print(f"model {cfg.model.name}: {n:,} parameters ({n / 1e9:.2f}B), N (matmul) = {matmul_params(cfg.model):,}")
-    print(f"FLOPs per token (6N + 12·L·h·T, T={cfg.train.seq_len}): {fpt:.4e}")
-    print(f"FLOPs per step (batch {cfg.train.batch_size}): {fpt * cfg.train.batch_size * cfg.train.seq_len:.4e}")
-    world = p.tp * p.pp * p.dp if p.dp > 0 else config.world_size()  # dp -1: derived from the world, as validate derives it
-    lay = perfmodel.layout_of(cfg, world)
-    measured = rehearsal.remembered(cfg, world)
-    for last in (False, True):
-        rank = lay.pp * lay.tp * lay.dp - 1 if last else 0
-        if rank in measured:
-            m, how = measured[rank]["memory"], f"rehearsed (rank {rank})"
-            parts = {k: m[f"{k}_bytes"] / 2**30 for k in ("weights", "gradients", "optimizer")}
-            parts["activations"] = (m["activations_bytes"] + m["communication_bytes"]) / 2**30
-        else:
-            mem = memory.memory_of_rank(cfg, lay, last)
-            how = f"modelled (rehearse.ranks=[{','.join(map(str, sorted({0, world - 1})))}] measures it)"
-            parts = {"weights": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer, "activations": mem.activations}
-        split = ", ".join(f"{k} {v:,.1f}" for k, v in parts.items())
-        print(f"{'last' if last else 'first'} pipeline rank at tp={p.tp} pp={p.pp} dp={lay.dp} zero={p.zero_stage}: "
-              f"{sum(parts.values()):,.1f} GiB ({split}), {how}")
-        if lay.pp == 1:
-            break
-    return 0.0
-
-
-
-
 def _pickle_config_modules_by_name() -> None:
     """The submitit launcher cloudpickles this file's functions by value, with every loaded submodule
     of a module they use whose last name they also use: `dist` and `config` bring in
@@ -640,27 +621,37 @@ def _pickle_config_modules_by_name() -> None:
     copy. Such modules travel by name (the job imports them again)."""
     import copyreg
     import importlib
-    import types
     for module_type in {type(m) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)} - {types.ModuleType}:
         copyreg.pickle(module_type, lambda module: (importlib.import_module, (module.__name__,)))
 
 
+def precheck_submissions(argv: list) -> None:
+    """Before the submitit launcher queues anything: each SLURM job's rank 0 rehearsed here
+    (rehearse.precheck), and a failing layout stopped with one line."""
+    jobs = config.preflight(argv)
+    slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
+    if not slurm:
+        return
+    import tempfile
+    from clustermodel import rehearsal
+    print(f"precheck: rehearsing rank 0 of {len(slurm)} job(s) before submitting (rehearse.precheck=false skips)",
+          flush=True)
+    why = rehearsal.precheck(slurm, Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))
+    if why:
+        fail(f"precheck failed: {why}. Fix: change the layout, or rehearse.precheck=false to submit anyway")
+
+
+def prepare_multirun() -> None:
+    """A sweep (-m): the config modules pickle by name, and the sweep dir's name is fixed now: the
+    submitit launcher's jobs re-resolve hydra.sweep.dir in their own processes (under SLURM, where
+    ${run_id:} would name their array job instead), and they inherit this environment."""
+    _pickle_config_modules_by_name()
+    os.environ.setdefault("MEGAREPRO_RUN_ID", config.run_id())
+
+
 if __name__ == "__main__":
     config.register()  # the schema and the YAML's resolvers, for every composition below (Hydra's too)
-    jobs = config.preflight(sys.argv[1:])
-    slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
-    if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued
-        import tempfile
-        from clustermodel import rehearsal
-        print(f"precheck: rehearsing rank 0 of {len(slurm)} job(s) before submitting (rehearse.precheck=false skips)",
-              flush=True)
-        why = rehearsal.precheck(slurm, Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))
-        if why:
-            fail(f"precheck failed: {why}. Fix: change the layout, or rehearse.precheck=false to submit anyway")
+    precheck_submissions(sys.argv[1:])
     if {"-m", "--multirun"} & set(sys.argv[1:]):
-        _pickle_config_modules_by_name()
-        # Fix the sweep dir's name now: the submitit launcher's jobs re-resolve hydra.sweep.dir in
-        # their own processes (under SLURM, where ${run_id:} would name their array job instead),
-        # and they inherit this environment.
-        os.environ.setdefault("MEGAREPRO_RUN_ID", config.run_id())
+        prepare_multirun()
     main()

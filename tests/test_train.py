@@ -383,11 +383,11 @@ def test_a_dry_run_with_derived_dp_sizes_the_world_it_is_given(monkeypatch, caps
     """parallel.dp=-1 takes dp from the world (WORLD_SIZE or SLURM_NTASKS): validation did, and the
     dry run's memory must be for that dp too (it was for dp 1: the whole batch on one replica)."""
     import config
-    import train
+    from clustermodel import dry_run
     monkeypatch.setenv("WORLD_SIZE", "128")
     cfg = config.compose(["experiment=convergence", "scale=cluster", "dry_run=true", "parallel.dp=-1"])
     config.validate(cfg)
-    train.dry_run(cfg)
+    dry_run.report(cfg)
     lines = [line for line in capsys.readouterr().out.splitlines() if "pipeline rank" in line]
     assert lines and all("tp=8 pp=8 dp=2 " in line for line in lines), lines
 
