@@ -148,7 +148,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     return finish(run, loop)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Run:
     """What the set-up builds and every later phase reads."""
     cfg: config.Config
@@ -192,8 +192,10 @@ def set_up(cfg: config.Config, run_dir: Path) -> Run:
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.ft.collective_timeout)
-    return Run(cfg, run_dir, device, rank, world, layout, precision, autocast_dtype, corpus, loader, engine, optimizer,
-               scheduler, ckpt_dir, saver, compiling, n_params, allocator, backends)
+    return Run(cfg=cfg, run_dir=run_dir, device=device, rank=rank, world=world, layout=layout, precision=precision,
+               autocast_dtype=autocast_dtype, corpus=corpus, loader=loader, engine=engine, optimizer=optimizer,
+               scheduler=scheduler, ckpt_dir=ckpt_dir, saver=saver, compiling=compiling, n_params=n_params,
+               allocator=allocator, backends=backends)
 
 
 def seed_generators(seed: int, rank: int) -> None:
