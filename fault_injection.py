@@ -12,6 +12,7 @@ fires only in the attempt (restart) it names with #ATTEMPT, default 0.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -44,26 +45,26 @@ class Faults:
         self.plan = [(k, r, v) for k, r, v in planned_faults() if r is None or r == rank]
         self.stepped = False  # whether the run's first step is over
 
-    def slowing(self, fn, step_of, clock=None):
-        """fn (a rank's forward and backward, or one pipeline action of them) made slow:RANK@FACTOR
-        times as long every step, SPIKE times in the step of spike:RANK@STEP (step_of() says which
-        step runs): it sleeps (factor - 1) times fn's own time, its waits left out (the rank's
-        overlap.WaitClock, `clock`; none left out without one),
-        inside the step's compute, so that its peers' waits for it grow. fn itself without either."""
+    def slowing(self, step_of, clock=None):
+        """The hook around each unit of this rank's compute (ParallelModel.around_compute: its forward
+        and backward, or one pipeline action of them) that makes it slow:RANK@FACTOR times as long
+        every step, SPIKE times in the step of spike:RANK@STEP (step_of() says which step runs): it
+        sleeps (factor - 1) times the unit's own time, its waits left out (the rank's
+        overlap.WaitClock, `clock`; none left out without one), inside the step's compute, so that
+        its peers' waits for it grow. None where neither names this rank."""
         slow = max([v for k, _, v in self.plan if k == "slow"], default=1.0)
         spikes = {int(v) for k, _, v in self.plan if k == "spike"}
         if slow == 1.0 and not spikes:
-            return fn
+            return None
         waits = (lambda: sum(clock.seconds.values())) if clock is not None else (lambda: 0.0)
 
-        def slowed(*args, **kwargs):
-            waited = waits()
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
+        @contextlib.contextmanager
+        def slowed(backward: bool):
+            waited, t0 = waits(), time.perf_counter()
+            yield
             own = time.perf_counter() - t0 - (waits() - waited)
             factor = slow * (SPIKE if step_of() in spikes else 1.0)
             time.sleep(max(own, 0.0) * (factor - 1))
-            return out
         return slowed
 
     def _mine(self, kind: str, step: int) -> bool:

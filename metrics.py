@@ -5,6 +5,7 @@ project prints. W&B is only a sink: a run never fails because W&B is unreachable
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,19 @@ class RunLog:
                 self.wandb.finish()
             except Exception as err:
                 log.warning("W&B finish failed: %s", err)
+
+
+def record_pending(cfg, run_dir: Path, world_size: int) -> None:
+    """A study row whose switch has not landed yet (ablation.pending): its run.json says so, so the
+    table shows "pending" in its place, and no process trains or joins a process group. Rank 0
+    writes it (torchrun's RANK, else srun's SLURM_PROCID)."""
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) != 0:
+        return
+    record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": git_commit(),
+              "study": dataclasses.asdict(cfg.study), "world_size": world_size}
+    run_log = RunLog(run_dir, record, dataclasses.replace(cfg.logging.wandb, mode="disabled"))
+    run_log.finish("pending", {})
+    print(f"pending: {cfg.study.label} (step {cfg.study.step}) has no switch yet; recorded in {run_dir}", flush=True)
 
 
 def _ends_mid_line(path: Path) -> bool:

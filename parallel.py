@@ -1,14 +1,15 @@
 """Parallelism, applied from outside to the plain model of model.py (torchtitan-style).
 
-This file owns the device mesh, the functions that shard the model, and the optimizer step over
-the sharded model with the ranks' agreement on its loss (train_step, agree), which train.py and
-clustermodel/rehearsal.py both run. Joining the job's process group is launch.py's.
+This file owns the device mesh, the functions that shard the model, the pieces of the training
+step over the sharded model (ParallelModel.forward_backward, finish_gradients, optimizer_step) and
+the ranks' agreement on its loss (agree), which train.py and clustermodel/rehearsal.py both run in
+the same order. Joining the job's process group is launch.py's.
 """
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, ContextManager, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from observe import spans
 from errors import ConfigError
 from model import ffn_width, kv_heads
 from parallelisms.overlap import TPGroup, WaitClock
-from parallelisms.pipeline import Pipeline, autocast, split_for_pipeline
+from parallelisms.pipeline import Pipeline, around, autocast, split_for_pipeline
 from parallelisms.sharding import set_shard_info
 from parallelisms.tensor_parallel import TPSettings, apply_tp, tp_shard_infos, vocab_parallel_cross_entropy
 from parallelisms.zero import DEFAULT_BUCKET_SIZE, ZeroDataParallel, plan_buckets
@@ -270,8 +271,8 @@ def parallelize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, rec
 # --- This rank's share of the model, and the collectives its training step needs ---
 
 class ParallelModel:
-    """The model as this rank holds it: TP shards, PP chunks, ZeRO optimizer shards. train.py calls
-    forward_backward, finish_gradients, the optimizer, then after_step, whatever the layout."""
+    """The model as this rank holds it: TP shards, PP chunks, ZeRO optimizer shards. A training step
+    calls forward_backward, finish_gradients, then optimizer_step, whatever the layout."""
 
     def __init__(self, model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none",
                  fused: bool = False, dtype: torch.dtype = torch.float32, device=None, seed: int = 0):
@@ -282,8 +283,14 @@ class ParallelModel:
         precision=bf16: Megatron's mixed precision, with fp32 master weights in parallelisms/zero.py, so no
         microbatch casts the weights again)."""
         self.layout, self.cfg, self.fused = layout, cfg, fused
-        self._microbatch_loss = self._eager_microbatch_loss  # compile() may swap in a compiled one
+        # compile() of a step without pipeline or TP: the microbatch's forward and loss as one graph
+        self.compiled_loss: Optional[Callable] = None
         self._cuda_graphs = False  # compile(mode="reduce-overhead"): the compiled step replays CUDA graphs
+        # Hooks around each unit of compute: the whole forward and backward without a pipeline, each
+        # pipeline action with one. Each is called with `backward` (False in evaluation) and returns a
+        # context manager; the first is the outermost. Set once, before the first step (train.py:
+        # the straggler detector's timing, the slow:/spike: faults).
+        self.around_compute: List[Callable[[bool], ContextManager]] = []
         on_meta = next(model.parameters()).is_meta
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Split first: TP and recompute apply to the modules each chunk really holds.
@@ -330,16 +337,22 @@ class ParallelModel:
         loss eager: the pipeline schedule calls the chunks, and TP's vocab-parallel loss holds
         collectives. Either way the modules stay those the DP hooks and the checkpoint's parameter
         names were given. Returns what was compiled, for the log line."""
-        self.zero.hooks_traced = True  # dynamo traces the modules' hooks: none marks its backward
+        self.zero.mark_hooks_traced()
         if self.pipeline is None and self.layout.tp == 1:
-            self._microbatch_loss = torch.compile(self._eager_microbatch_loss, **options)
+            self.compiled_loss = torch.compile(self._forward_and_loss, **options)
             self._cuda_graphs = options.get("mode") == "reduce-overhead"
             return "forward, loss and backward, one graph"
         for chunk in self.chunks:
             chunk.compile(**options)
         return "each chunk's forward and backward (the loss eager)"
 
-    def _eager_microbatch_loss(self, x, y):
+    def microbatch_loss(self, x, y):
+        """One microbatch's loss (no pipeline): the compiled graph where compile() made one, else eager."""
+        if self.compiled_loss is not None:
+            return self.compiled_loss(x, y)
+        return self._forward_and_loss(x, y)
+
+    def _forward_and_loss(self, x, y):
         return self.loss_fn(self.chunks[0](x), y)
 
     def named_model_parameters(self) -> list:
@@ -370,14 +383,19 @@ class ParallelModel:
                 chunk.train(backward)
         xs, ys = inputs.chunk(self.cfg.microbatches), targets.chunk(self.cfg.microbatches)
         if self.pipeline is not None:
-            return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward)
+            return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward, self.around_compute)
+        with around(self.around_compute, backward):
+            return self._accumulate(xs, ys, autocast_dtype, backward)
+
+    def _accumulate(self, xs, ys, autocast_dtype, backward: bool) -> torch.Tensor:
+        """Forward (and backward) of each microbatch in turn, gradients accumulated; the summed loss."""
         total = None  # (one microbatch: its loss as it is, no zeros, no division by 1, no add)
         for mb, (x, y) in enumerate(zip(xs, ys)):
             if self._cuda_graphs:  # each microbatch a new replay: the last one's outputs are used up
                 torch.compiler.cudagraph_mark_step_begin()
             with autocast(x.device, autocast_dtype), torch.set_grad_enabled(backward), \
                     spans.segment(spans.action_name(("F", mb, 0)), x.device):
-                loss = self._microbatch_loss(x, y)
+                loss = self.microbatch_loss(x, y)
                 loss = loss / len(xs) if len(xs) > 1 else loss
             if backward:
                 with spans.segment(spans.action_name(("B", mb, 0)), x.device):
@@ -402,7 +420,11 @@ class ParallelModel:
         optim.scale_grads_(shards, norm, max_norm)
         return norm
 
-    def after_step(self) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The update from the finished gradients, then ZeRO's parameter all-gather (and the
+        gradient buffers zeroed for the next step)."""
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         for p in self.zero.params:
             p.grad = None
         self.zero.after_step()
@@ -445,21 +467,8 @@ def build(model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute
     return ParallelModel(model, layout, cfg, recompute, fused, dtype, device, seed)
 
 
-# --- The optimizer step, and the ranks' agreement on its loss: train.py runs them, and
-# clustermodel/rehearsal.py rehearses the very same code ---
-
-def train_step(engine, optimizer, inputs, targets, cfg, autocast_dtype) -> tuple:
-    """One optimizer step: forward and backward over parallel.microbatches microbatches (a
-    pipeline schedule when pp > 1, gradient accumulation otherwise), then the TP/DP gradient
-    reductions and clipping, the update, and ZeRO's parameter all-gather. Returns the loss and
-    the gradient norm as 0-d tensors on the device: nothing here waits for the device."""
-    loss = engine.forward_backward(inputs, targets, autocast_dtype)
-    grad_norm = engine.finish_gradients(cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    engine.after_step()
-    return loss, grad_norm
-
+# --- The ranks' agreement on the step's loss: train.py runs it, and clustermodel/rehearsal.py
+# rehearses the very same code ---
 
 def agree(loss: torch.Tensor, stop: bool, layout, grad_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sum the loss over ranks (it lives on the last pipeline stage, on each of its tp ranks: the

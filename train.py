@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Optional
 
@@ -62,6 +63,8 @@ log = logging.getLogger("train")
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dict_cfg) -> float:
+    """What the command asks for, by the first row of JOBS that matches: a rehearsal, a dry run,
+    a pending study row, else training. Returns what a Hydra sweeper optimises."""
     from hydra.core.hydra_config import HydraConfig
     cfg = config.to_object(dict_cfg)
     connections = launch.set_cuda_connections(cfg.parallel.tp, cfg.hardware.device)  # before anything starts CUDA
@@ -71,27 +74,57 @@ def main(dict_cfg) -> float:
         config.validate(cfg)
     except ConfigError as err:  # a multirun job composed from a sweep: same one-line rule
         fail(str(err))
-    if cfg.rehearse.rank >= 0:  # one rank of a rehearsal (clustermodel/rehearsal.py), in its own process
-        from clustermodel import rehearsal
-        rehearsal.rehearse_rank(cfg, cfg.rehearse.rank, cfg.rehearse.world, Path(cfg.rehearse.out))
-        return 0.0
-    if cfg.rehearse.ranks:
-        from clustermodel import rehearsal
-        hydra_cfg = HydraConfig.get()
-        code = rehearsal.main(cfg, list(hydra_cfg.overrides.task), Path(hydra_cfg.runtime.output_dir))
-        if code:
-            sys.exit(code)
-        return 0.0
-    if cfg.dry_run:
-        return dry_run(cfg)
-    if cfg.study.pending:
-        return record_pending(cfg, Path(HydraConfig.get().runtime.output_dir))
+    job = next(job for asked, job in JOBS if asked(cfg))
+    return job(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def rehearse_one_rank(cfg: config.Config, run_dir: Path) -> float:
+    """rehearse.rank=N: one rank of a rehearsal (clustermodel/rehearsal.py), in its own process."""
+    from clustermodel import rehearsal
+    rehearsal.rehearse_rank(cfg, cfg.rehearse.rank, cfg.rehearse.world, Path(cfg.rehearse.out))
+    return 0.0
+
+
+def rehearse(cfg: config.Config, run_dir: Path) -> float:
+    """rehearse.ranks=[...]: those ranks of the job rehearsed on this CPU, NCCL's rules checked."""
+    from hydra.core.hydra_config import HydraConfig
+    from clustermodel import rehearsal
+    code = rehearsal.main(cfg, list(HydraConfig.get().overrides.task), run_dir)
+    if code:
+        sys.exit(code)
+    return 0.0
+
+
+def dry_run(cfg: config.Config, run_dir: Path) -> float:
+    """dry_run=true: size, FLOPs and memory per GPU, with no hardware (clustermodel/dry_run.py)."""
+    from clustermodel import dry_run as sizes
+    sizes.report(cfg)
+    return 0.0
+
+
+def record_pending(cfg: config.Config, run_dir: Path) -> float:
+    """study.pending: the study row's run.json says pending (metrics.record_pending); nothing trains."""
+    metrics.record_pending(cfg, run_dir, config.world_size())
+    return float("nan")
+
+
+def train_job(cfg: config.Config, run_dir: Path) -> float:
+    """The training run (train); its validation loss, else its loss."""
     problem = next(filter(None, (data.build_problem(source, config.world_size(), cfg.model.vocab_size)
                                  for source in blend.source_configs(cfg.data))), None)
     if problem:  # before any process group: one open of the manifest per rank (a source's)
         fail(problem)
-    result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    return result.get("val_loss", result.get("loss", float("nan")))  # what a Hydra sweeper optimises
+    result = train(cfg, run_dir)
+    return result.get("val_loss", result.get("loss", float("nan")))
+
+
+JOBS = [  # (whether the config asks for it, the job): the first that matches runs
+    (lambda cfg: cfg.rehearse.rank >= 0, rehearse_one_rank),
+    (lambda cfg: bool(cfg.rehearse.ranks), rehearse),
+    (lambda cfg: cfg.dry_run, dry_run),
+    (lambda cfg: cfg.study.pending, record_pending),
+    (lambda cfg: True, train_job),
+]
 
 
 def train(cfg: config.Config, run_dir: Path) -> dict:
@@ -115,7 +148,7 @@ def train(cfg: config.Config, run_dir: Path) -> dict:
     return finish(run, loop)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Run:
     """What the set-up builds and every later phase reads."""
     cfg: config.Config
@@ -159,8 +192,10 @@ def set_up(cfg: config.Config, run_dir: Path) -> Run:
     scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     saver = checkpoint.Saver(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, cfg.ft.collective_timeout)
-    return Run(cfg, run_dir, device, rank, world, layout, precision, autocast_dtype, corpus, loader, engine, optimizer,
-               scheduler, ckpt_dir, saver, compiling, n_params, allocator, backends)
+    return Run(cfg=cfg, run_dir=run_dir, device=device, rank=rank, world=world, layout=layout, precision=precision,
+               autocast_dtype=autocast_dtype, corpus=corpus, loader=loader, engine=engine, optimizer=optimizer,
+               scheduler=scheduler, ckpt_dir=ckpt_dir, saver=saver, compiling=compiling, n_params=n_params,
+               allocator=allocator, backends=backends)
 
 
 def seed_generators(seed: int, rank: int) -> None:
@@ -243,64 +278,41 @@ def open_run_log(run: Run, start: int) -> None:
                  peak, peak_source)
 
 
-class Step:
-    """One training step, as the loop's body sees it: its batch (a token stream on the host), the seconds the
-    loader took to hand it over, and its one read."""
+class StepRecording:
+    """rehearse.record: for the run's first rehearse.steps steps, the recorder
+    (clustermodel/recorder.py) of every collective and host read a step makes after its batch is
+    read (where a rehearsal's step starts: it has no loader), its steps numbered from the resumed
+    step, written to `path` after the last, so that the rehearsal of this run can be compared with
+    it op by op."""
 
-    def __init__(self, batch, data_s: float, clock, device: torch.device, recorder):
-        self.batch, self.data_s, self.clock, self.device, self.recorder = batch, data_s, clock, device, recorder
-        self.timing: dict = {}  # the wait clock's figures, once read
-
-    def read(self, host_sync):
-        """The step's one host read (`host_sync`: loss, stop flag and grad norm together, once the
-        step has run): it ends the clock's span of the step (self.timing) and is the read the
-        recorder names. Returns what host_sync returns."""
-        with self.recorder.named_read() if self.recorder is not None else contextlib.nullcontext():
-            value, self.timing = self.clock.end_step(self.device, host_sync)
-        return value
-
-
-class StepContext:
-    """What the loop enters for each training step, `with steps.enter(n) as step:`. It holds:
-    - the clock (overlap.WaitClock): the step's span from entry to its one host read, and the
-      compute stream's stalls on communication inside it (the step's metrics: metrics.breakdown);
-    - the heartbeat's phase: "data" while the batch is read, then "compute";
-    - the batch, read inside the clock's span (a slow loader shows in the step's time), and the
-      loader's own seconds (the straggler detector's data time);
-    - with rehearse.record, for the run's first rehearse.steps steps, the recorder
-      (clustermodel/recorder.py): every collective and host read the step makes after its batch is
-      read (where a rehearsal's step starts: it has no loader), written to `record_to` after the
-      last, so that the rehearsal of this run can be compared with it op by op."""
-
-    def __init__(self, clock, device: torch.device, beat, loader, recorder=None, first: int = 0, recorded: int = 0,
-                 record_to: Optional[Path] = None):
-        self.clock, self.device, self.beat, self.loader = clock, device, beat, loader
-        self.recorder, self.first, self.last_recorded, self.record_to = recorder, first, first + recorded, record_to
+    def __init__(self, recorder, first: int = 0, recorded: int = 0, path: Optional[Path] = None):
+        self.recorder, self.first, self.last, self.path = recorder, first, first + recorded, path
 
     @contextlib.contextmanager
-    def enter(self, number: int):
-        self.clock.start_step(self.device)
-        self.beat.progress(number, "data")
-        loading = time.perf_counter()
-        batch = next(self.loader)
-        data_s = time.perf_counter() - loading
-        self.beat.progress(number, "compute")
-        recorder = self.recorder if self.recorder is not None and number <= self.last_recorded else None
-        with recorder if recorder is not None else contextlib.nullcontext():
-            if recorder is not None:
-                recorder.step = number - self.first
-            yield Step(batch, data_s, self.clock, self.device, recorder)
-        if recorder is not None and number == self.last_recorded:
-            recorder.write(self.record_to)
+    def of(self, step: int):
+        """The recorder, recording inside the block, while `step` is one of those recorded; else a
+        stand-in that records nothing. Either names the step's one host read (named_read)."""
+        if self.recorder is None or step > self.last:
+            yield NOT_RECORDING
+            return
+        self.recorder.step = step - self.first
+        with self.recorder:
+            yield self.recorder
+        if step == self.last:
+            self.recorder.write(self.path)
 
 
-def step_recorder(cfg: config.Config, run: Run):
-    """rehearse.record: the recorder of what this real run posts in its first rehearse.steps steps,
-    in the form a rehearsal records it (clustermodel/recorder.py); None without it."""
+NOT_RECORDING = types.SimpleNamespace(named_read=contextlib.nullcontext)
+
+
+def step_recording(cfg: config.Config, run: Run, start: int) -> StepRecording:
+    """rehearse.record: what this real run posts in its first rehearse.steps steps, recorded in
+    the form a rehearsal records it (clustermodel/recorder.py); nothing recorded without it."""
     if not cfg.rehearse.record:
-        return None
+        return StepRecording(None)
     from clustermodel.recorder import Recorder
-    return Recorder(run.layout, run.device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
+    recorder = Recorder(run.layout, run.device, fake=False, nccl_rules=cfg.rehearse.nccl_rules)
+    return StepRecording(recorder, start, cfg.rehearse.steps, run.run_dir / "comm" / f"rank{run.rank}.json")
 
 
 class Loop:
@@ -321,33 +333,17 @@ class Loop:
         self.beat = heartbeat.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
         self.faults = fault_injection.Faults(run.rank, run.run_dir)
         self.collector = launch.CollectGarbage(cfg.train.gc_interval)
-        self.detector = self._time_compute(run)
-        self.steps = StepContext(layout.clock, run.device, self.beat, run.loader, step_recorder(cfg, run), start,
-                                 cfg.rehearse.steps, run.run_dir / "comm" / f"rank{run.rank}.json")
+        self.detector = straggler_detector(cfg, run)
+        timed = self.detector.timed if self.detector is not None else None
+        slowing = self.faults.slowing(lambda: self.beat.step, layout.clock)  # None unless slow:/spike: name this rank
+        run.engine.around_compute = [hook for hook in (timed, slowing) if hook]  # outermost first: timed sees the slowing
+        self.recording = step_recording(cfg, run, start)
+        self.max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         self.bar = _progress(cfg, run.rank, start)
         self.eval_set = sampling.eval_batches(run.corpus, cfg.train.seq_len, cfg.train.eval_batches,
                                               cfg.train.batch_size, layout.dp_rank, layout.dp,
                                               pin_memory=run.device.type == "cuda") \
             if cfg.train.eval_interval > 0 else []
-
-    def _time_compute(self, run: Run):
-        """The slow:/spike: faults, in the step's own compute, and the straggler detector
-        (observe/stragglers.py), timing the forward and backward, slowed ones included. Returns the
-        detector, or None without ft.straggler_interval."""
-        cfg, engine = run.cfg, run.engine
-        if engine.pipeline is not None:
-            engine.pipeline._compute = self.faults.slowing(engine.pipeline._compute, lambda: self.beat.step,
-                                                            run.layout.clock)
-        else:
-            engine.forward_backward = self.faults.slowing(engine.forward_backward, lambda: self.beat.step,
-                                                            run.layout.clock)
-        if not cfg.ft.straggler_interval:
-            return None
-        detector = stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
-                                       cfg.ft.straggler_windows, run.device, run.run_dir,
-                                       predicted_stage_compute(cfg, run.layout, run.device))
-        engine.forward_backward = detector.timed(engine.forward_backward)
-        return detector
 
     def run_steps(self) -> None:
         """Steps to train.max_steps, each followed by what falls due (evaluation, the health checks,
@@ -356,11 +352,11 @@ class Loop:
         cfg, run = self.run.cfg, self.run
         for step in range(self.start + 1, cfg.train.max_steps + 1):
             self.step = step
-            row, stop_now, current = self.train_step(step)
+            row, stop_now, timing, data_s = self.run_step(step)
             if self.eval_set and (step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps):
                 self.beat.progress(step, "eval")
                 row["val_loss"] = evaluate(run.engine, self.eval_set, run.device, run.autocast_dtype, run.layout)
-            row.update(health(step, current.timing, current.data_s, self.collector, self.detector, run.rank))
+            row.update(health(step, timing, data_s, self.collector, self.detector, run.rank))
             run.log.step(row)
             self.history.append(row)
             _report(row, cfg, self.bar, run.rank)
@@ -373,22 +369,34 @@ class Loop:
                             step, self.stop.signal_name or "another rank's signal")
                 return
 
-    def train_step(self, step: int) -> tuple:
-        """One optimizer step in the step context. Returns its row of metrics, whether the ranks
-        agreed to stop, and the step (its timing, its data loader's time)."""
-        run = self.run
-        with self.steps.enter(step) as current:
-            inputs, targets = sampling.to_device(current.batch, run.device)
-            loss, grad_norm = parallel.train_step(run.engine, run.optimizer, inputs, targets, run.cfg,
-                                                  run.autocast_dtype)
+    def run_step(self, step: int) -> tuple:
+        """One optimizer step, in order: the clock starts; the batch is read (inside the clock's
+        span: a slow loader shows in the step's time; its own seconds are the straggler detector's
+        data time); forward and backward; the gradients reduced and clipped; the update and the
+        learning rate's next value; the ranks' agreement and the step's one host read, which ends
+        the clock's span. Returns its row of metrics, whether the ranks agreed to stop, the clock's
+        figures (timing) and the batch's seconds."""
+        run, engine, clock = self.run, self.run.engine, self.run.layout.clock
+        clock.start_step(run.device)
+        self.beat.progress(step, "data")
+        reading = time.perf_counter()
+        batch = next(run.loader)
+        data_s = time.perf_counter() - reading
+        self.beat.progress(step, "compute")
+        with self.recording.of(step) as recorder:
+            inputs, targets = sampling.to_device(batch, run.device)
+            loss = engine.forward_backward(inputs, targets, run.autocast_dtype)
+            grad_norm = engine.finish_gradients(self.max_norm)
+            engine.optimizer_step(run.optimizer)
             run.scheduler.step()
             agreed = parallel.agree(loss, self.stop.requested, run.layout, grad_norm)
-            loss, stop_now, grad_norm = current.read(lambda: parallel.read_agreed(agreed, run.layout))
-        timing = current.timing
+            with recorder.named_read():
+                (loss, stop_now, grad_norm), timing = clock.end_step(run.device,
+                                                                     lambda: parallel.read_agreed(agreed, run.layout))
         row = {"step": step, "loss": loss, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                **run.meter(timing["step_s"]), **metrics.breakdown(timing), "memory_gib": metrics.memory_gib(run.device),
                **metrics.memory_reserved(run.device)}
-        return row, stop_now, current
+        return row, stop_now, timing, data_s
 
     def save(self, step: int) -> None:
         self.beat.progress(step, "checkpoint")
@@ -435,6 +443,15 @@ def finish(run: Run, loop: Loop) -> dict:
     if loop.status == "interrupted":
         loop.stop.hand_back()
     return final
+
+
+def straggler_detector(cfg: config.Config, run: Run) -> Optional[stragglers.Detector]:
+    """The straggler detector (observe/stragglers.py), or None without ft.straggler_interval."""
+    if not cfg.ft.straggler_interval:
+        return None
+    return stragglers.Detector(run.layout, cfg.ft.straggler_interval, cfg.ft.straggler_threshold,
+                               cfg.ft.straggler_windows, run.device, run.run_dir,
+                               predicted_stage_compute(cfg, run.layout, run.device))
 
 
 def predicted_stage_compute(cfg: config.Config, layout, device: torch.device) -> Optional[list]:
@@ -599,57 +616,6 @@ def _progress(cfg, rank: int, start: int):
     return tqdm(total=cfg.train.max_steps, initial=start, desc="train", dynamic_ncols=True, leave=False)
 
 
-def record_pending(cfg: config.Config, run_dir: Path) -> float:
-    """A study row whose switch has not landed yet (ablation.pending): its run.json says so, so the
-    table shows "pending" in its place, and no process trains or joins a process group."""
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
-        record = {"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "git": metrics.git_commit(),
-                  "study": dataclasses.asdict(cfg.study), "world_size": config.world_size()}
-        run_log = metrics.RunLog(run_dir, record, dataclasses.replace(cfg.logging.wandb, mode="disabled"))
-        run_log.finish("pending", {})
-        print(f"pending: {cfg.study.label} (step {cfg.study.step}) has no switch yet; recorded in {run_dir}", flush=True)
-    return float("nan")
-
-
-# --- Dry run: size, FLOPs and memory of any config, with no hardware ---
-
-def dry_run(cfg: config.Config) -> float:
-    """Size, FLOPs and memory per GPU of a config, with no hardware: the first and last pipeline
-    rank's memory as rehearsed (rehearse.ranks=[...] measures it; remembered per config), else as
-    clustermodel/memory.py models it (weights, gradients, optimizer and activations)."""
-    from clustermodel import memory, perfmodel
-    from clustermodel import rehearsal
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    n = count_params(model)
-    p = cfg.parallel
-    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    print(f"model {cfg.model.name}: {n:,} parameters ({n / 1e9:.2f}B), N (matmul) = {matmul_params(cfg.model):,}")
-    print(f"FLOPs per token (6N + 12·L·h·T, T={cfg.train.seq_len}): {fpt:.4e}")
-    print(f"FLOPs per step (batch {cfg.train.batch_size}): {fpt * cfg.train.batch_size * cfg.train.seq_len:.4e}")
-    world = p.tp * p.pp * p.dp if p.dp > 0 else config.world_size()  # dp -1: derived from the world, as validate derives it
-    lay = perfmodel.layout_of(cfg, world)
-    measured = rehearsal.remembered(cfg, world)
-    for last in (False, True):
-        rank = lay.pp * lay.tp * lay.dp - 1 if last else 0
-        if rank in measured:
-            m, how = measured[rank]["memory"], f"rehearsed (rank {rank})"
-            parts = {k: m[f"{k}_bytes"] / 2**30 for k in ("weights", "gradients", "optimizer")}
-            parts["activations"] = (m["activations_bytes"] + m["communication_bytes"]) / 2**30
-        else:
-            mem = memory.memory_of_rank(cfg, lay, last)
-            how = f"modelled (rehearse.ranks=[{','.join(map(str, sorted({0, world - 1})))}] measures it)"
-            parts = {"weights": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer, "activations": mem.activations}
-        split = ", ".join(f"{k} {v:,.1f}" for k, v in parts.items())
-        print(f"{'last' if last else 'first'} pipeline rank at tp={p.tp} pp={p.pp} dp={lay.dp} zero={p.zero_stage}: "
-              f"{sum(parts.values()):,.1f} GiB ({split}), {how}")
-        if lay.pp == 1:
-            break
-    return 0.0
-
-
-
-
 def _pickle_config_modules_by_name() -> None:
     """The submitit launcher cloudpickles this file's functions by value, with every loaded submodule
     of a module they use whose last name they also use: `dist` and `config` bring in
@@ -657,27 +623,37 @@ def _pickle_config_modules_by_name() -> None:
     copy. Such modules travel by name (the job imports them again)."""
     import copyreg
     import importlib
-    import types
     for module_type in {type(m) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)} - {types.ModuleType}:
         copyreg.pickle(module_type, lambda module: (importlib.import_module, (module.__name__,)))
 
 
+def precheck_submissions(argv: list) -> None:
+    """Before the submitit launcher queues anything: each SLURM job's rank 0 rehearsed here
+    (rehearse.precheck), and a failing layout stopped with one line."""
+    jobs = config.preflight(argv)
+    slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
+    if not slurm:
+        return
+    import tempfile
+    from clustermodel import rehearsal
+    print(f"precheck: rehearsing rank 0 of {len(slurm)} job(s) before submitting (rehearse.precheck=false skips)",
+          flush=True)
+    why = rehearsal.precheck(slurm, Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))
+    if why:
+        fail(f"precheck failed: {why}. Fix: change the layout, or rehearse.precheck=false to submit anyway")
+
+
+def prepare_multirun() -> None:
+    """A sweep (-m): the config modules pickle by name, and the sweep dir's name is fixed now: the
+    submitit launcher's jobs re-resolve hydra.sweep.dir in their own processes (under SLURM, where
+    ${run_id:} would name their array job instead), and they inherit this environment."""
+    _pickle_config_modules_by_name()
+    os.environ.setdefault("MEGAREPRO_RUN_ID", config.run_id())
+
+
 if __name__ == "__main__":
     config.register()  # the schema and the YAML's resolvers, for every composition below (Hydra's too)
-    jobs = config.preflight(sys.argv[1:])
-    slurm = [(overrides, cfg, world) for overrides, cfg, world in jobs if world is not None and cfg.rehearse.precheck]
-    if slurm:  # submitit: rehearse each job's rank 0 here before anything is queued
-        import tempfile
-        from clustermodel import rehearsal
-        print(f"precheck: rehearsing rank 0 of {len(slurm)} job(s) before submitting (rehearse.precheck=false skips)",
-              flush=True)
-        why = rehearsal.precheck(slurm, Path(tempfile.mkdtemp(prefix="megarepro-precheck-")))
-        if why:
-            fail(f"precheck failed: {why}. Fix: change the layout, or rehearse.precheck=false to submit anyway")
+    precheck_submissions(sys.argv[1:])
     if {"-m", "--multirun"} & set(sys.argv[1:]):
-        _pickle_config_modules_by_name()
-        # Fix the sweep dir's name now: the submitit launcher's jobs re-resolve hydra.sweep.dir in
-        # their own processes (under SLURM, where ${run_id:} would name their array job instead),
-        # and they inherit this environment.
-        os.environ.setdefault("MEGAREPRO_RUN_ID", config.run_id())
+        prepare_multirun()
     main()

@@ -4,6 +4,7 @@
   (rates.py: the machine's rates and the primitive costs it prices with; memory.py: the memory
   per GPU); cli.py: its studies,
   tables and command line (`python -m clustermodel ...`).
+- dry_run.py: `train.py dry_run=true`: size, FLOPs and memory per GPU of a config, with no hardware.
 - rehearsal.py: chosen ranks of a job of any size run through the real training code on one CPU,
   every collective, send, allocation and host read recorded (recorder.py), NCCL's rules checked
   (nccl_rules.py), memory and FLOPs counted (ledgers.py), per-rank start-up and host costs counted

@@ -134,6 +134,7 @@ class _Run:
         _fused_adamw_in_place(optimizer, ledger, cfg)  # before the scheduler, which wraps optimizer.step
         scheduler = optim.build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         tokens = torch.zeros((cfg.train.batch_size // layout.dp, cfg.train.seq_len), dtype=torch.long, device=device)
+        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         schedule = _label_pipeline(engine, ledger, pipeline)
         original_core = gpt.Attention.core
         gpt.Attention.core = _attention_context(original_core, self.flops)
@@ -142,7 +143,9 @@ class _Run:
                 for step in range(1, cfg.rehearse.steps + 1):
                     recorder.step, ledger.where = step, f"step {step}"
                     with ledger, self.flops:
-                        loss, norm = parallel.train_step(engine, optimizer, tokens, tokens, cfg, self.dtype)
+                        loss = engine.forward_backward(tokens, tokens, self.dtype)  # as train.Loop.run_step
+                        norm = engine.finish_gradients(max_norm)
+                        engine.optimizer_step(optimizer)
                         scheduler.step()
                         parallel.agree(loss, False, layout, norm)
                     with recorder.named_read():

@@ -15,7 +15,7 @@ nanoGPT is the median over cycles of nanoGPT's step time over its own in the sam
 interval from the rounds' medians (one value per round; no interval from one round):
   nanogpt     its GPT and its configure_optimizers' AdamW on random tokens: forward, loss,
               backward, clip to 1.0, step, zero_grad (its train.py's loop without the data)
-  ours        the step train.py runs (parallel.train_step: forward, loss, backward, clip, AdamW
+  ours        the step train.py runs (train.Loop.run_step's: forward, loss, backward, clip, AdamW
               step, scheduler), one process, on random tokens
   ours+loop   train.py's whole loop, in process (train.train): real data from the corpus, the
               loss and grad norm read back, metrics.jsonl, the heartbeat; step time from
@@ -152,13 +152,15 @@ def our_stepper(shape: dict, dtype: str, compiled: bool, vocab: Optional[int] = 
     y = torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=g).to(device)
     forward_backward = engine.forward_backward
 
-    def marked_forward_backward(*args, **kwargs):  # an instance's attribute: train_step runs unchanged
+    def marked_forward_backward(*args, **kwargs):  # an instance's attribute: the step runs unchanged
         with _phase("model"):
             return forward_backward(*args, **kwargs)
     engine.forward_backward = marked_forward_backward
 
     def step() -> None:
-        loss, grad_norm = parallel.train_step(engine, opt, x, y, cfg, DTYPES[dtype])
+        loss = engine.forward_backward(x, y, DTYPES[dtype])  # as train.Loop.run_step
+        grad_norm = engine.finish_gradients(cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf"))
+        engine.optimizer_step(opt)
         scheduler.step()
         torch.stack([loss.detach(), grad_norm]).tolist()  # train.py's one host read per step
     step.modules = engine.chunks

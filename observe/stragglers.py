@@ -58,6 +58,7 @@ whose diagnosis reads this module.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import socket
@@ -186,20 +187,18 @@ class Detector:
         self.recent = collections.deque(maxlen=windows + 1)
         self.verdicts: dict = {}   # (kind, rank) -> its verdict, as first confirmed then updated
         self.figures_dir = Path(run_dir) / "observe" / "stragglers" if run_dir is not None else None
-        self.compute_s = 0.0       # this step's forward and backward, less their waits (timed())
+        self.compute_s = 0.0       # this step's compute, less its waits (timed())
 
-    def timed(self, forward_backward):
-        """forward_backward, its own time (less the waits the rank's overlap.WaitClock timed) added
-        to this step's compute; an evaluation's (backward=False) is not training's."""
-        clock = self.clock
-
-        def timed(*args, **kwargs):
-            waited, t0 = sum(clock.seconds.values()), time.perf_counter()
-            out = forward_backward(*args, **kwargs)
-            if kwargs.get("backward", True):
-                self.compute_s += time.perf_counter() - t0 - (sum(clock.seconds.values()) - waited)
-            return out
-        return timed
+    @contextlib.contextmanager
+    def timed(self, backward: bool):
+        """The hook around each unit of compute (ParallelModel.around_compute: the forward and
+        backward, or each pipeline action): its own time, less the waits the rank's
+        overlap.WaitClock timed, added to this step's compute; an evaluation's (backward=False) is
+        not training's."""
+        waited, t0 = sum(self.clock.seconds.values()), time.perf_counter()
+        yield
+        if backward:
+            self.compute_s += time.perf_counter() - t0 - (sum(self.clock.seconds.values()) - waited)
 
     def step(self, step: int, timing: dict, data_s: float) -> list:
         """Add one step's figures; at a window's end, compare and return the verdicts confirmed or

@@ -48,6 +48,17 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def around(hooks: list, backward: bool):
+    """One context of every hook around a unit of compute (ParallelModel.around_compute), the first
+    the outermost; nothing without hooks."""
+    if not hooks:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for hook in hooks:
+        stack.enter_context(hook(backward))
+    return stack
+
+
 def split_for_pipeline(model: torch.nn.Module, layout: Layout, vpp: int) -> list:
     """This rank's model chunks. Virtual stage s = v*pp + pp_rank holds layers [s*k, (s+1)*k):
     rank r gets stages r, r+pp, ... (Megatron's interleaving). Blocks keep their global index."""
@@ -125,24 +136,24 @@ def schedule(pp: int, pp_rank: int, vpp: int, microbatches: int, backward: bool)
 
 
 def plan(pp: int, pp_rank: int, vpp: int, microbatches: int, overlap: bool, backward: bool = True) -> list:
-    """The order in which this rank posts its receives, waits, computes and sends:
+    """The order in which this rank posts its receives, waits, computes and sends, one op each:
     [("recv", i, Message) | ("wait", i) | ("compute", i, action) | ("send", i, Message)], i the
-    action's index. Pipeline.run follows it step by step; nccl_rules checks it for every rank."""
+    action's index. Pipeline.run follows it op by op; nccl_rules checks it for every rank."""
     order = schedule(pp, pp_rank, vpp, microbatches, backward)
     io = [messages(a, pp_rank, pp, vpp) for a in order]
-    steps, posted = [], set()
+    ops, posted = [], set()
     for i, action in enumerate(order):
         ahead = [i, i + 1] if overlap and i + 1 < len(order) else [i]
         for j in ahead:
             if io[j][0] is not None and j not in posted:
-                steps.append(("recv", j, io[j][0]))
+                ops.append(("recv", j, io[j][0]))
                 posted.add(j)
         if io[i][0] is not None:
-            steps.append(("wait", i))
-        steps.append(("compute", i, action))
+            ops.append(("wait", i))
+        ops.append(("compute", i, action))
         if io[i][1] is not None:
-            steps.append(("send", i, io[i][1]))
-    return steps
+            ops.append(("send", i, io[i][1]))
+    return ops
 
 
 class Pipeline:
@@ -165,33 +176,34 @@ class Pipeline:
     def _peer(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank)
 
-    def run(self, inputs: list, targets: list, loss_fn, autocast_dtype, backward: bool = True) -> torch.Tensor:
+    def run(self, inputs: list, targets: list, loss_fn, autocast_dtype, backward: bool = True,
+            around_compute: list = ()) -> torch.Tensor:
         """Forward (and backward) over all microbatches; returns the summed mean loss (a 0-d tensor
         on the device, read by the caller once per step) on the last stage, 0 elsewhere. Losses are
-        divided by the microbatch count so gradients accumulate to the mean over the whole batch."""
+        divided by the microbatch count so gradients accumulate to the mean over the whole batch.
+        around_compute: the hooks around each action's compute (ParallelModel.around_compute)."""
         m, vpp = len(inputs), len(self.chunks)
         b, t = inputs[0].shape[0], inputs[0].shape[1] // self.seq_shards
         shape, dtype = (b, t, self.chunks[0].cfg.d_model), next(self.chunks[0].parameters()).dtype
-        order = schedule(self.layout.pp, self.layout.pp_rank, vpp, m, backward)
         saved, received, total = {}, {}, torch.zeros((), device=self.device)
-        for step in plan(self.layout.pp, self.layout.pp_rank, vpp, m, self.overlap, backward):
-            if step[0] == "recv":
+        for op in plan(self.layout.pp, self.layout.pp_rank, vpp, m, self.overlap, backward):
+            if op[0] == "recv":
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
-                received[step[1]] = (self._post(dist.irecv, buf, step[2], step[2].src), buf)
-            elif step[0] == "wait":
-                work, _ = received[step[1]]
+                received[op[1]] = (self._post(dist.irecv, buf, op[2], op[2].src), buf)
+            elif op[0] == "wait":
+                work, _ = received[op[1]]
                 with self.layout.clock.waiting("bubble", self.device):
                     work.wait()
-            elif step[0] == "compute":
-                buf = received.pop(step[1], (None, None))[1]
-                with spans.segment(spans.action_name(step[2]), self.device):
-                    out = self._compute(step[2], buf, inputs, targets, loss_fn, autocast_dtype, backward, saved)
+            elif op[0] == "compute":
+                buf = received.pop(op[1], (None, None))[1]
+                with spans.segment(spans.action_name(op[2]), self.device), around(around_compute, backward):
+                    out = self._compute(op[2], buf, inputs, targets, loss_fn, autocast_dtype, backward, saved)
                 if out is not None and out.dim() == 0:
                     total += out
                 self._release_completed()
             else:
                 tensor = out.detach().to(dtype).contiguous()
-                self.sends.append((self._post(dist.isend, tensor, step[2], step[2].dst), tensor))
+                self.sends.append((self._post(dist.isend, tensor, op[2], op[2].dst), tensor))
         with self.layout.clock.waiting("comm", self.device):
             for work, _ in self.sends:
                 work.wait()

@@ -180,7 +180,7 @@ class ZeroDataParallel:
         self.current = set(range(len(self.buckets)))  # buckets whose parameters are this step's
         self.modules: list = []    # each hooked module's parameter indices (attach)
         self.unmarked = set()      # modules whose backward no _BackwardDone marks (their input needs no gradient)
-        self.hooks_traced = False  # the forward is compiled: its hooks are traced and mark nothing
+        self.hooks_traced = False  # the forward is compiled: its hooks are traced and mark nothing (mark_hooks_traced)
         self.fused = set()         # parameters whose backward accumulated into the buffer since their module's end
         self.autograd_keeps_grads = layout.dp == 1 and layout.tp == 1 and stage == 0 and not self.mixed
 
@@ -311,6 +311,11 @@ class ZeroDataParallel:
         torch._foreach_add_([views[self.where[i][1]] for i in indices], [self.params[i].grad for i in indices])
         for i in indices:
             self.params[i].grad = None
+
+    def mark_hooks_traced(self) -> None:
+        """The forward is compiled (ParallelModel.compile): dynamo traces the modules' hooks, so none
+        marks its backward, and backward_done adds every module's gradients."""
+        self.hooks_traced = True
 
     def backward_done(self) -> None:
         """Step 3, after each backward call (a microbatch, or a pipeline chunk's): add what no module

@@ -85,9 +85,7 @@ def main(mode: str) -> None:
             tokens = torch.randint(0, 128, (4, 33), generator=g)
             engine.forward_backward(tokens[:, :-1], tokens[:, 1:], torch.float32)
             engine.finish_gradients(1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            engine.after_step()
+            engine.optimizer_step(optimizer)
         engine.forward_backward(tokens[:, :-1], tokens[:, 1:], torch.float32, backward=False)  # step 3's weights
     except RuntimeError as err:  # a late wait overwrites weights autograd saved: torch may catch it too
         error = str(err).splitlines()[0]

@@ -162,8 +162,7 @@ def check_train(args: list, world: int | None = None, gpus: bool = False, var: s
     GPU launch the world and the memory of the fullest rank checked against the allocation."""
     import config
     import machine
-    from clustermodel import memory, perfmodel
-    import train
+    from clustermodel import dry_run, memory, perfmodel
     printing = "--cfg" in args or "--help" in args  # train.py prints and exits: the config must still compose
     overrides = [a for a in args if a not in ("--cfg", "job", "hydra", "all", "--help")]
     if printing:
@@ -176,7 +175,7 @@ def check_train(args: list, world: int | None = None, gpus: bool = False, var: s
     for job_overrides, cfg, job_world in jobs:
         if cfg.dry_run:
             with contextlib.redirect_stdout(io.StringIO()):
-                train.dry_run(cfg)
+                dry_run.report(cfg)
         launched = job_world if job_world is not None else world
         if not (gpus or cfg.study.scale == "cluster") or launched is None:
             continue

@@ -114,12 +114,14 @@ def test_a_slowed_rank_sleeps_its_own_time_times_the_factor_less_one_and_its_wai
         clock[0] += 2.0
         waits.seconds["comm"] += 1.0
     step = [3]
-    slowed = fault_injection.Faults(1, tmp_path).slowing(forward_backward, lambda: step[0], waits)
-    slowed()
+    slowed = fault_injection.Faults(1, tmp_path).slowing(lambda: step[0], waits)  # a hook around each compute
+    with slowed(backward=True):
+        forward_backward()
     step[0] = 4
-    slowed()
+    with slowed(backward=True):
+        forward_backward()
     assert slept == [pytest.approx(0.5), pytest.approx(1.0 * (1.5 * fault_injection.SPIKE - 1))]
-    assert fault_injection.Faults(2, tmp_path).slowing(forward_backward, lambda: 1) is forward_backward  # not its fault
+    assert fault_injection.Faults(2, tmp_path).slowing(lambda: 1) is None  # not its fault: no hook
 
 
 def test_the_hang_timer_spares_a_slow_first_step_but_not_a_later_hang(tmp_path, cache_dir):

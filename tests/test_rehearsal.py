@@ -242,7 +242,7 @@ def test_compiled_tp_overlap_gathers_nothing_again_in_backward():
                 torch._dynamo.reset()
                 engine.compile(backend="eager")
             phase[0] = ("compiled " if compiled else "eager ") + "forward"
-            loss = engine._microbatch_loss(tokens[:, :-1], tokens[:, 1:])
+            loss = engine.microbatch_loss(tokens[:, :-1], tokens[:, 1:])
             phase[0] = ("compiled " if compiled else "eager ") + "backward"
             loss.backward()
     finally:
@@ -414,14 +414,14 @@ def test_the_fixed_code_keeps_nccl_rules_on_every_layout(name, pool, tmp_path):
 
 
 def test_dry_run_gives_the_rehearsed_memory_once_there_is_one(tmp_path, monkeypatch, capsys):
-    import train
+    from clustermodel import dry_run
     monkeypatch.setenv("MEGAREPRO_CACHE", str(tmp_path / "cache"))
     cfg = config.compose([*TINY, "model.vocab_size=512", "parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2"])
-    train.dry_run(cfg)
+    dry_run.report(cfg)
     assert "modelled (rehearse.ranks=[0,1] measures it)" in capsys.readouterr().out
     records = [rehearsal.rehearse_rank(cfg, r, 2, tmp_path) for r in (0, 1)]
     rehearsal.remember(cfg, 2, records)
-    train.dry_run(cfg)
+    dry_run.report(cfg)
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("first pipeline rank"))
     assert "rehearsed (rank 0)" in line and f"{records[0]['memory']['peak_bytes'] / 2**30:,.1f} GiB" in line, line
 

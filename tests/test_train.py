@@ -383,11 +383,11 @@ def test_a_dry_run_with_derived_dp_sizes_the_world_it_is_given(monkeypatch, caps
     """parallel.dp=-1 takes dp from the world (WORLD_SIZE or SLURM_NTASKS): validation did, and the
     dry run's memory must be for that dp too (it was for dp 1: the whole batch on one replica)."""
     import config
-    import train
+    from clustermodel import dry_run
     monkeypatch.setenv("WORLD_SIZE", "128")
     cfg = config.compose(["experiment=convergence", "scale=cluster", "dry_run=true", "parallel.dp=-1"])
     config.validate(cfg)
-    train.dry_run(cfg)
+    dry_run.report(cfg)
     lines = [line for line in capsys.readouterr().out.splitlines() if "pipeline rank" in line]
     assert lines and all("tp=8 pp=8 dp=2 " in line for line in lines), lines
 
@@ -444,12 +444,12 @@ def test_the_submitit_launcher_can_pickle_train_pys_entry_point():
     assert callable(restored)
 
 
-def test_each_step_is_one_context_of_clock_heartbeat_batch_and_recording(tmp_path):
-    """train.StepContext, on a 1-rank gloo group: the heartbeat says "data", then "compute"; the
-    batch is read before the recorder starts (the loader's collectives are not the step's: a
-    rehearsal has no loader); only the first `recorded` steps are recorded, numbered from the
-    resumed step, and written after the last of them; the step's one read is the recorder's named
-    read and ends the clock's span."""
+def test_rehearse_record_records_the_first_steps_after_their_batches_and_names_their_read(tmp_path):
+    """train.StepRecording, on a 1-rank gloo group, as Loop.run_step uses it: the batch is read
+    before the recorder starts (the loader's collectives are not the step's: a rehearsal has no
+    loader); only the first `recorded` steps are recorded, numbered from the resumed step, and
+    written after the last of them; the step's one read is the recorder's named read, and ends the
+    clock's span."""
     import torch.distributed as dist
     from parallelisms import overlap
     import parallel
@@ -459,31 +459,28 @@ def test_each_step_is_one_context_of_clock_heartbeat_batch_and_recording(tmp_pat
     try:
         layout = parallel.build_layout(parallel.ParallelConfig(), 0, 1, torch.device("cpu"))
         recorder = Recorder(layout, torch.device("cpu"), fake=False)
-        phases = []
-
-        class Beat:
-            def progress(self, step, phase):
-                phases.append((step, phase))
 
         def batches():
             while True:
                 x = torch.ones(4)
                 dist.broadcast(x, src=0)  # as a TP group's shared loader does
-                yield x, x
+                yield x
 
-        steps = train.StepContext(overlap.WaitClock(), torch.device("cpu"), Beat(), batches(), recorder, first=10,
-                                  recorded=2, record_to=tmp_path / "comm" / "rank0.json")
+        loader, clock = batches(), overlap.WaitClock()
+        recording = train.StepRecording(recorder, first=10, recorded=2, path=tmp_path / "comm" / "rank0.json")
         written, timings = [], []
-        for n in (11, 12, 13):
-            with steps.enter(n) as step:
-                x, _ = step.batch
+        for step in (11, 12, 13):
+            clock.start_step(torch.device("cpu"))
+            x = next(loader)
+            with recording.of(step) as recording_now:
                 dist.all_reduce(x)
-                assert step.read(lambda: x.tolist()) == [1.0] * 4
+                with recording_now.named_read():
+                    value, timing = clock.end_step(torch.device("cpu"), lambda: x.tolist())
+            assert value == [1.0] * 4
             written.append((tmp_path / "comm" / "rank0.json").exists())
-            timings.append(step.timing)
+            timings.append(timing)
     finally:
         dist.destroy_process_group()
-    assert phases == [(n, phase) for n in (11, 12, 13) for phase in ("data", "compute")]
     assert written == [False, True, True]
     events = json.loads((tmp_path / "comm" / "rank0.json").read_text())["comm"]
     assert [(e["step"], e["op"]) for e in events if e["op"] != "wait"] == \
