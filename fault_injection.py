@@ -59,7 +59,7 @@ class Faults:
         waits = (lambda: sum(clock.seconds.values())) if clock is not None else (lambda: 0.0)
 
         @contextlib.contextmanager
-        def slowed(backward: bool):
+        def slowed(backward: bool, action=None):
             waited, t0 = waits(), time.perf_counter()
             yield
             own = time.perf_counter() - t0 - (waits() - waited)

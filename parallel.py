@@ -290,7 +290,7 @@ class ParallelModel:
         # pipeline action with one. Each is called with `backward` (False in evaluation) and returns a
         # context manager; the first is the outermost. Set once, before the first step (train.py:
         # the straggler detector's timing, the slow:/spike: faults).
-        self.around_compute: List[Callable[[bool], ContextManager]] = []
+        self.around_compute: List[Callable[[bool, Optional[tuple]], ContextManager]] = []
         on_meta = next(model.parameters()).is_meta
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Split first: TP and recompute apply to the modules each chunk really holds.

@@ -238,14 +238,14 @@ def _label_pipeline(engine, ledger, pipeline) -> list:
     done = []
     if engine.pipeline is None:
         return done
-    compute = engine.pipeline._compute
 
-    def labelled(action, *args, **kwargs):
+    @contextlib.contextmanager
+    def labelled(backward: bool, action=None):  # a hook around each action (ParallelModel.around_compute)
         kind, mb, c = action
         done.append(f"{kind}{mb}.{c}")
         ledger.where = f"{ledger.where.split(':')[0]}: {'forward' if kind == 'F' else 'backward'} of microbatch {mb}, chunk {c}"
-        return compute(action, *args, **kwargs)
-    engine.pipeline._compute = labelled
+        yield
+    engine.around_compute.append(labelled)
     return done
 
 

@@ -190,7 +190,7 @@ class Detector:
         self.compute_s = 0.0       # this step's compute, less its waits (timed())
 
     @contextlib.contextmanager
-    def timed(self, backward: bool):
+    def timed(self, backward: bool, action=None):
         """The hook around each unit of compute (ParallelModel.around_compute: the forward and
         backward, or each pipeline action): its own time, less the waits the rank's
         overlap.WaitClock timed, added to this step's compute; an evaluation's (backward=False) is

@@ -33,6 +33,7 @@ precision=bf16), the dtype the next stage computes in.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -48,14 +49,15 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def around(hooks: list, backward: bool):
+def around(hooks: list, backward: bool, action: Optional[tuple] = None):
     """One context of every hook around a unit of compute (ParallelModel.around_compute), the first
-    the outermost; nothing without hooks."""
+    the outermost; nothing without hooks. Each hook is called hook(backward, action): the pipeline
+    action ((kind, microbatch, chunk)) the unit is, or None for a whole forward and backward."""
     if not hooks:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     for hook in hooks:
-        stack.enter_context(hook(backward))
+        stack.enter_context(hook(backward, action))
     return stack
 
 
@@ -196,7 +198,7 @@ class Pipeline:
                     work.wait()
             elif op[0] == "compute":
                 buf = received.pop(op[1], (None, None))[1]
-                with spans.segment(spans.action_name(op[2]), self.device), around(around_compute, backward):
+                with spans.segment(spans.action_name(op[2]), self.device), around(around_compute, backward, op[2]):
                     out = self._compute(op[2], buf, inputs, targets, loss_fn, autocast_dtype, backward, saved)
                 if out is not None and out.dim() == 0:
                     total += out
