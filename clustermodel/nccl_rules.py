@@ -275,15 +275,15 @@ def pipeline_programs(pp: int, vpp: int, microbatches: int, overlap: bool, backw
     programs = {}
     for rank in range(pp):
         events, works = [], {}
-        for step in plan(pp, rank, vpp, microbatches, overlap, backward):
-            if step[0] in ("recv", "send"):
-                msg = step[2]
+        for op in plan(pp, rank, vpp, microbatches, overlap, backward):
+            if op[0] in ("recv", "send"):
+                msg = op[2]
                 work = len(events)
-                works[step[1]] = work
-                peer = msg.src if step[0] == "recv" else msg.dst
-                events.append(("post", work, [Op(step[0], tuple(range(pp)), peer, sig=(msg.kind, msg.mb, msg.stage),
+                works[op[1]] = work
+                peer = msg.src if op[0] == "recv" else msg.dst
+                events.append(("post", work, [Op(op[0], tuple(range(pp)), peer, sig=(msg.kind, msg.mb, msg.stage),
                                                   comm=channel(msg))], False))
-            elif step[0] == "wait":
-                events.append(("wait", works[step[1]]))
+            elif op[0] == "wait":
+                events.append(("wait", works[op[1]]))
         programs[rank] = events
     return programs
