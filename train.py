@@ -326,11 +326,12 @@ class Loop:
         self.stop = launch.StopFlag()
         first_step_work = ", ".join(["torch.compile of every chunk"] * run.compiling +
                                     ["the communicators' set-up"] * (run.world > 1))
-        observer = oplog.start(cfg.observe, layout, run.run_dir, run.device, oplog.span_capacity(cfg),
-                               fault_injection.planned_faults())  # the op log and spans, written by the heartbeat
-        if observer is not None and cfg.observe.spans:
-            layout.clock.on_wait, layout.clock.describe = observer.wait_span, observer.wait_label
-        self.beat = heartbeat.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, observer)
+        # the op log and spans (None without observe.ops), written by the heartbeat
+        self.observer = oplog.start(cfg.observe, layout, run.run_dir, run.device, oplog.span_capacity(cfg),
+                                    fault_injection.planned_faults())
+        if self.observer is not None and cfg.observe.spans:
+            layout.clock.on_wait, layout.clock.describe = self.observer.wait_span, self.observer.wait_label
+        self.beat = heartbeat.Heartbeat(run.run_dir, run.rank, run.world, cfg.ft, first_step_work, self.observer)
         self.faults = fault_injection.Faults(run.rank, run.run_dir)
         self.collector = launch.CollectGarbage(cfg.train.gc_interval)
         self.detector = straggler_detector(cfg, run)
@@ -420,7 +421,7 @@ class Loop:
         self.run.saver.close()
         self.beat.close()
         self.run.layout.clock.on_wait = self.run.layout.clock.describe = None
-        oplog.stop()
+        oplog.stop(self.observer)
         self.collector.close()
         if self.bar is not None:
             self.bar.close()

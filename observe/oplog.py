@@ -98,6 +98,7 @@ class Recorder:
                  swap_step: Optional[int] = None, run_dir: Optional[Path] = None):
         self.cfg, self.rank, self.coords, self.dims = cfg, rank, coords, dims  # dims: group name -> mesh dim
         self.run_dir = run_dir  # where faults.jsonl is, if any
+        self.last_words = None  # lastwords.LastWords while it records, where start() set them up
         self.ops = collections.deque(maxlen=cfg.ring)
         self.spans = collections.deque(maxlen=SPANS_BOUNDS[0] if cfg.spans < 0 else max(cfg.spans, 1))
         self.seq, self.hash, self.pairs, self.members = {}, {}, {}, {}
@@ -484,8 +485,6 @@ def main_stack(limit: int = 12) -> list:
 
 
 
-RECORDER: Optional[Recorder] = None  # this process's, while a run records
-
 
 SPANS_BOUNDS = (2048, 32768)  # the spans ring's least and most entries: ~4 MB of a snapshot at the most
 SPANS_PER_STEP_FIXED = 256  # phases, DP and optimizer waits, GC, checkpoint, agreed read: at most, a step
@@ -511,40 +510,37 @@ def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=Non
     it is -1: span_capacity's) and, with a run dir, its last words on a signal (cfg.signals; from
     the main thread); or none. faults: the planned faults (fault_injection.planned_faults), whose skip:RANK@STEP
     and swap:RANK@STEP this rank's recorder injects."""
-    global RECORDER, LAST_WORDS
     if not cfg.ops:
         return None
     skip = [int(v) for k, r, v in faults if k == "skip" and r == layout.rank]
     swap = [int(v) for k, r, v in faults if k == "swap" and r == layout.rank]
     if cfg.spans < 0:
         cfg = dataclasses.replace(cfg, spans=spans_capacity)
-    RECORDER = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None,
+    recorder = Recorder(cfg, layout.rank, layout.coordinates(), dim_names(layout), skip[0] if skip else None,
                         swap[0] if swap else None, run_dir)
-    RECORDER.install()
+    recorder.install()
     if cfg.spans:
-        spans.SINK = RECORDER
+        spans.SINK = recorder
         if device is not None and torch.device(device).type == "cuda":
             spans.DEVICE = spans.DeviceSegments(torch.cuda.Event)
     if cfg.signals and run_dir is not None and threading.current_thread() is threading.main_thread():  # (signal's rule)
         from observe import lastwords
-        LAST_WORDS = lastwords.LastWords(RECORDER, Path(run_dir))
-    return RECORDER
+        recorder.last_words = lastwords.LastWords(recorder, Path(run_dir))
+    return recorder
 
 
-def stop() -> None:
-    global RECORDER, LAST_WORDS
-    if LAST_WORDS is not None:
-        LAST_WORDS.close()
-        LAST_WORDS = None
-    if spans.DEVICE is not None and RECORDER is not None:
-        spans.DEVICE.resolve(RECORDER)
+def stop(recorder: Optional[Recorder]) -> None:
+    """Undo what start() installed for `recorder` (its last words, the segments, the interposer's handler)."""
+    if recorder is None:
+        return
+    if recorder.last_words is not None:
+        recorder.last_words.close()
+        recorder.last_words = None
+    if spans.DEVICE is not None:
+        spans.DEVICE.resolve(recorder)
     spans.SINK, spans.DEVICE = None, None
-    if RECORDER is not None:
-        RECORDER.uninstall()
-        RECORDER = None
+    recorder.uninstall()
 
-
-LAST_WORDS = None  # lastwords.LastWords, while a run records
 
 
 def dim_names(layout) -> dict:
