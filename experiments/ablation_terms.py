@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clustermodel import cli  # noqa: E402
-from experiments.tables import markdown_table  # noqa: E402
+from metrics import markdown_table  # noqa: E402
 
 TERMS = {"gemm": "GEMMs", "attention": "attention", "elementwise": "elementwise", "tp_comm": "exposed TP",
          "pp_comm": "exposed PP", "dp_comm": "exposed DP", "bubble": "bubble", "optimizer": "optimizer",

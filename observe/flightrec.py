@@ -141,7 +141,7 @@ def _site(frames: list) -> str:
 
 
 def diagnose(path: Path, out: Optional[Path] = None) -> dict:
-    """The hang report and the timeline of a job's Flight Recorder dumps, written as observe.py
+    """The hang report and the timeline of a job's Flight Recorder dumps, written as oplog.py
     writes a run's: <out>/diagnosis.json ({source, ranks, hang}), trace.json and report.txt."""
     snaps = read_dumps(path)
     out = Path(out) if out is not None else (Path(path) if Path(path).is_dir() else Path(path).parent) / "observe"

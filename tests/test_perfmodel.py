@@ -16,7 +16,7 @@ from clustermodel import perfmodel as pm
 from clustermodel import cli
 from clustermodel import replay
 from clustermodel.schema import PerfModelHardware
-from experiments.tables import ABLATION_LABELS
+from config import ABLATION_LABELS
 
 
 @pytest.fixture(scope="module")
