@@ -541,6 +541,16 @@ def test_unexpressible_published_runs_fail_with_one_line_naming_the_knob(publish
         assert line and knob in line and "\n" not in line, (change, line)
 
 
+def test_a_published_run_recomputing_n_layers_is_expressible_with_n_stated(published):
+    """recompute=full:N (Megatron-LM's --recompute-num-layers N) composes train.recompute_layers=N;
+    a count of layers without the method stays not expressible."""
+    base = next(r for r in published.read_rows() if r["run"] == "175B")
+    cfg, _ = published.row_config({**base, "recompute": "full:2"})
+    assert (cfg.train.recompute, cfg.train.recompute_layers) == ("full", 2)
+    for value in ("4", "full:", "block"):
+        assert published.missing_knob({**base, "recompute": value}), value
+
+
 # --- Plan mode, cpu_local and measured runs ---
 
 CPU_MEASURED = {"peak_tflops": 0.8, "peak_tflops_fp32": 0.2, "gemm_half_dim": 16.0, "gemm_efficiency": 1.0,
