@@ -39,6 +39,10 @@ class ParallelConfig:
     # residual stream's sequence. false: Megatron-LM's TP before it, the stream replicated.
     sequence_parallel: bool = True
     pp: int = 1
+    # Pipeline messages without SP: each TP rank sends 1/tp of the activation (or its gradient) and
+    # the receiving stage all-gathers it over TP (Megatron-LM's scatter/gather, its default). Under
+    # SP each rank sends its slice of the sequence anyway: no effect there, as in Megatron-LM.
+    pp_scatter_gather: bool = True
     vpp: int = 1             # virtual pipeline stages per rank (interleaved 1F1B when > 1)
     dp: int = -1             # -1: whatever the world size leaves, world / (tp * pp)
     zero_stage: int = 0      # 0: replicated optimizer | 1: sharded optimizer state | 2: + sharded grads
@@ -319,7 +323,8 @@ class ParallelModel:
         self.zero.attach(modules)
         self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp,
                                  after_backward=self.zero.backward_done,
-                                 sequence_parallel=cfg.sequence_parallel) if layout.pp > 1 else None
+                                 sequence_parallel=cfg.sequence_parallel,
+                                 scatter_gather=cfg.pp_scatter_gather) if layout.pp > 1 else None
         self.norm_group = _norm_group(layout)
 
     def _forward_modules(self, params: list) -> list:

@@ -43,6 +43,18 @@ def stream_shards(cfg: config.Config, tp: int) -> int:
     return tp if cfg.parallel.sequence_parallel else 1
 
 
+def pp_message_shards(cfg: config.Config, tp: int) -> int:
+    """Over how many ranks a pipeline message (an activation or its gradient) is split on the wire:
+    the stream's shards under sequence parallelism; without it the TP group under
+    parallel.pp_scatter_gather (each rank sends 1/tp, the receiver all-gathers it over TP), else none."""
+    return tp if cfg.parallel.sequence_parallel or cfg.parallel.pp_scatter_gather else 1
+
+
+def pp_gathers(cfg: config.Config, tp: int) -> bool:
+    """Whether a received pipeline message is all-gathered over TP (scatter/gather without SP)."""
+    return tp > 1 and not cfg.parallel.sequence_parallel and cfg.parallel.pp_scatter_gather
+
+
 def kv_width(m: gpt.ModelConfig) -> int:
     """Features of k (and of v) per token: n_kv_heads heads (grouped-query attention), h without it."""
     return gpt.kv_heads(m) * gpt.head_dim(m)

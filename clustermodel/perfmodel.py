@@ -6,7 +6,8 @@ effects at cluster scale are understood.
 It reads the same Hydra config as train.py (model, parallel and its overlap switches, kernels, data,
 optim, train) plus a description of the machine in conf/hardware/, and prices one optimizer step on
 the busiest rank: every GEMM and attention kernel (efficiency depends on shape), every memory-bound
-op, the TP/SP collectives over NVLink, PP sends and the interleaved-1F1B bubble (p-1)/(m*v), DP
+op, the TP/SP collectives over NVLink, PP sends (1/tp of the activation under SP or with
+Megatron-LM's scatter/gather, which all-gathers it over TP on receipt) and the interleaved-1F1B bubble (p-1)/(m*v), DP
 reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts),
 what each overlap switch hides and what hiding costs, the optimizer and the data loader. Memory is
 counted per rank (memory.py): weights, gradients and optimizer states by ZeRO stage, activations by
@@ -68,8 +69,9 @@ from config import HardwareConfig
 from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
 from clustermodel.memory import (MATERIALIZED, Memory, block_matrices, compiled_keeps_gathered, element_bytes,
-                                 fused_weight_params, kv_width, layer_params, memory, memory_of_rank, precision, rank_params,
-                                 recomputed_layers, stream_shards, swiglu)
+                                 fused_weight_params, kv_width, layer_params, memory, memory_of_rank, precision, rank_params, stream_shards,
+                                 pp_gathers, pp_message_shards, recomputed_layers,
+                                 swiglu)
 from clustermodel.layout import JobLayout, layout_of  # noqa: F401
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
                    collective_time, gemm_key, gemm_time, owner, resolve_hardware, stream_time)
@@ -435,9 +437,12 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     busy = lambda c: sum(v for k, v in c.items() if k != "hidden")
     mb = max(first, last, key=busy)
 
-    send = net.pp_send(lay.micro_batch * lay.seq * m.d_model * element_bytes(cfg) / stream_shards(cfg, lay.tp)) if lay.pp > 1 else 0.0
+    message = lay.micro_batch * lay.seq * m.d_model * element_bytes(cfg)
+    send = net.pp_send(message / pp_message_shards(cfg, lay.tp)) if lay.pp > 1 else 0.0
     sends = 2 * lay.vpp * send  # each chunk sends an activation forward and a gradient back
     _comm(mb, "pp_comm", sends, sends, "async" if ov.pp else "off")
+    if lay.pp > 1 and pp_gathers(cfg, lay.tp):  # scatter/gather: each message received is all-gathered over TP before its compute
+        _comm(mb, "tp_comm", 2 * lay.vpp * net.collective("all_gather", message, "tp"), 0.0, "off")
     step = _add({}, mb, lay.microbatches)
     # The fill and drain idle every rank for (p-1)/v microbatches; with PP overlap the sends along
     # that critical path still cost their latency.
@@ -513,6 +518,8 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
         tp_ends += 2 * ring("all_gather", M * h * e, t) * first  # the embedding's reduce-scatter, its gradient's all-gather
         tp_ends += final * (3 * ring("all_gather", M * h * e, t) + 3 * ring("all_reduce", M * 4, t))  # head, loss
     sends = (2 * lay.vpp - (not last) - last) if lay.pp > 1 else 0  # stage 0 sends no gradient, the last no activation
+    if pp_gathers(cfg, t):  # scatter/gather: each message received (as many as sent) all-gathered over TP
+        tp_ends += sends * ring("all_gather", M * h * e, t)
     params = rank_params(m, lay)[1 if last else 0]
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
     dp = 0.0
@@ -536,7 +543,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
     fused = fused_weight_params(cfg, lay, last)
     return {"grad_accumulation_bytes": grad_accumulation_bytes(cfg, lay, params, e, grad_bytes, fused),
             "tp_bytes_per_layer": tp_layer, "tp_bytes": mbs * (tp_layer * layers + tp_ends),
-            "pp_bytes": mbs * sends * M * h * e / stream_shards(cfg, t), "dp_bytes": dp,
+            "pp_bytes": mbs * sends * M * h * e / pp_message_shards(cfg, t), "dp_bytes": dp,
             "gemm_flops": mbs * gemm, "attention_flops": mbs * attn * layers,
             **{f"{k}_bytes": getattr(mem, k) * 2**30 for k in ("weights", "grads", "optimizer", "activations")}}
 

@@ -29,6 +29,14 @@ Time blocked on a receive is the bubble (idle until the neighbouring stage deliv
 transfer itself when it is not hidden); time blocked on sends is exposed communication.
 Messages travel in the dtype of the residual stream (the parameters' dtype: bf16 under
 precision=bf16), the dtype the next stage computes in.
+
+Scatter/gather (parallel.pp_scatter_gather, Narayanan et al. 2021 §4.1): without sequence
+parallelism every TP rank of a stage holds the whole activation (and the whole input gradient), so
+each sends only its 1/tp of it (a contiguous slice of the flattened tensor) to its peer of the next
+stage, and the receiving stage all-gathers the slices over its TP group (NVLink) before it computes:
+tp times fewer bytes between stages. The gather runs at the receive's wait, which every rank of a TP
+group reaches in the same order (they follow the same plan). Under sequence parallelism each rank
+already sends its slice of the sequence and the switch changes nothing.
 """
 from __future__ import annotations
 
@@ -161,12 +169,15 @@ def plan(pp: int, pp_rank: int, vpp: int, microbatches: int, overlap: bool, back
 class Pipeline:
     """Runs this rank's chunks over a list of microbatches, following plan()."""
 
-    def __init__(self, chunks: list, layout, overlap: bool = False, after_backward=None, sequence_parallel: bool = True):
+    def __init__(self, chunks: list, layout, overlap: bool = False, after_backward=None, sequence_parallel: bool = True,
+                 scatter_gather: bool = True):
         """after_backward: called after each chunk's backward (ZeRO adds the gradients no module's
         own backward added, zero.ZeroDataParallel.backward_done). sequence_parallel: the stages
-        send this rank's slice of the sequence (else all of it)."""
+        send this rank's slice of the sequence (else all of it, or with scatter_gather this rank's
+        1/tp of it, all-gathered over TP on receipt)."""
         self.chunks, self.layout, self.overlap = chunks, layout, overlap
         self.seq_shards = layout.tp if sequence_parallel else 1
+        self.pieces = layout.tp if scatter_gather and not sequence_parallel else 1  # slices a message is sent in
         self.after_backward = after_backward or (lambda: None)
         self.stages = layout.pp * len(chunks)
         self.channels = layout.pp_channels  # {(kind, direction): process group}
@@ -191,13 +202,17 @@ class Pipeline:
         for op in plan(self.layout.pp, self.layout.pp_rank, vpp, m, self.overlap, backward):
             if op[0] == "recv":
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
-                received[op[1]] = (self._post(dist.irecv, buf, op[2], op[2].src), buf)
+                piece = buf if self.pieces == 1 else buf.new_empty(buf.numel() // self.pieces)
+                received[op[1]] = (self._post(dist.irecv, piece, op[2], op[2].src), buf, piece)
             elif op[0] == "wait":
-                work, _ = received[op[1]]
+                work, buf, piece = received[op[1]]
                 with self.layout.clock.waiting("bubble", self.device):
                     work.wait()
+                if piece is not buf:
+                    with self.layout.clock.waiting("comm", self.device):
+                        dist.all_gather_single(buf.view(-1), piece, group=self.layout.group("tp"))
             elif op[0] == "compute":
-                buf = received.pop(op[1], (None, None))[1]
+                buf = received.pop(op[1], (None, None, None))[1]
                 with spans.segment(spans.action_name(op[2]), self.device), around(around_compute, backward, op[2]):
                     out = self._compute(op[2], buf, inputs, targets, loss_fn, autocast_dtype, backward, saved)
                 if out is not None and out.dim() == 0:
@@ -205,6 +220,8 @@ class Pipeline:
                 self._release_completed()
             else:
                 tensor = out.detach().to(dtype).contiguous()
+                if self.pieces > 1:  # this rank's slice, alone, so the whole tensor is not held in flight
+                    tensor = tensor.view(-1).chunk(self.pieces)[self.layout.tp_rank].clone()
                 self.sends.append((self._post(dist.isend, tensor, op[2], op[2].dst), tensor))
         with self.layout.clock.waiting("comm", self.device):
             for work, _ in self.sends:

@@ -83,6 +83,7 @@ def file_system_calls(counts: dict):
 
 def checkpoint_costs(rank, world, port, out):
     import checkpoint
+    from parallelisms import placement
     store = CountingStore(dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     dist.barrier()
@@ -93,7 +94,7 @@ def checkpoint_costs(rank, world, port, out):
     # Every rank counts its start before any save begins: a peer's save connects to this rank
     # lazily, and a count taken after it would charge that to the checkpoint group's creation.
     dist.barrier()  # the world group's: its connections exist already
-    state = {"model/w": checkpoint.Chunks((world, 4), [((rank, 0), torch.full((1, 4), float(rank)))])}
+    state = {"model/w": placement.Chunks((world, 4), [((rank, 0), torch.full((1, 4), float(rank)))])}
     with file_system_calls({}) as calls:
         saver.save(1, state)
     found["save"] = {"sockets": sockets() - sockets0, "store_reads": store.reads - reads0, "fs": calls}

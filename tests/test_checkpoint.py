@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint
 
 import checkpoint
+from parallelisms import placement
 import train
 from conftest import SMALL, first_good_run, read_metrics, run_train
 
@@ -153,7 +154,7 @@ def test_a_checkpoint_that_does_not_verify_is_skipped(sync_run, tmp_path, capsys
     ((4, 5), 6, 6, []),
 ])
 def test_a_flat_range_is_covered_by_rectangles(shape, lo, hi, expected):
-    rects = checkpoint.flat_range_rectangles(shape, lo, hi)
+    rects = placement.flat_range_rectangles(shape, lo, hi)
     assert rects == expected
     values = torch.arange(torch.Size(shape).numel()).view(shape)
     covered = sorted(int(v) for offs, sizes, _ in rects
@@ -301,7 +302,7 @@ def test_async_saves_reuse_one_staging_buffer(tmp_path):
     saver = checkpoint.Saver(tmp_path, keep=0, async_save=True)
     storages = []
     for step in (1, 2):
-        state = {"model/w": checkpoint.Chunks((6, 4), [((3, 0), weight)]), "optim/m": moment,
+        state = {"model/w": placement.Chunks((6, 4), [((3, 0), weight)]), "optim/m": moment,
                  "step": checkpoint._blob(step)}
         saver.save(step, state)
         storages.append(saver.staging.buffer.untyped_storage().data_ptr())
@@ -311,7 +312,7 @@ def test_async_saves_reuse_one_staging_buffer(tmp_path):
     for step, scale in ((1, 1.0), (2, 10.0)):
         folder = checkpoint.step_dir(tmp_path, step)
         assert checkpoint.problem(folder) is None and checkpoint.read_blob(folder, "step") == step
-        back = {"model/w": checkpoint.Chunks((6, 4), [((3, 0), torch.zeros(3, 4))]), "optim/m": torch.zeros(5)}
+        back = {"model/w": placement.Chunks((6, 4), [((3, 0), torch.zeros(3, 4))]), "optim/m": torch.zeros(5)}
         checkpoint._read_alone(folder, back)
         assert torch.equal(back["model/w"].pieces[0][1], torch.arange(12.0).view(3, 4) * scale)
         assert torch.equal(back["optim/m"], torch.full((5,), float(step)))

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import checkpoint
+from parallelisms import placement
 import kernels
 import kernels_triton
 from conftest import SMALL, read_metrics, run_train
@@ -230,12 +231,12 @@ def test_async_saves_stage_gpu_state_into_one_pinned_buffer(tmp_path):
     saver = checkpoint.Saver(tmp_path, keep=0, async_save=True)
     buffers = []
     for step in (1, 2):
-        saver.save(step, {"model/w": checkpoint.Chunks((3, 4), [((0, 0), weight)])})
+        saver.save(step, {"model/w": placement.Chunks((3, 4), [((0, 0), weight)])})
         buffers.append(saver.staging.buffer)
         weight.mul_(10)
     saver.wait()
     assert buffers[0] is buffers[1] and buffers[0].is_pinned()
     for step, scale in ((1, 1.0), (2, 10.0)):
-        back = {"model/w": checkpoint.Chunks((3, 4), [((0, 0), torch.zeros(3, 4))])}
+        back = {"model/w": placement.Chunks((3, 4), [((0, 0), torch.zeros(3, 4))])}
         checkpoint._read_alone(checkpoint.step_dir(tmp_path, step), back)
         assert torch.equal(back["model/w"].pieces[0][1], torch.arange(12.0).view(3, 4) * scale)

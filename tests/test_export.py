@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 import checkpoint
+from parallelisms import placement
 import config
 import export_hf
 from conftest import ROOT, SMALL, run_train
@@ -40,7 +41,7 @@ def save_like_train(ckpt_dir, model_cfg: ModelConfig, tp: int = 1, compiled: boo
         pieces = [((0,) * t.dim(), t.clone())] if dim is None else [
             (tuple(rank * piece.shape[dim] if d == dim else 0 for d in range(t.dim())), piece.clone())
             for rank, piece in enumerate(t.chunk(tp, dim))]
-        state[f"model/{prefix}{n}"] = checkpoint.Chunks(t.shape, pieces)
+        state[f"model/{prefix}{n}"] = placement.Chunks(t.shape, pieces)
     folder = checkpoint.step_dir(ckpt_dir, STEP)
     checkpoint.write_dcp(folder, state)
     checkpoint.mark_complete(folder)

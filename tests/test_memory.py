@@ -148,12 +148,13 @@ def test_completed_sends_are_released_at_once():
 
 def _save_and_verify(rank, world, port, out):
     import checkpoint
+    from parallelisms import placement
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     hashed, sha = [], checkpoint._sha256
     checkpoint._sha256 = lambda path: (hashed.append(Path(path).name), sha(path))[1]
     folder = Path(out) / "step_00000001"
-    state = {f"model/w{rank}": checkpoint.Chunks((4,), [((0,), torch.full((4,), float(rank)))])}
+    state = {f"model/w{rank}": placement.Chunks((4,), [((0,), torch.full((4,), float(rank)))])}
     checkpoint.write_dcp(folder, state, dist.group.WORLD)
     checkpoint.mark_complete_together(folder, dist.group.WORLD)
     dist.barrier()

@@ -45,6 +45,11 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     # TP without sequence parallelism: the stream replicated, the norms' and biases' gradients whole
     # on each rank (summed over TP they would count twice; the gradient norm counts them once).
     "tp2_no_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+    # Its pipeline messages sent in 1/tp slices and all-gathered over TP on receipt (Megatron-LM's
+    # scatter/gather, the default), and sent whole.
+    "tp2_pp2_no_sp": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.sequence_parallel=false"]),
+    "tp2_pp2_no_sp_whole_sends": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+                                      "parallel.sequence_parallel=false", "parallel.pp_scatter_gather=false"]),
 }
 
 # The Llama block (llama_tiny: RMSNorm, SwiGLU, 4 query heads sharing 2 KV heads, no biases)
@@ -102,7 +107,7 @@ def test_layout_equals_single_process(name, references, tmp_path, cache_dir, req
     assert len(rows) == STEPS
     for got, want in zip(rows, ref_rows):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (name, got["step"])
-        if name in LLAMA_LAYOUTS or name == "tp2_no_sp":  # each element of the gradient counted once, a replicated one too
+        if name in LLAMA_LAYOUTS or "no_sp" in name:  # each element of the gradient counted once, a replicated one too
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (name, got["step"])
     assert rows[-1]["val_loss"] == pytest.approx(ref_rows[-1]["val_loss"], rel=1e-5)
     weights = checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))

@@ -288,6 +288,27 @@ def test_tp_without_sequence_parallelism_all_reduces_and_is_slower(megatron_175b
     assert got["activations_bytes"] > pm.accounting(cfg, 256)["activations_bytes"]
 
 
+def test_pipeline_scatter_gather_sends_a_tpth_and_gathers_it_over_tp(megatron_175b):
+    """parallel.pp_scatter_gather without SP: each pipeline message crosses the network in 1/tp,
+    and each one received is all-gathered over TP; off, the whole message. Under SP the switch
+    changes nothing (each rank sends its slice of the sequence anyway)."""
+    sp = cli.with_batch(megatron_175b, 256, 256, 1)
+    on = copy.deepcopy(sp)
+    on.parallel.sequence_parallel = False
+    off = copy.deepcopy(on)
+    off.parallel.pp_scatter_gather = False
+    lay, e, h = pm.layout_of(on, 256), memory.element_bytes(on), on.model.d_model
+    t, M, received = lay.tp, lay.micro_batch * lay.seq, 2 * lay.vpp - 1
+    assert t == 8 and lay.pp > 1
+    got, whole = pm.accounting(on, 256), pm.accounting(off, 256)
+    assert got["pp_bytes"] == pytest.approx(whole["pp_bytes"] / t)
+    assert got["tp_bytes"] - whole["tp_bytes"] == pytest.approx(lay.microbatches * received * (t - 1) / t * M * h * e)
+    assert pm.predict(on, 256).breakdown["pp_comm"] < pm.predict(off, 256).breakdown["pp_comm"]
+    sp_off = copy.deepcopy(sp)
+    sp_off.parallel.pp_scatter_gather = False
+    assert pm.accounting(sp_off, 256) == pm.accounting(sp, 256) and pm.predict(sp_off, 256).step_s == pm.predict(sp, 256).step_s
+
+
 # --- Monotonic sanity ---
 
 def layouts(megatron_175b, megascale_175b):

@@ -393,9 +393,12 @@ LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off an
     # Its 2 KV groups at tp4: each on 2 ranks, whose QKV gradients a sub-group of TP sums, the
     # sub-groups made on every rank in the same order.
     "llama_tp4": ["model=llama_tiny", "parallel.tp=4"],
-    # TP without sequence parallelism: all-reduces in the blocks, whole-sequence pipeline messages,
-    # the norms' gradients not summed over TP.
+    # TP without sequence parallelism: all-reduces in the blocks, the norms' gradients not summed
+    # over TP, the pipeline messages in 1/tp slices all-gathered over TP on receipt (the default:
+    # a TP collective between the pipeline's receives), and whole.
     "tp2_pp2_no_sp": ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.sequence_parallel=false"],
+    "tp2_pp2_no_sp_whole_sends": ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+                                  "parallel.sequence_parallel=false", "parallel.pp_scatter_gather=false"],
 }
 
 
