@@ -43,6 +43,9 @@ class TrainConfig:
     eval_interval: int = 100      # steps between held-out evaluations; 0 disables
     eval_batches: int = 4
     recompute: str = "none"       # none | selective | full activation recomputation
+    # with recompute=full: how many blocks of each model chunk a rank holds recompute, its first
+    # ones (Megatron-LM's --recompute-method block --recompute-num-layers); -1: every block
+    recompute_layers: int = -1
     # torch.compile the model: true, false, or null (auto, the default): compiled on CUDA, eager on
     # CPU, the faster of the two where each was measured (experiments/results/bench_step.md)
     compile: Optional[bool] = None
@@ -343,6 +346,12 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("model.n_heads", f"head dim {m.d_model // m.n_heads} is odd and rotary needs it even",
                           "choose n_heads so that d_model/n_heads is even")
     check_model_widths(m)
+    if t.recompute_layers != -1 and t.recompute != "full":
+        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} with train.recompute={t.recompute}: only full "
+                          "recomputation counts layers", "add train.recompute=full, or drop train.recompute_layers (-1)")
+    if t.recompute_layers < -1:
+        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} < -1",
+                          "use -1 (every layer) or a number of layers per model chunk >= 0")
     if t.compile_mode == "reduce-overhead":
         _check_cuda_graphs(cfg)
     if cfg.kernels.attention_block < 1:

@@ -100,6 +100,11 @@ def validate(cfg, world: int, run: bool = True) -> None:
     if m.n_layers % (p.pp * p.vpp):
         raise ConfigError("parallel.pp", f"pp*vpp={p.pp * p.vpp} does not divide model.n_layers={m.n_layers}",
                           "choose pp and vpp whose product divides the layer count")
+    per_chunk = m.n_layers // (p.pp * p.vpp)
+    if t.recompute_layers > per_chunk:
+        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} layers but a model chunk holds "
+                          f"model.n_layers/(pp*vpp) = {per_chunk}",
+                          f"use train.recompute_layers<={per_chunk}, or -1 for every layer")
     if p.vpp > 1 and p.microbatches % p.pp:
         raise ConfigError("parallel.microbatches", f"interleaved 1F1B walks microbatches in groups of pp={p.pp}, "
                           f"and {p.microbatches} is not a multiple", "use a multiple of parallel.pp microbatches")
@@ -251,25 +256,29 @@ def tp_settings(layout: Layout, cfg: ParallelConfig) -> TPSettings:
                       pieces=cfg.overlap.tp_chunks, sequence_parallel=cfg.sequence_parallel)
 
 
-def apply_recompute(model: torch.nn.Module, mode: str) -> None:
+def apply_recompute(model: torch.nn.Module, mode: str, layers: int = -1) -> None:
     """full: store only each block's input and recompute the block in backward. selective: recompute
     only attention's core (Korthikanti et al. 2022), whose activations are the largest per FLOP.
+    layers (full only): how many of the chunk's blocks recompute, its first ones, the rest keeping
+    their activations (Megatron-LM's block method, per model chunk); -1: every block.
     The model runs torch.utils.checkpoint where its switches say (Block.recompute,
     Attention.recompute_core), which dynamo traces into a compiled graph; a TP block takes its
     plain block's switch, so TP and recompute apply in either order."""
-    for block in model.blocks.values():
+    blocks = list(model.blocks.values())
+    for i, block in enumerate(blocks):
         if mode == "full":
-            block.recompute = True
+            block.recompute = layers < 0 or i < layers
         elif mode == "selective":
             block.attn.recompute_core = True
 
 
-def parallelize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none") -> None:
+def parallelize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none",
+                recompute_layers: int = -1) -> None:
     """TP, then activation recomputation, in place (torchtitan's order)."""
     if layout.tp > 1:
         apply_tp(chunk, tp_settings(layout, cfg))
     if recompute != "none":
-        apply_recompute(chunk, recompute)
+        apply_recompute(chunk, recompute, recompute_layers)
 
 
 # --- This rank's share of the model, and the collectives its training step needs ---
@@ -279,7 +288,8 @@ class ParallelModel:
     calls forward_backward, finish_gradients, then optimizer_step, whatever the layout."""
 
     def __init__(self, model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none",
-                 fused: bool = False, dtype: torch.dtype = torch.float32, device=None, seed: int = 0):
+                 fused: bool = False, dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
+                 recompute_layers: int = -1):
         """model: built on the meta device (or real, for tests). Nothing is materialized before it
         is cut to this rank's chunks and TP slices; then only those are, on `device`, initialized
         from `seed` (model.init_weights: the same values as one process would hold), unless
@@ -300,7 +310,7 @@ class ParallelModel:
         # Split first: TP and recompute apply to the modules each chunk really holds.
         self.chunks = split_for_pipeline(model, layout, cfg.vpp)
         for chunk in self.chunks:
-            parallelize(chunk, layout, cfg, recompute)
+            parallelize(chunk, layout, cfg, recompute, recompute_layers)
             _materialize(chunk, layout, cfg, dtype, self.device if on_meta else None, seed)
         named = self.named_model_parameters()
         self.names = [n for n, _ in named]
@@ -468,8 +478,9 @@ def _norm_group(layout: Layout):
 
 
 def build(model: torch.nn.Module, layout: Layout, cfg: ParallelConfig, recompute: str = "none",
-          fused: bool = False, dtype: torch.dtype = torch.float32, device=None, seed: int = 0) -> ParallelModel:
-    return ParallelModel(model, layout, cfg, recompute, fused, dtype, device, seed)
+          fused: bool = False, dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
+          recompute_layers: int = -1) -> ParallelModel:
+    return ParallelModel(model, layout, cfg, recompute, fused, dtype, device, seed, recompute_layers)
 
 
 # --- The ranks' agreement on the step's loss: train.py runs it, and clustermodel/rehearsal.py

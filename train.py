@@ -239,7 +239,7 @@ def set_up_model(cfg: config.Config, layout, device: torch.device, dtype: torch.
         model = GPT(cfg.model, cfg.kernels)
     n_params = count_params(model)
     engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
-                            dtype=dtype, device=device, seed=cfg.train.seed)
+                            dtype=dtype, recompute_layers=cfg.train.recompute_layers, device=device, seed=cfg.train.seed)
     compiling, why = compile_choice(cfg.train.compile, device)
     if compiling:
         options, note = compile_mode_choice(cfg.train.compile_mode, device)

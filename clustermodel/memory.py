@@ -131,10 +131,28 @@ def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     return (e * kept + masks) / tp + 4 * m.n_heads / tp
 
 
+def recomputed_layers(cfg: config.Config, pp: int, vpp: int) -> Tuple[int, int]:
+    """(blocks of a model chunk that recompute in full, blocks of a chunk): a chunk holds
+    n_layers/(pp*vpp) blocks, and train.recompute=full recomputes the first train.recompute_layers
+    of them (-1: all; parallel.apply_recompute), none under another train.recompute."""
+    per_chunk = cfg.model.n_layers // (pp * vpp)
+    if cfg.train.recompute != "full":
+        return 0, per_chunk
+    layers = cfg.train.recompute_layers
+    return (per_chunk if layers < 0 else min(layers, per_chunk)), per_chunk
+
+
+def recomputes_every_layer(cfg: config.Config) -> bool:
+    """Full recomputation of every block (train.recompute=full, recompute_layers -1 or a whole chunk)."""
+    n, per_chunk = recomputed_layers(cfg, cfg.parallel.pp, cfg.parallel.vpp)
+    return cfg.train.recompute == "full" and n == per_chunk
+
+
 def compiled_keeps_gathered(cfg: config.Config) -> bool:
     """Whether the TP blocks keep their gathered inputs whole: compiled, under TP overlap, without
-    full recomputation (compiled_gather_bytes); their backward then gathers nothing again."""
-    return cfg.parallel.overlap.tp in ("chunked", "domino") and cfg.train.recompute != "full" and machine.compiles(cfg)
+    full recomputation of every block (compiled_gather_bytes); their backward then gathers nothing
+    again (a recomputed block's forward gathers them anew)."""
+    return cfg.parallel.overlap.tp in ("chunked", "domino") and not recomputes_every_layer(cfg) and machine.compiles(cfg)
 
 
 def compiled_gather_bytes(cfg: config.Config, tp: int) -> float:
@@ -297,10 +315,16 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     grads = grad_bytes * params
     optimizer = states * params / (lay.dp if lay.zero >= 1 else 1)
     layers = in_flight_layers(lay, m.n_layers, rank)
-    if cfg.train.recompute == "full":  # keep each layer's input, rebuild one layer at a time
+    recomputed, per_chunk = recomputed_layers(cfg, lay.pp, lay.vpp)
+    layer_input = M * e * m.d_model / stream_shards(cfg, lay.tp)
+    every = recomputed == per_chunk and cfg.train.recompute == "full"
+    if every:  # keep each layer's input, rebuild one layer at a time
         # (the rebuilt layer's first norm input is its kept input: counted once)
-        s = stream_shards(cfg, lay.tp)
-        acts = layers * M * e * m.d_model / s + per_layer - M * e * m.d_model / s
+        acts = layers * layer_input + per_layer - layer_input
+    elif cfg.train.recompute == "full":  # each chunk in flight: its first layers' inputs, the rest whole
+        # (the peak is at a chunk's first backward, a whole layer's: by the time a recomputed layer
+        # is rebuilt, the chunk's whole layers have been freed)
+        acts = layers / per_chunk * (recomputed * layer_input + (per_chunk - recomputed) * per_layer)
     elif rebuilds_squares(cfg):  # no layer keeps its squares: one layer at a time rebuilds them
         acts = layers * (per_layer - M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq)
     else:
@@ -315,7 +339,7 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
         head = M * vocab * (e if cfg.kernels.fused else 4) + e * M * vocab
         head += 0.0 if fuses_weight_gradients(lay) else e * vocab * m.d_model
     core = 0.0
-    if cfg.kernels.attention in MATERIALIZED and cfg.train.recompute != "full":
+    if cfg.kernels.attention in MATERIALIZED and not every:  # (a chunk's last layer keeps its activations)
         kept = per_layer - (M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq if rebuilds_squares(cfg) else 0.0)
         core = max(forward_core_bytes(cfg, lay) - kept, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
     acts += max(backward_working_set(cfg, lay), head, core)

@@ -70,7 +70,7 @@ from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
 from clustermodel.memory import (MATERIALIZED, Memory, block_matrices, compiled_keeps_gathered, element_bytes,
                                  fused_weight_params, kv_width, layer_params, memory, memory_of_rank, precision, rank_params, stream_shards,
-                                 pp_gathers, pp_message_shards,
+                                 pp_gathers, pp_message_shards, recomputed_layers,
                                  swiglu)
 from clustermodel.layout import JobLayout, layout_of  # noqa: F401
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
@@ -358,27 +358,52 @@ def ends_time(cfg: config.Config, lay: JobLayout, r: Rates, net: Network):
     return (emb_f, emb_b), (head_f, head_b)
 
 
+def layer_mix(cfg: config.Config, lay: JobLayout) -> list:
+    """A chunk's layers as they are priced: (a config under which every layer runs as these do,
+    their share of the chunk). One kind, but under full recomputation of the first N layers of each
+    chunk (train.recompute_layers, Megatron-LM's block method): those recompute, the rest keep
+    their activations (and, under TP, gather their inputs again in backward)."""
+    n, per_chunk = recomputed_layers(cfg, lay.pp, lay.vpp)
+    if cfg.train.recompute != "full" or n == per_chunk:
+        return [(cfg, 1.0)]
+
+    def every_layer(recompute: str) -> config.Config:
+        c = copy.copy(cfg)
+        c.train = copy.copy(cfg.train)
+        c.train.recompute, c.train.recompute_layers = recompute, -1
+        return c
+    return [(every_layer("full"), n / per_chunk), (every_layer("none"), 1 - n / per_chunk)]
+
+
+def layer_microbatch(cfg: config.Config, lay: JobLayout, r: Rates, net: Network) -> Tuple[dict, dict]:
+    """One layer's (forward, backward) for one microbatch by category, the backward with its
+    recomputation, averaged over the chunk's layers (layer_mix)."""
+    fwd_all, bwd_all = {}, {}
+    for c, share in layer_mix(cfg, lay):
+        fwd, bwd, attn_recompute = layer_time(c, lay, r, net)
+        bwd = dict(bwd)
+        if c.train.recompute == "full":
+            _add(bwd, fwd)
+        elif c.train.recompute == "selective" and c.kernels.attention in MATERIALIZED:
+            bwd["attention"] = bwd.get("attention", 0.0) + attn_recompute
+        _add(fwd_all, fwd, share)
+        _add(bwd_all, bwd, share)
+    return fwd_all, bwd_all
+
+
 def layer_backward(cfg: config.Config, lay: JobLayout, r: Rates, net: Network) -> float:
-    """Seconds of one layer's backward for one microbatch, its recomputation included."""
-    fwd, bwd, attn_recompute = layer_time(cfg, lay, r, net)
+    """Seconds of one layer's backward for one microbatch, its recomputation included (the mean
+    over a chunk's layers where only some recompute)."""
     busy = lambda c: sum(v for k, v in c.items() if k != "hidden")
-    if cfg.train.recompute == "full":
-        return busy(bwd) + busy(fwd)
-    if cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
-        return busy(bwd) + attn_recompute
-    return busy(bwd)
+    return busy(layer_microbatch(cfg, lay, r, net)[1])
 
 
 def stage_microbatch(cfg: config.Config, lay: JobLayout, r: Rates, net: Network) -> Tuple[dict, dict]:
     """One microbatch's forward and backward (recomputation included) on the first and on the last
     pipeline rank, by part: its layers, the first's embedding, the last's head and loss (one rank
     holds all of them at pp=1); a middle rank is the first less its embedding."""
-    fwd, bwd, attn_recompute = layer_time(cfg, lay, r, net)
+    fwd, bwd = layer_microbatch(cfg, lay, r, net)
     layer = _add(_add({}, fwd), bwd)
-    if cfg.train.recompute == "full":
-        _add(layer, fwd)
-    elif cfg.train.recompute == "selective" and cfg.kernels.attention in MATERIALIZED:
-        layer["attention"] += attn_recompute
     body = _add({}, layer, cfg.model.n_layers // lay.pp)
     (emb_f, emb_b), (head_f, head_b) = ends_time(cfg, lay, r, net)
     first = _add(_add(dict(body), emb_f), emb_b)
@@ -478,9 +503,13 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
     M, h, V = lay.micro_batch * lay.seq, m.d_model, m.vocab_size
     layers, mbs = m.n_layers // lay.pp, lay.microbatches
     ring = lambda kind, nbytes, n: nbytes * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
-    tp_layer = sum(ring(kind, M * h * e, t) for _, kind, _ in tp_layer_collectives(cfg)) if t > 1 else 0.0
-    if cfg.train.recompute == "full":  # the recomputed forward gathers and scatters again
-        tp_layer += sum(ring(kind, M * h * e, t) for ph, kind, _ in tp_layer_collectives(cfg) if ph == "forward") if t > 1 else 0
+    mix = layer_mix(cfg, lay)
+    recomputed = sum(share for c, share in mix if c.train.recompute == "full")  # the chunk's share that recomputes
+    tp_layer = 0.0
+    for c, share in mix if t > 1 else ():
+        tp_layer += share * sum(ring(kind, M * h * e, t) for _, kind, _ in tp_layer_collectives(c))
+        if c.train.recompute == "full":  # the recomputed forward gathers and scatters again
+            tp_layer += share * sum(ring(kind, M * h * e, t) for ph, kind, _ in tp_layer_collectives(c) if ph == "forward")
     first, final = not last or lay.pp == 1, last or lay.pp == 1
     tp_ends = 0.0
     if t > 1 and not cfg.parallel.sequence_parallel:  # the embedding's all-reduce, the head input gradient's; loss
@@ -498,18 +527,18 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
         dp = (ring("all_reduce", params * grad_bytes, lay.dp) if lay.zero == 0 else
               ring("reduce_scatter", params * grad_bytes, lay.dp) + ring("all_gather", params * e, lay.dp))
     gemm_fwd = sum(2 * M * n * k for n, k in block_matrices(m, t).values())
-    passes = 3 + (cfg.train.recompute == "full")
+    passes = 3 + recomputed
     gemm = passes * gemm_fwd * layers + (3 * 2 * M * V // t * h if final else 0)
     n, T, hd = lay.micro_batch * m.n_heads // t, lay.seq, h // m.n_heads
     if cfg.kernels.attention in MATERIALIZED:
         attn_fwd = 4 * n * T * T * hd
-        attn = attn_fwd * (3 + {"full": 1, "selective": 0.5}.get(cfg.train.recompute, 0))  # selective: QK^T only
+        attn = attn_fwd * (3 + (recomputed if cfg.train.recompute == "full" else 0.5 * (cfg.train.recompute == "selective")))  # selective: QK^T only
     else:
         impl = attention_impl(cfg, "cuda")
         keys = banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, T) if impl == "banded" and banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, T) else (
             T if m.attention.window and impl != "flash" else mean_keys(T, m.attention.window))
         attn_fwd = 4 * n * T * keys * hd
-        attn = attn_fwd * (3.5 + (cfg.train.recompute == "full"))
+        attn = attn_fwd * (3.5 + recomputed)
     mem = memory_of_rank(cfg, lay, last)
     fused = fused_weight_params(cfg, lay, last)
     return {"grad_accumulation_bytes": grad_accumulation_bytes(cfg, lay, params, e, grad_bytes, fused),

@@ -122,7 +122,7 @@ class _Run:
         with torch.device("meta"):
             model = gpt.GPT(cfg.model, cfg.kernels)
         engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
-                                dtype=self.dtype, device=device, seed=cfg.train.seed)
+                                dtype=self.dtype, recompute_layers=cfg.train.recompute_layers, device=device, seed=cfg.train.seed)
         del model
         self.flops.count_accumulation_into(engine.zero)
         optimizer = optim.build_optimizer(engine.named_optimizer_parameters(), cfg.optim, cfg.train.lr,
@@ -303,6 +303,8 @@ def cache_key(cfg, world: int) -> str:
     key.update(train={k: whole["train"][k] for k in ("batch_size", "seq_len", "recompute")},
                optim=whole["optim"]["name"], precision=whole["precision"], world=world,
                compiled=machine.compiles(cfg))
+    if cfg.train.recompute_layers != -1:  # (absent at its default: the keys remembered before it still match)
+        key["train"]["recompute_layers"] = cfg.train.recompute_layers
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -54,7 +54,8 @@ def main(argv: list) -> None:
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = GPT(cfg.model, cfg.kernels)
-    engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, dtype=dtype,
+    engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute,
+                            recompute_layers=cfg.train.recompute_layers, dtype=dtype,
                             device=torch.device("cpu"), seed=cfg.train.seed)
     seconds = time.perf_counter() - t0
     weights = sum(b.params.numel() * b.params.element_size() for b in engine.zero.buckets)

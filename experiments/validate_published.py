@@ -80,14 +80,27 @@ def all_rows() -> List[Dict[str, str]]:
 MISSING_KNOBS = [
     (lambda r: r["zero_stage"] == "3", "fully sharded data parallelism (parallel.zero_stage=3) is not in the code yet"),
     (lambda r: r.get("precision", "bf16") == "fp8", "FP8 GEMMs (precision=fp8) are not in the code"),
-    (lambda r: r["recompute"] not in ("none", "selective", "full"),
-     "recomputing N of a stage's layers (train.recompute=N) is not in the code: none, selective or full"),
+    (lambda r: recompute_overrides(r["recompute"]) is None,
+     "the recomputation is not one the code has: none, selective, full, or full:N (the first N layers of each "
+     "model chunk, train.recompute_layers=N) with N stated"),
     (lambda r: int(r["layers"]) % (int(r["pp"]) * int(r["vpp"])),
      "uneven pipeline stages are not in the code: parallel.pp*vpp must divide model.n_layers"),
     (lambda r: r["pp_scatter_gather"] == "false" and r["sequence_parallel"] == "true" and int(r["pp"]) > 1 and int(r["tp"]) > 1,
      "pipeline sends without the scatter/gather optimisation are not in the code under sequence parallelism "
      "(each rank sends its sequence shard; parallel.pp_scatter_gather=false sends whole messages only without SP)"),
 ]
+
+
+def recompute_overrides(value: str) -> Optional[List[str]]:
+    """The recompute column as overrides: none, selective or full; full:N, Megatron-LM's
+    --recompute-method block --recompute-num-layers N (train.recompute_layers); None for anything
+    else (a row that says it recomputed some layers without saying how many)."""
+    if value in ("none", "selective", "full"):
+        return [f"train.recompute={value}"]
+    kind, _, layers = value.partition(":")
+    if kind == "full" and layers.isdigit():
+        return ["train.recompute=full", f"train.recompute_layers={int(layers)}"]
+    return None
 
 
 def missing_knob(row: Dict[str, str]) -> Optional[str]:
@@ -113,7 +126,7 @@ def row_config(row: Dict[str, str]):
     overrides = ["model=175B", f"hardware={row['hardware']}", "precision=bf16", *MEGATRON_2021,
                  f"model.n_layers={row['layers']}", f"model.d_model={row['hidden']}", f"model.n_heads={row['heads']}",
                  f"model.vocab_size={row['vocab']}", f"model.max_seq_len={row['seq']}", f"model.dropout={row['dropout']}",
-                 f"train.seq_len={row['seq']}", f"train.batch_size={batch}", f"train.recompute={row['recompute']}",
+                 f"train.seq_len={row['seq']}", f"train.batch_size={batch}", *recompute_overrides(row["recompute"]),
                  f"parallel.tp={row['tp']}", f"parallel.pp={row['pp']}", f"parallel.vpp={row['vpp']}", f"parallel.dp={dp}",
                  f"parallel.zero_stage={row['zero_stage']}", f"parallel.microbatches={batch // (dp * mb)}",
                  f"parallel.sequence_parallel={row['sequence_parallel']}", f"parallel.pp_scatter_gather={row['pp_scatter_gather']}",

@@ -113,3 +113,22 @@ def test_llama3_shapes_have_the_published_parameter_counts(name, total):
     m = config.compose([f"model={name}"]).model
     config.validate(config.compose([f"model={name}", "dry_run=true"]), world=1)
     assert matmul_params(m) + m.vocab_size * m.d_model + (2 * m.n_layers + 1) * m.d_model == total
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (["train.recompute_layers=1"], "train.recompute=full"),                          # counts layers of full recomputation only
+    (["train.recompute=selective", "train.recompute_layers=1"], "train.recompute=full"),
+    (["train.recompute=full", "train.recompute_layers=5"], "train.recompute_layers<=4"),  # tiny: 4 layers a chunk
+    (["train.recompute=full", "train.recompute_layers=3", "parallel.pp=2"], "train.recompute_layers<=2"),
+    (["train.recompute=full", "train.recompute_layers=-2"], "-1"),
+])
+def test_recompute_layers_out_of_place_is_one_line_naming_it(overrides, fix):
+    with pytest.raises(config.ConfigError) as err:
+        config.validate(config.compose(overrides), world=2 if "parallel.pp=2" in overrides else 1)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("config error: train.recompute_layers:") and fix in line.split("Fix:")[1]
+
+
+def test_recompute_layers_within_a_chunk_is_accepted():
+    config.validate(config.compose(["train.recompute=full", "train.recompute_layers=2", "parallel.pp=2"]), world=2)
+    config.validate(config.compose(["train.recompute=full", "train.recompute_layers=0"]), world=1)

@@ -284,3 +284,42 @@ def test_llama_equals_transformers_llama(n_kv_heads, bias):
     torch.testing.assert_close(loss, out.loss, **LLAMA_TOL)
     for name, g in grads.items():
         torch.testing.assert_close(g, hf_grads[name].grad, **LLAMA_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_recompute_layers_recomputes_the_first_n_blocks_of_each_chunk_and_changes_no_gradient(pp):
+    """train.recompute_layers=1 with recompute=full (Megatron-LM's block method): in one process
+    (one chunk of 4 blocks) and in a pp2 layout (two chunks of 2, run one after the other here),
+    exactly the first block of each chunk recomputes, and the loss and every gradient equal those
+    of no recomputation and of full recomputation."""
+    import copy
+
+    import parallel
+    from parallelisms.pipeline import split_for_pipeline
+    torch.manual_seed(0)
+    base = GPT(tiny(n_layers=4))
+    tokens = torch.randint(0, 128, (2, 16))
+
+    def run(mode, layers):
+        chunks = [c for r in range(pp) for c in split_for_pipeline(copy.deepcopy(base), parallel.Layout(pp=pp, pp_rank=r), 1)]
+        for chunk in chunks:
+            parallel.apply_recompute(chunk, mode, layers)
+        h = tokens
+        for chunk in chunks:
+            h = chunk(h)
+        loss = torch.nn.functional.cross_entropy(h.flatten(0, 1), tokens.flatten())
+        loss.backward()
+        on = [[b.recompute for b in c.blocks.values()] for c in chunks]
+        grads = {n: p.grad for c in chunks for n, p in c.named_parameters()}
+        return loss.detach(), grads, on
+
+    loss_none, grads_none, _ = run("none", -1)
+    loss_full, grads_full, on_full = run("full", -1)
+    loss_one, grads_one, on_one = run("full", 1)
+    per_chunk = 4 // pp
+    assert on_full == [[True] * per_chunk] * pp
+    assert on_one == [[True] + [False] * (per_chunk - 1)] * pp
+    assert loss_one == loss_none == loss_full
+    assert grads_one.keys() == grads_none.keys() == grads_full.keys()
+    for name in grads_none:
+        assert torch.equal(grads_one[name], grads_none[name]) and torch.equal(grads_one[name], grads_full[name]), name

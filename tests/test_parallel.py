@@ -37,6 +37,9 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     # background prefetch must hand every rank the very batches it would have read itself.
     "tp2_recompute_full_megascale_data": (2, ["parallel.tp=2", "train.recompute=full", "data.pipeline=megascale"]),
     "recompute_selective_megascale_data": (1, ["train.recompute=selective", "data.pipeline=megascale"]),
+    # Full recomputation of the first of each stage's two blocks only (train.recompute_layers).
+    "pp2_recompute_layers": (2, ["parallel.pp=2", "parallel.microbatches=2", "train.recompute=full",
+                                 "train.recompute_layers=1"]),
     # Two middle stages, which read no batch (a shaped placeholder), between two that do.
     "pp4_megascale_data": (4, ["parallel.pp=4", "parallel.microbatches=4", "data.pipeline=megascale"]),
     # TP without sequence parallelism: the stream replicated, the norms' and biases' gradients whole

@@ -163,6 +163,40 @@ def test_full_recompute_keeps_only_layer_inputs(tiny):
                                                       + 1024 * 4096 * 6 + 2 * 4096 * 256)
 
 
+def test_recomputing_n_layers_keeps_their_inputs_and_the_rest_whole(tiny):
+    """train.recompute_layers=N with recompute=full: a chunk in flight keeps N layers' inputs and
+    L-N layers' whole activations (pp2: 2 layers a chunk, the first rank 2 microbatches in flight);
+    N=0 is no recomputation, N=L full recomputation."""
+    cfg = with_parallel(tiny, pp=2, microbatches=4)
+    lay = pm.layout_of(cfg, 2)
+
+    def activations(recompute, layers=-1):
+        c = copy.deepcopy(cfg)
+        c.train.recompute, c.train.recompute_layers = recompute, layers
+        return memory.memory_of_rank(c, lay).activations * 2 ** 30
+    per_layer = (2 * 18 * 256 + 2 * 4 * 256) * 1024  # as test_full_recompute_keeps_only_layer_inputs
+    layer_input = 1024 * 2 * 256
+    assert activations("full", 0) == activations("none")
+    assert activations("full", 2) == activations("full")
+    assert activations("full", 1) - activations("none") == pytest.approx(2 * (layer_input - per_layer))
+
+
+def test_only_the_recomputed_layers_pay_a_second_forward(tiny):
+    """Of a chunk's 2 layers, recomputing 1 costs half the extra forward of recomputing both: in
+    GEMM and attention FLOPs (accounting) and in the step's time on an ideal machine."""
+    cfg = with_parallel(tiny, pp=2, microbatches=4)
+    hw = ideal(pm.resolve_hardware(cfg.hardware))
+
+    def priced(recompute, layers=-1):
+        c = copy.deepcopy(cfg)
+        c.train.recompute, c.train.recompute_layers = recompute, layers
+        acc = pm.accounting(c, 2)
+        return acc["gemm_flops"], acc["attention_flops"], pm.predict(c, 2, hw).step_s
+    none, full, one = priced("none"), priced("full"), priced("full", 1)
+    for n, f, o in zip(none, full, one):
+        assert f > n and o == pytest.approx((n + f) / 2, rel=1e-9)
+
+
 def test_in_flight_microbatches_follow_the_schedules():
     # 1F1B: rank r holds p - r microbatches (Narayanan et al. 2021); interleaved: Megatron's warm-up
     # (p - r - 1) * 2 + (v - 1) * p chunks plus the one in flight, each L/(p*v) layers.
@@ -526,6 +560,16 @@ def test_unexpressible_published_runs_fail_with_one_line_naming_the_knob(publish
                          ({"pp_scatter_gather": "false"}, "scatter/gather")):
         line = published.missing_knob({**base, **change})
         assert line and knob in line and "\n" not in line, (change, line)
+
+
+def test_a_published_run_recomputing_n_layers_is_expressible_with_n_stated(published):
+    """recompute=full:N (Megatron-LM's --recompute-num-layers N) composes train.recompute_layers=N;
+    a count of layers without the method stays not expressible."""
+    base = next(r for r in published.read_rows() if r["run"] == "175B")
+    cfg, _ = published.row_config({**base, "recompute": "full:2"})
+    assert (cfg.train.recompute, cfg.train.recompute_layers) == ("full", 2)
+    for value in ("4", "full:", "block"):
+        assert published.missing_knob({**base, "recompute": value}), value
 
 
 # --- Plan mode, cpu_local and measured runs ---

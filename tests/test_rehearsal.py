@@ -136,6 +136,8 @@ VARIANTS = {  # pairs that differ in one term (baseline vs PTB, ZeRO-1 vs ZeRO-2
     "swa_flash": ["model.attention.window=256", "kernels.attention=flash"],
     "recompute_full": ["train.recompute=full"],
     "recompute_selective": ["train.recompute=selective"],
+    # full recomputation of the first of each chunk's 2 layers (Megatron-LM's block method)
+    "recompute_layers": ["model.n_layers=8", "train.recompute=full", "train.recompute_layers=1"],
     "overlap": ["parallel.overlap.tp=chunked", "parallel.overlap.pp=true", "parallel.overlap.dp=true"],
     # Llama's block: RMSNorm, SwiGLU (3 matrices, gate|up in one GEMM), 4 KV heads of 16 (the
     # materialized core repeats k and v; flash takes them as they are)
