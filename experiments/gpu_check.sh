@@ -8,6 +8,7 @@
 #
 #     bash experiments/gpu_check.sh OUT_DIR [NANOGPT_DIR]
 #     PARTS=efficiency bash experiments/gpu_check.sh OUT_DIR NANOGPT_DIR     # the efficiency checks alone
+#     PARTS=gemm bash experiments/gpu_check.sh OUT_DIR                       # the GEMM shape sweep alone
 #
 # PARTS (default "tests bench sync memory") picks what runs: tests, tests/test_cuda.py; bench,
 # bench_step at its default shape; sync, the host-sync check; memory, the fragmentation runs;
@@ -20,9 +21,13 @@
 # --count) and the LayerNorm-under-autocast test; then the step recorded as CUDA graphs
 # (train.compile_mode=reduce-overhead): train.py's losses against the CPU run's and its resume
 # (tests/test_cuda.py), bench_step's `ours+graphs` against the compiled step at the launch-bound
-# shape, and what it dispatches.
+# shape, and what it dispatches; gemm, every GEMM shape perfmodel prices for Table 3, the 530B model,
+# Llama 3 70B and the expressible published runs, timed in bf16 as a fraction of the GPU's peak
+# (experiments/bench_gemm.py: 169 shapes, each in 3 layouts x 13 calls of at most a few ms, plus ~10 s
+# pricing the jobs: estimated at under a minute on an H100, not yet run on one; GEMM_TIMEOUT, 180 s, bounds it):
+# OUT_DIR/gemm_shapes_<gpu>_<date>.yaml, whose perfmodel group conf/hardware/<gpu>.yaml takes as it is.
 #
-# Each part runs under its own time limit (TEST_TIMEOUT, BENCH_TIMEOUT, MEMORY_TIMEOUT seconds) so that a hang
+# Each part runs under its own time limit (TEST_TIMEOUT, BENCH_TIMEOUT, MEMORY_TIMEOUT, GEMM_TIMEOUT seconds) so that a hang
 # still leaves the other's log; the logs and the versions seen go to OUT_DIR. On an H100 (16 cores)
 # the tests took ~6.5 min, most of it train.py's five runs and their resumes (compiling).
 set -uo pipefail
@@ -98,6 +103,11 @@ for name in ("llama_tiny", "gpt_tiny", "llama3_8B_layer", "gpt_8B_width_layer"):
     print(f"{name}: " + (f"median step {1e3 * statistics.median(times):.1f} ms over {len(times)} steps, "
                          f"MFU {statistics.median(r.get('mfu', 0) for r in rows[5:]):.3f}" if times else "no steps"))
 PY
+fi
+# GEMM shapes (PARTS=gemm): the fragment conf/hardware takes, and the log with each shape's time.
+if [[ $parts == *" gemm "* ]]; then
+  timeout "${GEMM_TIMEOUT:-180}" "$python" experiments/bench_gemm.py --device cuda --dtype bf16 --out "$out" 2>&1 \
+      | tee "$out/bench_gemm.log"
 fi
 [[ $parts == *" memory "* ]] || exit 0
 
