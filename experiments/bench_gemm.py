@@ -11,8 +11,8 @@ The shapes are what perfmodel.layer_time and ends_time ask rates.gemm_time for (
 softmax are priced by the half-dim model alone): each block GEMM forward (M x N x K), input
 gradient (M x K x N) and weight gradient (N x K x M), the row chunks of chunked TP overlap (M/k
 rows), and the LM head. Jobs: Table 3's 175B steps (experiments=megascale_ablation), the 530B
-model's Megatron-LM and MegaScale settings at 2,240 GPUs, Llama 3 70B at seq 8192 on TP8 in both
-settings, and every published run of experiments/data/published_runs.csv the code can express.
+model's Megatron-LM and MegaScale settings at 2,240 GPUs, Llama 3 70B at seq 8192 on TP8 (the job
+of experiments/rehearse_paper.py, and the same under Megatron-LM's settings), and every published run of experiments/data/published_runs.csv the code can express.
 
 Each shape runs as model.py's step runs it, in bf16: the mean of its three layouts (forward
 x @ W^T, input gradient g @ W, weight gradient g^T @ x, as machine.gemm_shape_efficiency), each the
@@ -88,12 +88,12 @@ def _530b():
 
 
 def _llama3_70b():
-    layout = ["model=llama3_70B", "train.seq_len=8192", "parallel.tp=8", "parallel.pp=8", "parallel.vpp=1",
-              "parallel.dp=-1"]
-    return [(f"Llama 3 70B {s}", cli.with_batch(cfg, 512, 256, 1), 256)
-            for s, cfg in (("Megatron-LM", cli.study_config(layout + cli.MEGATRON, "cluster")),
-                           ("MegaScale", cli.study_config([cli.ABLATION, f"ablation.step={cli.MEGASCALE_STEP}"] + layout,
-                                                          "cluster")))]
+    """experiments/rehearse_paper.py's Llama 3 70B job (256 H100s, seq 8192, TP8 with TP overlap in 4
+    pieces), and the same layout under Megatron-LM's settings (whole GEMMs)."""
+    from experiments.rehearse_paper import LLAMA_70B
+    megatron = LLAMA_70B + cli.MEGATRON + ["parallel.overlap.tp=off", "parallel.overlap.pp=false",
+                                           "parallel.overlap.dp=false"]
+    return [(f"Llama 3 70B {s}", cli.compose(o), 256) for s, o in (("MegaScale", LLAMA_70B), ("Megatron-LM", megatron))]
 
 
 def _published():
