@@ -77,7 +77,7 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
         missing = [k for k in missing if getattr(owner(hw, k), k) is None]
     if missing:
         raise ConfigError(config_key(missing[0]), f"unknown for hardware={hw.name}",
-                          "set it, or use hardware=a100_cluster, h100_cluster or cpu_local")
+                          "set it, or use hardware=a100_cluster, h100_cluster, h200_cluster or cpu_local")
     return hw
 
 

@@ -23,7 +23,8 @@ def test_the_a100_config_on_an_h100_is_one_line_naming_the_h100_config(gpu_node)
 
 
 def test_the_config_of_the_gpu_detected_passes_and_its_peak_is_the_tables(gpu_node):
-    for name, hardware, key in (("NVIDIA A100-SXM4-80GB", "a100_cluster", "A100"), ("NVIDIA H100 80GB HBM3", "h100_cluster", "H100")):
+    for name, hardware, key in (("NVIDIA A100-SXM4-80GB", "a100_cluster", "A100"), ("NVIDIA H100 80GB HBM3", "h100_cluster", "H100"),
+                                ("NVIDIA H200", "h200_cluster", "H200")):
         gpu_node["name"] = name
         cfg = config.compose(BASE + [f"hardware={hardware}"])
         config.validate(cfg)
