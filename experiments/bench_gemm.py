@@ -2,7 +2,7 @@
 fraction of its peak: a YAML fragment that conf/hardware/<gpu>.yaml takes as its
 perfmodel.gemm_shapes, in place of the half-dim model for those shapes (rates.gemm_time).
 
-    python experiments/bench_gemm.py --device cuda --out OUT       # every job's shapes, bf16 (~1 min on an H100)
+    python experiments/bench_gemm.py --device cuda --out OUT       # every job's shapes, bf16 (estimated: under a minute on an H100)
     python experiments/bench_gemm.py --list                        # the shapes per job, nothing timed
     python experiments/bench_gemm.py --device cpu --dtype fp32 --shapes 64x32x48,32x32x32 --out OUT   # a smoke run
 
@@ -10,12 +10,13 @@ The shapes are what perfmodel.layer_time and ends_time ask rates.gemm_time for (
 [M,K] @ [K,N] that gemm_time looks up by shape: the batched attention GEMMs of the materialized
 softmax are priced by the half-dim model alone): each block GEMM forward (M x N x K), input
 gradient (M x K x N) and weight gradient (N x K x M), the row chunks of chunked TP overlap (M/k
-rows), and the LM head. Jobs: Table 3's 175B steps (experiments=megascale_ablation), the 530B
+rows), and the LM head. Jobs: Table 3's 175B steps (experiment=megascale_ablation), the 530B
 model's Megatron-LM and MegaScale settings at 2,240 GPUs, Llama 3 70B at seq 8192 on TP8 (the job
-of experiments/rehearse_paper.py, and the same under Megatron-LM's settings), and every published run of experiments/data/published_runs.csv the code can express.
+of experiments/rehearse_paper.py, and the same under Megatron-LM's settings), and every published
+run of experiments/data/published_runs.csv the code can express.
 
-Each shape runs as model.py's step runs it, in bf16: the mean of its three layouts (forward
-x @ W^T, input gradient g @ W, weight gradient g^T @ x, as machine.gemm_shape_efficiency), each the
+Each shape is timed in the three layouts a step runs a linear layer's GEMMs in (forward x @ W^T,
+input gradient g @ W, weight gradient g^T @ x; the mean, as machine.gemm_shape_efficiency), each the
 median of --reps CUDA-event timings after --warmup calls. The fraction is 2MNK / time / peak, the
 peak being the device table's (machine.DEVICE_PEAK_TFLOPS) on a GPU and this CPU's measured best
 matmul rate (machine.measured_cpu_peak) on a CPU, as MFU divides by them.
