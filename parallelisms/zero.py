@@ -110,6 +110,21 @@ class _BackwardDone(torch.autograd.Function):
         return grad, None, None
 
 
+class _BackwardBegins(torch.autograd.Function):
+    """Marks a module's output at ZeRO-3: its backward runs once the gradient there is ready, that
+    is just before the module's own backward, which needs its parameters gathered again."""
+
+    @staticmethod
+    def forward(ctx, x, schedule, module):
+        ctx.schedule, ctx.module = schedule, module
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.schedule.before_backward(ctx.module)
+        return grad, None, None
+
+
 class GradientSink:
     """Where a backward that computes parameter i's gradient itself accumulates it (weight_gradient):
     take() gives the parameter's view of its bucket's gradient buffer and counts the gradient as
@@ -158,8 +173,9 @@ class ZeroDataParallel:
     step's, in the order they run."""
 
     def __init__(self, params: list, layout, stage: int, reduce_dtype: torch.dtype, buckets: list,
-                 microbatches: int = 1, overlap: bool = False):
+                 microbatches: int = 1, overlap: bool = False, reshard_after_forward: bool = True):
         self.params, self.layout, self.stage, self.reduce_dtype = params, layout, stage, reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
         self.group, self.overlap, self.microbatches = layout.group("dp"), overlap, microbatches
         self.clock = layout.clock
         self.dtype = params[0].dtype
@@ -178,7 +194,10 @@ class ZeroDataParallel:
         self.shards = [self._shard_of(i) for i in range(len(params))]  # what the optimizer updates
         self.reducing, self.gathering = {}, {}  # bucket -> collective in flight
         self.current = set(range(len(self.buckets)))  # buckets whose parameters are this step's
+        if stage == 3:  # between steps a rank holds its shards only
+            self.release()
         self.modules: list = []    # each hooked module's parameter indices (attach)
+        self.module_buckets: list = []  # each hooked module's buckets
         self.unmarked = set()      # modules whose backward no _BackwardDone marks (their input needs no gradient)
         self.hooks_traced = False  # the forward is compiled: its hooks are traced and mark nothing (mark_hooks_traced)
         self.fused = set()         # parameters whose backward accumulated into the buffer since their module's end
@@ -200,6 +219,8 @@ class ZeroDataParallel:
         if self.mixed:
             span = bucket.params if self.stage == 0 else bucket.params[bucket.shard_start:bucket.shard_end]
             bucket.master = span.float()
+        elif self.stage == 3:  # the shard outlives the full buffer: its own storage
+            bucket.master = bucket.params[bucket.shard_start:bucket.shard_end].clone()
         elif self.stage > 0:
             bucket.master = bucket.params[bucket.shard_start:bucket.shard_end]  # the optimizer updates the parameters in place
 
@@ -245,15 +266,19 @@ class ZeroDataParallel:
         the module's end of backward, where its gradients are added (_BackwardDone)."""
         if self.autograd_keeps_grads:  # the optimizer's shards are the parameters, their .grad autograd's
             return
-        for m, (indices, register) in enumerate(modules):
+        for m, (indices, register, *after) in enumerate(modules):
+            buckets = sorted({self.where[i][0] for i in indices})
             self.modules.append(indices)
-            register(self._hook(m, sorted({self.where[i][0] for i in indices})))
+            self.module_buckets.append(buckets)
+            register(self._hook(m, buckets))
+            if self.stage == 3 and after and after[0] is not None:
+                after[0](self._after_hook(m, buckets))
         for i, p in enumerate(self.params):
             p.grad_sink = GradientSink(self, i)
 
     def _hook(self, m: int, buckets: list):
         def before_module(module, args, *output):  # a forward pre-hook, or (the tail's) a forward hook
-            if self.overlap:
+            if self.overlap or self.stage == 3:
                 self.before_forward(buckets)
             if torch.compiler.is_compiling() or not torch.is_grad_enabled():
                 return None
@@ -265,14 +290,37 @@ class ZeroDataParallel:
             return marked if output else (marked, *args[1:])
         return before_module
 
+    def _after_hook(self, m: int, buckets: list):
+        def after_module(module, args, output):  # ZeRO-3: a forward hook of the module itself
+            if not torch.is_grad_enabled():
+                self.release(buckets)  # evaluation: no backward will need them
+                return None
+            if self.reshard_after_forward:
+                self.release(buckets)
+            if torch.is_tensor(output) and output.requires_grad:
+                return _BackwardBegins.apply(output, self, m)
+            return None
+        return after_module
+
     def before_forward(self, buckets: list) -> None:
         """Step 1, before a module whose parameters are in `buckets`: wait for them (those no
         earlier module prefetched are gathered now: a module larger than bucket_size spans
-        several), and prefetch the bucket after."""
+        several), and with DP overlap prefetch the bucket after."""
         for b in buckets:
             self.launch_gather(b)
             self.wait_gather(b)
-        self.launch_gather(buckets[-1] + 1)
+        if self.overlap:
+            self.launch_gather(buckets[-1] + 1)
+
+    def before_backward(self, m: int) -> None:
+        """ZeRO-3, before module m's backward (_BackwardBegins): its buckets gathered again
+        (reshard_after_forward) and, with DP overlap, the previous module's prefetched."""
+        for b in self.module_buckets[m]:
+            self.launch_gather(b)
+            self.wait_gather(b)
+        if self.overlap and m > 0:
+            for b in self.module_buckets[m - 1]:
+                self.launch_gather(b)
 
     def fused_view(self, i: int) -> torch.Tensor:
         """Parameter i's view of its gradient buffer, for its backward's weight-gradient GEMM to
@@ -304,6 +352,8 @@ class ZeroDataParallel:
             self.buckets[b].arrived += n
             if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.microbatches:
                 self._launch_reduction(b)
+        if self.stage == 3:  # its backward is over: only the shard stays
+            self.release(self.module_buckets[m])
 
     def _add(self, b: int, indices: list) -> None:
         """Parameters' fresh gradients into bucket b's buffer, in one foreach add, and freed."""
@@ -375,7 +425,7 @@ class ZeroDataParallel:
         if self.layout.dp > 1:
             out.div_(self.layout.dp)
         bucket = self.buckets[b]
-        if self.stage == 2:  # the full buffer goes; this rank's shard stays
+        if self.stage >= 2:  # the full buffer goes; this rank's shard stays
             out, bucket.grads, bucket.grad_views = out.clone(), None, None
         grads = out if out.dtype == torch.float32 else out.float()
         for k, i in enumerate(bucket.indices):
@@ -401,6 +451,8 @@ class ZeroDataParallel:
         if self.stage == 0:
             return
         self.current.clear()
+        if self.stage == 3:  # each module gathers its own at its forward
+            return
         if self.overlap:
             self.launch_gather(0)
         else:
@@ -413,9 +465,17 @@ class ZeroDataParallel:
         if self.stage == 0 or b >= len(self.buckets) or b in self.gathering or b in self.current:
             return  # (the later microbatches' forwards, or a pipeline's, find it current)
         bucket = self.buckets[b]
-        mine = bucket.params[bucket.shard_start:bucket.shard_end]  # in place, in the parameters' dtype: bf16 on the wire
-        if self.mixed:
-            mine.copy_(bucket.master)
+        if self.stage == 3:  # the full buffer exists again, gathered from the shard's own storage
+            storage = bucket.params.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(bucket.numel * bucket.params.element_size())
+            mine = bucket.master.to(self.dtype)  # (fp32: the master itself)
+            if self.layout.dp == 1:
+                bucket.params.copy_(mine)
+        else:
+            mine = bucket.params[bucket.shard_start:bucket.shard_end]  # in place, in the parameters' dtype: bf16 on the wire
+            if self.mixed:
+                mine.copy_(bucket.master)
         work = None
         if self.layout.dp > 1:
             work = dist.all_gather_single(bucket.params, mine, group=self.group, async_op=True)
@@ -432,6 +492,17 @@ class ZeroDataParallel:
             with self.clock.waiting("comm", self.buckets[b].params.device):
                 work.wait()
 
+    @torch.no_grad()
+    def release(self, buckets: Optional[list] = None) -> None:
+        """ZeRO-3: free the buckets' full parameter buffers (all of them by default), as FSDP
+        does: the storage shrinks to nothing under the parameters' views, which stay valid (as
+        do autograd's saved references to them) and see the next gather's values."""
+        for b in range(len(self.buckets)) if buckets is None else buckets:
+            if b in self.gathering:
+                self.wait_gather(b)
+            self.current.discard(b)
+            self.buckets[b].params.untyped_storage().resize_(0)
+
     def gather_all(self) -> None:
         for b in range(len(self.buckets)):
             self.launch_gather(b)
@@ -443,6 +514,9 @@ class ZeroDataParallel:
         """After a checkpoint load. In mixed precision it wrote the fp32 masters (checkpoint.py
         saves them as the model's weights): cast them into the bf16 parameters. In fp32 it wrote
         the parameters, which the shards are views of: nothing to do."""
+        if self.stage == 3:  # the masters (fp32: the shards themselves) hold them; gathered at use
+            self.release()
+            return
         if not self.mixed:
             return
         for bucket in self.buckets:
