@@ -144,3 +144,62 @@ def test_what_a_parameter_is_and_where_its_gradient_goes_stay_on_it_on_meta():
         assert view.device.type == "meta" and view.shape == p.shape and view._base is zero.buckets[b].grads
     copied = copy.deepcopy(params[2])
     assert sharding.shard_info(copied) == sharding.WHOLE and gradient_sink(copied) is None
+
+
+def _storage_between_steps(rank, world, port, out):
+    """Per ZeRO stage: the parameter storage a rank holds before and after a step (every distinct
+    storage under the model's parameters and the optimizer's shards, as allocated: nbytes), and
+    the most buckets whose full buffer existed at once when a block's forward or backward ran."""
+    import parallel
+    from model import GPT, ModelConfig
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for stage in (1, 3):
+        cfg = parallel.ParallelConfig(zero_stage=stage)
+        layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
+        model = GPT(ModelConfig(n_layers=4, n_heads=4, d_model=64, vocab_size=128))
+        model.init_weights(0)
+        engine = parallel.build(model, layout, cfg)
+        optimizer = torch.optim.AdamW(engine.zero.shards, lr=1e-3)
+
+        def held() -> int:
+            storages = {}
+            for t in list(engine.zero.params) + list(engine.zero.shards):
+                s = t.untyped_storage()
+                storages[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+            return sum(storages.values())
+
+        resident = []
+        count = lambda *_: resident.append(sum(b.params.untyped_storage().nbytes() > 0 for b in engine.zero.buckets))
+        for block in engine.chunks[0].blocks.values():  # after the schedule's own hooks: its gather
+            block.register_forward_pre_hook(count)
+            block.register_full_backward_hook(count)
+        before = held()
+        engine.forward_backward(tokens[:, :-1], tokens[:, 1:], torch.float32)
+        engine.finish_gradients(1.0)
+        engine.optimizer_step(optimizer)
+        found[stage] = {"before": before, "after": held(), "most_resident": max(resident),
+                        "buckets": len(engine.zero.buckets),
+                        "model": 4 * sum(p.numel() for p in engine.zero.params),
+                        "padded_shards": 4 * sum(b.shard_numel for b in engine.zero.buckets)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def test_zero3_holds_only_its_shards_between_steps(tmp_path):
+    """ZeRO-3 at dp=2: between steps a rank's parameter storage is its shards (half the model plus
+    each bucket's padding); ZeRO-1 holds every parameter whole. During a step a block computes with
+    its own bucket gathered and the others freed (the tail's, head and norm, stays gathered from its
+    forward to its backward, FSDP's root): at most two full buffers at once."""
+    spawn(_storage_between_steps, 2, str(tmp_path))
+    for rank in range(2):
+        found = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        one, three = found["1"], found["3"]
+        print(f"rank {rank}: model {one['model']} B; between steps ZeRO-1 {one['after']} B, ZeRO-3 {three['after']} B "
+              f"(shards {three['padded_shards']} B), most buckets gathered at once {three['most_resident']} of {three['buckets']}")
+        assert one["before"] == one["after"] >= one["model"]
+        assert three["before"] == three["after"] == three["padded_shards"]
+        assert three["padded_shards"] <= one["model"] / 2 + 4 * three["buckets"]
+        assert three["most_resident"] <= 2 < three["buckets"]
