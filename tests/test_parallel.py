@@ -262,6 +262,8 @@ INVALID_LAYOUTS = [
      "parallel.tp: tp=4 does not divide the MLP's width"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.overlap.tp=chunked"], 2, "parallel.overlap.tp"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "model.dropout=0.1"], 2, "model.dropout"),
+    (["parallel.zero_stage=3", "parallel.pp=2"], 2, "parallel.zero_stage: 3 with parallel.pp=2 is not supported yet"),
+    (["parallel.zero_stage=3", "train.compile=true"], 2, "train.compile"),
 ]
 
 
@@ -557,3 +559,13 @@ def test_a_cuda_rank_binds_its_device_at_init(monkeypatch):
     seen.clear()
     launch.init_distributed(torch.device("cpu"), timeout_s=77)
     assert seen["backend"] == "gloo" and "device_id" not in seen
+
+
+def test_zero3_is_refused_where_the_performance_model_would_price_it():
+    """clustermodel (parallel.validate with run=False) and a rehearsal do not price ZeRO-3 yet: one line."""
+    import config
+    import parallel
+    cfg = config.compose(SMALL + ["parallel.zero_stage=3"])
+    parallel.validate(cfg, 2)  # a run: fine
+    with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the performance model"):
+        parallel.validate(cfg, 2, run=False)
