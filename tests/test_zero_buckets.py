@@ -1,7 +1,8 @@
 """ZeRO's buckets alone (parallelisms/zero.py), on 2 gloo ranks against one unsharded copy of the same model:
 each rank's shards receive the average of both ranks' gradients (reduce-scatter, or all-reduce at
 ZeRO-0), and the all-gather rebuilds every parameter from the updated shards, with and without DP
-overlap, ZeRO stages 0, 1 and 2. Buckets are small enough that shards cut parameters in two and
+overlap, ZeRO stages 0 to 3 (at 3 each module gathers its parameters for its forward and its
+backward and frees them after each). Buckets are small enough that shards cut parameters in two and
 the last is padded. The second layer's GEMM is a TP layer's (tensor_parallel.Linear), whose
 backward accumulates the weight gradient straight into its bucket: DP overlap launches a bucket
 only once those arrivals are in too."""
@@ -61,14 +62,15 @@ def _buckets_against_reference(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     layout = parallel.build_layout(parallel.ParallelConfig(), rank, world, torch.device("cpu"))
     errors = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         for overlap in (False, True):
             torch.manual_seed(0)
             model = TwoLinears()
             reference = copy.deepcopy(model)
             params = list(model.parameters())
-            modules = [([0, 1], model.a.register_forward_pre_hook), ([2, 3], model.b.register_forward_pre_hook)]
-            buckets = plan_buckets([m for m, _ in modules], params, bucket_size=40, per_module=overlap)
+            modules = [([0, 1], model.a.register_forward_pre_hook, model.a.register_forward_hook),
+                       ([2, 3], model.b.register_forward_pre_hook, model.b.register_forward_hook)]
+            buckets = plan_buckets([m[0] for m in modules], params, bucket_size=40, per_module=overlap or stage == 3)
             zero = ZeroDataParallel(params, layout, stage, torch.float32, buckets, MICROBATCHES, overlap=overlap)
             zero.attach(modules)
             fused, take = [], zero.fused_view
@@ -95,8 +97,14 @@ def _buckets_against_reference(rank, world, port, out):
                 zero.after_step()
                 with torch.no_grad():
                     model(torch.zeros(1, 5))  # the forward whose hooks wait for (and, overlapping, chain) the gathers
+                held = sum(b.params.untyped_storage().nbytes() for b in zero.buckets)
+                if stage == 3:  # each module freed its parameters after its forward: gather them to compare
+                    assert held == 0, held
+                    zero.gather_all()
                 worst_param = max(worst_param, max((p - q).abs().max().item()
                                                    for p, q in zip(params, reference.parameters())))
+                if stage == 3:
+                    zero.release()
             errors[f"zero{stage}{'_overlap' if overlap else ''}"] = {
                 "grad": worst_grad, "param": worst_param, "buckets": len(zero.buckets),
                 "split": sum(0 < hi - lo < p.numel() for p, (lo, hi) in zip(params, zero.shard_ranges)) if stage else 0,
@@ -109,13 +117,13 @@ def test_buckets_average_gradients_and_rebuild_parameters_like_one_process(tmp_p
     spawn(_buckets_against_reference, 2, str(tmp_path))
     for rank in range(2):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(errors) == 6
+        assert len(errors) == 8
         for name, e in errors.items():
             assert e["grad"] < 1e-6 and e["param"] < 1e-6, (rank, name, e)
             assert e["buckets"] >= 2
             assert e["fused"] == [2] * (STEPS * MICROBATCHES), (name, e)  # b.weight, into the buffer each microbatch
             assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
-            if name.startswith(("zero1", "zero2")):
+            if name.startswith(("zero1", "zero2", "zero3")):
                 assert e["split"] > 0, (name, e)  # some parameter straddles the ranks' shards
 
 
