@@ -1,4 +1,4 @@
-"""Data parallelism with ZeRO stages 0, 1 and 2, mixed precision's fp32 master weights, and
+"""Data parallelism with ZeRO stages 0 to 3, mixed precision's fp32 master weights, and
 MegaScale's DP overlap (parallel.overlap.dp).
 
 Written over plain collectives rather than DDP/FSDP2 because the DP-overlap ablation must control
@@ -38,9 +38,22 @@ gradient of the last microbatch is in; after backward, reduce what has not been 
 hand the optimizer its shards' gradients; after the optimizer, zero the buffers and launch the
 first bucket's all-gather (DP overlap) or gather them all.
 
+ZeRO-3 (fully sharded, FSDP's schedule on these buckets): every module closes its buckets, and a
+bucket's full parameter buffer exists only while its module computes. The module's forward
+pre-hook gathers it (with DP overlap, prefetching the next module's); its forward hook frees it
+(release: the buffer's storage resized to nothing under the parameters' views, which stay
+valid, autograd's saved references to them too, and see the next gather's values) unless
+reshard_after_forward is off, and marks its output so that the module's backward begins by
+gathering it again (_BackwardBegins; with DP overlap, prefetching the previous module's); the
+end of its backward (add_gradients) frees it. The final norm and head, whose backward comes
+right after their forward, stay gathered in between, as FSDP keeps its root. The shard lives in
+storage of its own (the fp32 master), which the gather reads, so between steps a rank holds only
+its shards; gradients are ZeRO-2's.
+
 One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the gradients
 stay where autograd puts them (param.grad, which the optimizer reads), as in plain PyTorch.
-Nothing here holds a full-size copy of the gradients or parameters besides the buffers.
+Nothing here holds a full-size copy of the gradients or parameters besides the buffers (ZeRO-3:
+while a module computes).
 """
 from __future__ import annotations
 
@@ -69,9 +82,9 @@ class Bucket:
         self.shard_numel = self.numel // dp
         self.shard_start, self.shard_end = dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel
         self.params: torch.Tensor = None    # flat, the parameters' dtype: the model's weights view into it
-        self.grads: torch.Tensor = None     # flat, the reduction dtype (ZeRO-2: only while reducing)
+        self.grads: torch.Tensor = None     # flat, the reduction dtype (ZeRO 2/3: only while reducing)
         self.grad_views: list = None        # each parameter's view of `grads`, shaped as the parameter
-        self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1/2) or everything (ZeRO-0)
+        self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1-3; ZeRO-3's in storage of its own) or everything (ZeRO-0)
         self.arrived = 0                    # gradients added this step (DP overlap launches at the last)
         # The TP-summed tail (_replicas_last): (start, end, replicas) of each run of parameters
         # whose gradients are summed over the same number of TP replicas.
@@ -226,7 +239,7 @@ class ZeroDataParallel:
 
     def _shard_of(self, i: int) -> torch.Tensor:
         """Parameter i's shard, what the optimizer updates: the parameter (fp32, ZeRO-0), its fp32
-        master (bf16, ZeRO-0), or the flat part of it in this rank's bucket shard (ZeRO 1/2), as a
+        master (bf16, ZeRO-0), or the flat part of it in this rank's bucket shard (ZeRO 1-3), as a
         view into the bucket."""
         p, (b, k) = self.params[i], self.where[i]
         bucket = self.buckets[b]
@@ -260,10 +273,12 @@ class ZeroDataParallel:
 
     def attach(self, modules: list) -> None:
         """Hooks the schedule onto the model. `modules`: (parameter indices, the registration of the
-        forward hook that runs before their first use), in forward order (parallel.py's
-        _forward_modules). Each hook waits for the module's buckets (DP overlap; a wait at the
-        wrong module is Megatron-LM #950: a layer computing with last step's weights) and marks
-        the module's end of backward, where its gradients are added (_BackwardDone)."""
+        forward hook that runs before their first use[, the registration of a forward hook of the
+        module itself, or None]), in forward order (parallel.py's _forward_modules). Each hook
+        waits for the module's buckets (DP overlap, ZeRO-3; a wait at the wrong module is
+        Megatron-LM #950: a layer computing with last step's weights) and marks the module's end
+        of backward, where its gradients are added (_BackwardDone). At ZeRO-3 the module's own
+        forward hook frees its buckets and marks where its backward begins (_BackwardBegins)."""
         if self.autograd_keeps_grads:  # the optimizer's shards are the parameters, their .grad autograd's
             return
         for m, (indices, register, *after) in enumerate(modules):
@@ -401,7 +416,7 @@ class ZeroDataParallel:
         """Sum the bucket's TP-replicated gradients over their replicas (norms, row-parallel
         biases: each TP rank saw a slice of the sequence; QKV's KV group shared by several ranks:
         each computed some of its query heads; they sit at the bucket's end), then launch its DP
-        all-reduce (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1/2)."""
+        all-reduce (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1-3)."""
         bucket = self.buckets[b]
         self._grad_views(bucket)
         grads = bucket.grads
@@ -442,7 +457,8 @@ class ZeroDataParallel:
     def after_step(self) -> None:
         """Step 5, after the optimizer: zero the gradient buffers; ZeRO-0 in mixed precision casts
         the master weights back; ZeRO 1/2 prefetch the first bucket with overlap (before_forward
-        chains the rest), or gather everything now without."""
+        chains the rest), or gather everything now without; ZeRO-3 gathers nothing until a
+        module's forward asks."""
         for bucket in self.buckets:
             if bucket.grads is not None:
                 bucket.grads.zero_()
