@@ -37,7 +37,7 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "dp2_zero3_overlap": (2, ["parallel.zero_stage=3", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
     "dp2_zero3_no_reshard": (2, ["parallel.zero_stage=3", "parallel.reshard_after_forward=false",
                                  "parallel.microbatches=2"]),
-    "tp2_dp2_zero3": (4, ["parallel.tp=2", "parallel.zero_stage=3"]),
+    "tp2_dp2_zero3_recompute_full": (4, ["parallel.tp=2", "parallel.zero_stage=3", "train.recompute=full"]),
     # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
     "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # the CI stress pass's run (conftest.eight_rank_run)
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
