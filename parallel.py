@@ -85,9 +85,6 @@ def validate(cfg, world: int, run: bool = True) -> None:
         if not run or getattr(getattr(cfg, "rehearse", None), "rehearsing", False):
             raise ConfigError("parallel.zero_stage", "3: the performance model does not price it yet",
                               "use parallel.zero_stage=0, 1 or 2 to model or rehearse a run")
-        if p.pp > 1:
-            raise ConfigError("parallel.zero_stage", f"3 with parallel.pp={p.pp} is not supported yet",
-                              "use parallel.zero_stage=2 with pipeline parallelism, or parallel.pp=1")
         if t.compile:
             raise ConfigError("train.compile", "true with parallel.zero_stage=3 is not supported yet (its "
                               "gather and free hooks run eager)", "use train.compile=false or auto (eager at ZeRO-3)")
@@ -359,8 +356,9 @@ class ParallelModel:
                 modules.append(([index[id(p)] for p in block.parameters()], block.register_forward_pre_hook,
                                 block.register_forward_hook))
             tail = [index[id(p)] for m in (chunk.norm, chunk.head) if m is not None for p in m.parameters()]
-            if tail:
-                modules.append((tail, blocks[-1].register_forward_hook, None))
+            if tail:  # kept gathered after its forward; its backward, if another microbatch's came between, gathers again
+                modules.append((tail, blocks[-1].register_forward_hook,
+                                chunk.head.register_forward_hook if chunk.head is not None else None, False))
         return modules
 
     def compile(self, **options) -> str:
@@ -416,7 +414,10 @@ class ParallelModel:
                 chunk.train(backward)
         xs, ys = inputs.chunk(self.cfg.microbatches), targets.chunk(self.cfg.microbatches)
         if self.pipeline is not None:
-            return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward, self.around_compute)
+            loss = self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward, self.around_compute)
+            if self.zero.stage == 3:  # (evaluation leaves the tails gathered)
+                self.zero.release()
+            return loss
         with around(self.around_compute, backward):
             return self._accumulate(xs, ys, autocast_dtype, backward)
 

@@ -45,8 +45,9 @@ pre-hook gathers it (with DP overlap, prefetching the next module's); its forwar
 valid, autograd's saved references to them too, and see the next gather's values) unless
 reshard_after_forward is off, and marks its output so that the module's backward begins by
 gathering it again (_BackwardBegins; with DP overlap, prefetching the previous module's); the
-end of its backward (add_gradients) frees it. The final norm and head, whose backward comes
-right after their forward, stay gathered in between, as FSDP keeps its root. The shard lives in
+end of its backward (add_gradients) frees it. The final norm and head, whose backward usually comes
+right after their forward, stay gathered in between, as FSDP keeps its root (their output is
+marked too: a pipeline schedule may run another microbatch's backward between). The shard lives in
 storage of its own (the fp32 master), which the gather reads, so between steps a rank holds only
 its shards; gradients are ZeRO-2's.
 
@@ -287,7 +288,7 @@ class ZeroDataParallel:
             self.module_buckets.append(buckets)
             register(self._hook(m, buckets))
             if self.stage == 3 and after and after[0] is not None:
-                after[0](self._after_hook(m, buckets))
+                after[0](self._after_hook(m, buckets, reshard=after[1] if len(after) > 1 else True))
         for i, p in enumerate(self.params):
             p.grad_sink = GradientSink(self, i)
 
@@ -305,12 +306,12 @@ class ZeroDataParallel:
             return marked if output else (marked, *args[1:])
         return before_module
 
-    def _after_hook(self, m: int, buckets: list):
+    def _after_hook(self, m: int, buckets: list, reshard: bool = True):
         def after_module(module, args, output):  # ZeRO-3: a forward hook of the module itself
             if not torch.is_grad_enabled():
                 self.release(buckets)  # evaluation: no backward will need them
                 return None
-            if self.reshard_after_forward:
+            if self.reshard_after_forward and reshard:
                 self.release(buckets)
             if torch.is_tensor(output) and output.requires_grad:
                 return _BackwardBegins.apply(output, self, m)

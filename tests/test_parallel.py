@@ -32,11 +32,17 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "pp2_vpp2_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"]),
     "dp2_zero2_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
     # ZeRO-3: each module's parameters gathered for its forward and again for its backward, freed
-    # after each (or, reshard_after_forward=false, kept from forward to backward).
+    # after each (or, reshard_after_forward=false, kept from forward to backward); under a
+    # pipeline too, where the interleaved schedule runs other microbatches between a module's
+    # forward and its backward (dp1 there: the gathers are copies; pp2_dp2 gathers over DP).
     "dp2_zero3": (2, ["parallel.zero_stage=3"]),
     "dp2_zero3_overlap": (2, ["parallel.zero_stage=3", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
     "dp2_zero3_no_reshard": (2, ["parallel.zero_stage=3", "parallel.reshard_after_forward=false",
                                  "parallel.microbatches=2"]),
+    "pp2_dp2_zero3_overlap": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=3",
+                                  "parallel.overlap.dp=true"]),
+    "pp2_vpp2_zero3_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.zero_stage=3",
+                                   "parallel.overlap.dp=true", "parallel.overlap.pp=true"]),
     "tp2_dp2_zero3_recompute_full": (4, ["parallel.tp=2", "parallel.zero_stage=3", "train.recompute=full"]),
     # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
     "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # the CI stress pass's run (conftest.eight_rank_run)
@@ -262,7 +268,6 @@ INVALID_LAYOUTS = [
      "parallel.tp: tp=4 does not divide the MLP's width"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.overlap.tp=chunked"], 2, "parallel.overlap.tp"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "model.dropout=0.1"], 2, "model.dropout"),
-    (["parallel.zero_stage=3", "parallel.pp=2"], 2, "parallel.zero_stage: 3 with parallel.pp=2 is not supported yet"),
     (["parallel.zero_stage=3", "train.compile=true"], 2, "train.compile"),
 ]
 
