@@ -45,7 +45,7 @@ class ParallelConfig:
     pp_scatter_gather: bool = True
     vpp: int = 1             # virtual pipeline stages per rank (interleaved 1F1B when > 1)
     dp: int = -1             # -1: whatever the world size leaves, world / (tp * pp)
-    zero_stage: int = 0      # 0: replicated optimizer | 1: sharded optimizer state | 2: + sharded grads | 3: + sharded parameters
+    zero_stage: int = 0      # 0: replicated optimizer | 1: sharded optimizer state | 2: + sharded grads | 3: + params
     # ZeRO-3: free a module's gathered parameters after its forward and gather them again for its
     # backward (true, FSDP's default), or keep them until its backward is done (false).
     reshard_after_forward: bool = True
@@ -356,7 +356,7 @@ class ParallelModel:
                 modules.append(([index[id(p)] for p in block.parameters()], block.register_forward_pre_hook,
                                 block.register_forward_hook))
             tail = [index[id(p)] for m in (chunk.norm, chunk.head) if m is not None for p in m.parameters()]
-            if tail:  # kept gathered after its forward; its backward, if another microbatch's came between, gathers again
+            if tail:  # kept gathered from its forward to its backward (False: no reshard_after_forward)
                 modules.append((tail, blocks[-1].register_forward_hook,
                                 chunk.head.register_forward_hook if chunk.head is not None else None, False))
         return modules

@@ -43,11 +43,11 @@ bucket's full parameter buffer exists only while its module computes. The module
 pre-hook gathers it (with DP overlap, prefetching the next module's); its forward hook frees it
 (release: the buffer's storage resized to nothing under the parameters' views, which stay
 valid, autograd's saved references to them too, and see the next gather's values) unless
-reshard_after_forward is off, and marks its output so that the module's backward begins by
-gathering it again (_BackwardBegins; with DP overlap, prefetching the previous module's); the
-end of its backward (add_gradients) frees it. The final norm and head, whose backward usually comes
+reshard_after_forward is off, and hooks its output's gradient, so that the module's backward
+begins by gathering it again (with DP overlap, prefetching the previous module's); the end of
+its backward (add_gradients) frees it. The final norm and head, whose backward usually comes
 right after their forward, stay gathered in between, as FSDP keeps its root (their output is
-marked too: a pipeline schedule may run another microbatch's backward between). The shard lives in
+hooked too: a pipeline schedule may run another microbatch's backward between). The shard lives in
 storage of its own (the fp32 master), which the gather reads, so between steps a rank holds only
 its shards; gradients are ZeRO-2's.
 
@@ -85,7 +85,7 @@ class Bucket:
         self.params: torch.Tensor = None    # flat, the parameters' dtype: the model's weights view into it
         self.grads: torch.Tensor = None     # flat, the reduction dtype (ZeRO 2/3: only while reducing)
         self.grad_views: list = None        # each parameter's view of `grads`, shaped as the parameter
-        self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1-3; ZeRO-3's in storage of its own) or everything (ZeRO-0)
+        self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1-3; at 3 its own storage) or all (ZeRO-0)
         self.arrived = 0                    # gradients added this step (DP overlap launches at the last)
         # The TP-summed tail (_replicas_last): (start, end, replicas) of each run of parameters
         # whose gradients are summed over the same number of TP replicas.
@@ -121,21 +121,6 @@ class _BackwardDone(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.schedule.add_gradients(ctx.module)
-        return grad, None, None
-
-
-class _BackwardBegins(torch.autograd.Function):
-    """Marks a module's output at ZeRO-3: its backward runs once the gradient there is ready, that
-    is just before the module's own backward, which needs its parameters gathered again."""
-
-    @staticmethod
-    def forward(ctx, x, schedule, module):
-        ctx.schedule, ctx.module = schedule, module
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.schedule.before_backward(ctx.module)
         return grad, None, None
 
 
@@ -279,7 +264,7 @@ class ZeroDataParallel:
         waits for the module's buckets (DP overlap, ZeRO-3; a wait at the wrong module is
         Megatron-LM #950: a layer computing with last step's weights) and marks the module's end
         of backward, where its gradients are added (_BackwardDone). At ZeRO-3 the module's own
-        forward hook frees its buckets and marks where its backward begins (_BackwardBegins)."""
+        forward hook frees its buckets and hooks its output's gradient, where its backward begins."""
         if self.autograd_keeps_grads:  # the optimizer's shards are the parameters, their .grad autograd's
             return
         for m, (indices, register, *after) in enumerate(modules):
@@ -313,8 +298,8 @@ class ZeroDataParallel:
                 return None
             if self.reshard_after_forward and reshard:
                 self.release(buckets)
-            if torch.is_tensor(output) and output.requires_grad:
-                return _BackwardBegins.apply(output, self, m)
+            if torch.is_tensor(output) and output.requires_grad:  # a hook on the gradient of the output runs
+                output.register_hook(lambda grad: self.before_backward(m))  # before the module's backward
             return None
         return after_module
 
@@ -329,7 +314,7 @@ class ZeroDataParallel:
             self.launch_gather(buckets[-1] + 1)
 
     def before_backward(self, m: int) -> None:
-        """ZeRO-3, before module m's backward (_BackwardBegins): its buckets gathered again
+        """ZeRO-3, before module m's backward (the hook on its output's gradient): its buckets gathered again
         (reshard_after_forward) and, with DP overlap, the previous module's prefetched."""
         for b in self.module_buckets[m]:
             self.launch_gather(b)
