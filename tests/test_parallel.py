@@ -574,3 +574,6 @@ def test_zero3_is_refused_where_the_performance_model_would_price_it():
     parallel.validate(cfg, 2)  # a run: fine
     with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the performance model"):
         parallel.validate(cfg, 2, run=False)
+    rehearsal = config.compose(SMALL + ["parallel.zero_stage=3", "rehearse.rank=0", "rehearse.world=2"])
+    with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the performance model"):
+        config.validate(rehearsal, 2)
