@@ -7,7 +7,7 @@ vpp, dp, zero_stage) asks for its own pieces and DCP reads the overlapping parts
 torchtitan #811/#850 and Megatron's optimizer-state resharding ask for.
 
 What a rank holds, in logical coordinates: TP slices a parameter along its split dim (the offset
-and the number of ranks holding the same slice, its parallelisms/sharding.py ShardInfo); ZeRO 1/2 then keeps a flat range of that slice's values (parallelisms/zero.py), which is
+and the number of ranks holding the same slice, its parallelisms/sharding.py ShardInfo); ZeRO 1-3 then keeps a flat range of that slice's values (parallelisms/zero.py), which is
 up to three rectangles: a partial row, whole rows, a partial row. DTensor cannot express a flat
 range of a TP slice, so those rectangles are written as DCP write items directly
 (parallelisms/placement.py's Chunks).

@@ -45,7 +45,10 @@ class ParallelConfig:
     pp_scatter_gather: bool = True
     vpp: int = 1             # virtual pipeline stages per rank (interleaved 1F1B when > 1)
     dp: int = -1             # -1: whatever the world size leaves, world / (tp * pp)
-    zero_stage: int = 0      # 0: replicated optimizer | 1: sharded optimizer state | 2: + sharded grads
+    zero_stage: int = 0      # 0: replicated optimizer | 1: sharded optimizer state | 2: + sharded grads | 3: + params
+    # ZeRO-3: free a module's gathered parameters after its forward and gather them again for its
+    # backward (true, FSDP's default), or keep them until its backward is done (false).
+    reshard_after_forward: bool = True
     microbatches: int = 1    # per optimizer step and DP rank: pipeline microbatches, or accumulation
     # Mesh dims, outermost first. TP innermost makes a TP group consecutive ranks, i.e. one host
     # (NVLink); PP next (within a zone); DP outermost (across zones): topology-aware placement.
@@ -76,8 +79,15 @@ def validate(cfg, world: int, run: bool = True) -> None:
     if sorted(p.order) != ["dp", "pp", "tp"]:
         raise ConfigError("parallel.order", f"{list(p.order)} is not an order of dp, pp, tp",
                           "list all three, outermost first, e.g. parallel.order=[dp,pp,tp]")
-    if p.zero_stage not in (0, 1, 2):
-        raise ConfigError("parallel.zero_stage", f"{p.zero_stage}", "use 0, 1 or 2")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero_stage", f"{p.zero_stage}", "use 0, 1, 2 or 3")
+    if p.zero_stage == 3:
+        if not run or getattr(getattr(cfg, "rehearse", None), "rehearsing", False):
+            raise ConfigError("parallel.zero_stage", "3: the performance model does not price it yet",
+                              "use parallel.zero_stage=0, 1 or 2 to model or rehearse a run")
+        if t.compile:
+            raise ConfigError("train.compile", "true with parallel.zero_stage=3 is not supported yet (its "
+                              "gather and free hooks run eager)", "use train.compile=false or auto (eager at ZeRO-3)")
     if p.reduce_dtype not in ("fp32", "bf16"):
         raise ConfigError("parallel.reduce_dtype", f"{p.reduce_dtype!r}", "use fp32 or bf16")
     if m.n_heads % p.tp or m.d_model % p.tp or m.vocab_size % p.tp:
@@ -317,9 +327,10 @@ class ParallelModel:
         params = [p for _, p in named]
         reduce_dtype = torch.float32 if cfg.reduce_dtype == "fp32" else torch.bfloat16
         modules = self._forward_modules(params)
-        buckets = plan_buckets([m for m, _ in modules], params, cfg.bucket_size, per_module=cfg.overlap.dp)
-        self.zero = ZeroDataParallel(params, layout, cfg.zero_stage, reduce_dtype, buckets,
-                                     cfg.microbatches, overlap=cfg.overlap.dp)
+        buckets = plan_buckets([m[0] for m in modules], params, cfg.bucket_size,
+                               per_module=cfg.overlap.dp or cfg.zero_stage == 3)  # ZeRO-3 frees module by module
+        self.zero = ZeroDataParallel(params, layout, cfg.zero_stage, reduce_dtype, buckets, cfg.microbatches,
+                                     overlap=cfg.overlap.dp, reshard_after_forward=cfg.reshard_after_forward)
         self.zero.attach(modules)
         self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp,
                                  after_backward=self.zero.backward_done,
@@ -329,20 +340,25 @@ class ParallelModel:
 
     def _forward_modules(self, params: list) -> list:
         """The modules in the order forward first uses their parameters, each with the registration
-        of the hook that must run before that use: the embedding and each block wait in their own
-        pre-hook; the final norm (run as a function, so it has no hook of its own) and the head
-        wait in the post-hook of the last block, before the norm reads its weights."""
+        of the hook that must run before that use and of the one after its forward (where ZeRO-3
+        frees them): the embedding and each block wait in their own pre-hook; the final norm (run
+        as a function, so it has no hook of its own) and the head wait in the post-hook of the
+        last block, before the norm reads its weights, and stay gathered for their backward,
+        which comes next (FSDP keeps its root's the same way)."""
         index = {id(p): i for i, p in enumerate(params)}
         modules = []
         for chunk in self.chunks:
             blocks = list(chunk.blocks.values())
             if chunk.embed is not None:
-                modules.append(([index[id(chunk.embed.weight)]], chunk.embed.register_forward_pre_hook))
+                modules.append(([index[id(chunk.embed.weight)]], chunk.embed.register_forward_pre_hook,
+                                chunk.embed.register_forward_hook))
             for block in blocks:
-                modules.append(([index[id(p)] for p in block.parameters()], block.register_forward_pre_hook))
+                modules.append(([index[id(p)] for p in block.parameters()], block.register_forward_pre_hook,
+                                block.register_forward_hook))
             tail = [index[id(p)] for m in (chunk.norm, chunk.head) if m is not None for p in m.parameters()]
-            if tail:
-                modules.append((tail, blocks[-1].register_forward_hook))
+            if tail:  # kept gathered from its forward to its backward (False: no reshard_after_forward)
+                modules.append((tail, blocks[-1].register_forward_hook,
+                                chunk.head.register_forward_hook if chunk.head is not None else None, False))
         return modules
 
     def compile(self, **options) -> str:
@@ -398,7 +414,10 @@ class ParallelModel:
                 chunk.train(backward)
         xs, ys = inputs.chunk(self.cfg.microbatches), targets.chunk(self.cfg.microbatches)
         if self.pipeline is not None:
-            return self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward, self.around_compute)
+            loss = self.pipeline.run(list(xs), list(ys), self.loss_fn, autocast_dtype, backward, self.around_compute)
+            if self.zero.stage == 3:  # (evaluation leaves the tails gathered)
+                self.zero.release()
+            return loss
         with around(self.around_compute, backward):
             return self._accumulate(xs, ys, autocast_dtype, backward)
 
@@ -416,6 +435,8 @@ class ParallelModel:
                 with spans.segment(spans.action_name(("B", mb, 0)), x.device):
                     loss.backward()
                 self.zero.backward_done()
+            if self.zero.stage == 3:  # between microbatches (and after evaluation's forward) only the shards
+                self.zero.release()
             kept = loss.detach().clone() if self._cuda_graphs else loss.detach()  # a replay reuses its outputs' memory
             total = kept if total is None else total + kept
         return total

@@ -240,7 +240,7 @@ def set_up_model(cfg: config.Config, layout, device: torch.device, dtype: torch.
     n_params = count_params(model)
     engine = parallel.build(model, layout, cfg.parallel, recompute=cfg.train.recompute, fused=cfg.kernels.fused,
                             dtype=dtype, recompute_layers=cfg.train.recompute_layers, device=device, seed=cfg.train.seed)
-    compiling, why = compile_choice(cfg.train.compile, device)
+    compiling, why = compile_choice(cfg.train.compile, device, cfg.parallel.zero_stage)
     if compiling:
         options, note = compile_mode_choice(cfg.train.compile_mode, device)
         why += f": torch.compile of {engine.compile(**options)}{note}"
@@ -547,13 +547,15 @@ def compile_mode_choice(mode: str, device: torch.device) -> tuple:
     return {"mode": mode}, f"; train.compile_mode={mode}: the step recorded as CUDA graphs"
 
 
-def compile_choice(setting, device: torch.device) -> tuple:
+def compile_choice(setting, device: torch.device, zero_stage: int = 0) -> tuple:
     """(whether to torch.compile, the log line saying why). train.compile=true or false is obeyed;
     null, the default, picks the faster of the two as experiments/bench_step.py measures them
     (experiments/results/bench_step.md): compiled on CUDA, eager on a CPU, where compiled steps are
-    no faster and compiling costs start-up time."""
+    no faster and compiling costs start-up time. ZeRO-3's gather and free hooks run eager."""
     if setting is not None:
         return setting, f"train.compile={str(setting).lower()}"
+    if zero_stage == 3:
+        return False, "train.compile=auto: eager at parallel.zero_stage=3, whose gather and free hooks run eager"
     if device.type == "cuda":
         return True, "train.compile=auto: compiled on CUDA, where it measured faster than eager"
     return False, (f"train.compile=auto: eager on {device.type.upper()}, where compiled steps measured no faster "

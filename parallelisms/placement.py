@@ -2,7 +2,7 @@
 loads them through torch.distributed.checkpoint).
 
 TP slices a parameter along its split dim (the offset and the number of ranks holding the same
-slice: its ShardInfo, sharding.py); ZeRO 1/2 then keeps a flat range of that slice's values
+slice: its ShardInfo, sharding.py); ZeRO 1-3 then keeps a flat range of that slice's values
 (zero.py), which is up to three rectangles: a partial row, whole rows, a partial row. DTensor
 cannot express a flat range of a TP slice, so those rectangles are DCP write items of their own
 (Chunks). The same rectangles serve a run at any other layout: DCP reads the overlapping parts.
@@ -98,11 +98,14 @@ def model_chunks(engine) -> dict:
     """"model/<name>": this rank's TP slice of every parameter it holds (pipeline stages hold
     different names; DP replicas write the same rectangles, and DCP keeps one of each). In mixed
     precision the model's weights are the optimizer's fp32 masters, each rank its piece: the
-    checkpoint holds the same fp32 weights whatever the run's precision."""
-    engine.zero.gather_all()  # with DP overlap, the parameters may still be on the wire
+    checkpoint holds the same fp32 weights whatever the run's precision. At ZeRO-3 (whose full
+    parameters exist only while their module computes) too, in fp32 as well."""
+    sharded = engine.zero.mixed or engine.zero.stage == 3
+    if not sharded:
+        engine.zero.gather_all()  # with DP overlap, the parameters may still be on the wire
     out = {}
     for i, (name, p) in enumerate(engine.named_model_parameters()):
-        if engine.zero.mixed:
+        if sharded:
             out[f"model/{name}"] = _placed(engine, i, engine.zero.shards[i].detach())
         else:
             shape, base = _logical(p, engine.layout)
@@ -112,7 +115,7 @@ def model_chunks(engine) -> dict:
 
 def _placed(engine, i: int, tensor: torch.Tensor) -> Chunks:
     """A tensor shaped like optimizer shard i (the whole parameter at ZeRO-0, a flat range of it
-    at ZeRO 1/2), placed in the logical parameter."""
+    at ZeRO 1-3), placed in the logical parameter."""
     shape, base = _logical(engine.zero.params[i], engine.layout)
     if engine.zero.stage == 0:
         return _whole(shape, base, tensor)

@@ -1,4 +1,4 @@
-"""Data parallelism with ZeRO stages 0, 1 and 2, mixed precision's fp32 master weights, and
+"""Data parallelism with ZeRO stages 0 to 3, mixed precision's fp32 master weights, and
 MegaScale's DP overlap (parallel.overlap.dp).
 
 Written over plain collectives rather than DDP/FSDP2 because the DP-overlap ablation must control
@@ -38,9 +38,23 @@ gradient of the last microbatch is in; after backward, reduce what has not been 
 hand the optimizer its shards' gradients; after the optimizer, zero the buffers and launch the
 first bucket's all-gather (DP overlap) or gather them all.
 
+ZeRO-3 (fully sharded, FSDP's schedule on these buckets): every module closes its buckets, and a
+bucket's full parameter buffer exists only while its module computes. The module's forward
+pre-hook gathers it (with DP overlap, prefetching the next module's); its forward hook frees it
+(release: the buffer's storage resized to nothing under the parameters' views, which stay
+valid, autograd's saved references to them too, and see the next gather's values) unless
+reshard_after_forward is off, and hooks its output's gradient, so that the module's backward
+begins by gathering it again (with DP overlap, prefetching the previous module's); the end of
+its backward (add_gradients) frees it. The final norm and head, whose backward usually comes
+right after their forward, stay gathered in between, as FSDP keeps its root (their output is
+hooked too: a pipeline schedule may run another microbatch's backward between). The shard lives in
+storage of its own (the fp32 master), which the gather reads, so between steps a rank holds only
+its shards; gradients are ZeRO-2's.
+
 One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the gradients
 stay where autograd puts them (param.grad, which the optimizer reads), as in plain PyTorch.
-Nothing here holds a full-size copy of the gradients or parameters besides the buffers.
+Nothing here holds a full-size copy of the gradients or parameters besides the buffers (ZeRO-3:
+while a module computes).
 """
 from __future__ import annotations
 
@@ -69,9 +83,9 @@ class Bucket:
         self.shard_numel = self.numel // dp
         self.shard_start, self.shard_end = dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel
         self.params: torch.Tensor = None    # flat, the parameters' dtype: the model's weights view into it
-        self.grads: torch.Tensor = None     # flat, the reduction dtype (ZeRO-2: only while reducing)
+        self.grads: torch.Tensor = None     # flat, the reduction dtype (ZeRO 2/3: only while reducing)
         self.grad_views: list = None        # each parameter's view of `grads`, shaped as the parameter
-        self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1/2) or everything (ZeRO-0)
+        self.master: torch.Tensor = None    # fp32, this rank's shard (ZeRO 1-3; at 3 its own storage) or all (ZeRO-0)
         self.arrived = 0                    # gradients added this step (DP overlap launches at the last)
         # The TP-summed tail (_replicas_last): (start, end, replicas) of each run of parameters
         # whose gradients are summed over the same number of TP replicas.
@@ -158,8 +172,9 @@ class ZeroDataParallel:
     step's, in the order they run."""
 
     def __init__(self, params: list, layout, stage: int, reduce_dtype: torch.dtype, buckets: list,
-                 microbatches: int = 1, overlap: bool = False):
+                 microbatches: int = 1, overlap: bool = False, reshard_after_forward: bool = True):
         self.params, self.layout, self.stage, self.reduce_dtype = params, layout, stage, reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
         self.group, self.overlap, self.microbatches = layout.group("dp"), overlap, microbatches
         self.clock = layout.clock
         self.dtype = params[0].dtype
@@ -178,7 +193,10 @@ class ZeroDataParallel:
         self.shards = [self._shard_of(i) for i in range(len(params))]  # what the optimizer updates
         self.reducing, self.gathering = {}, {}  # bucket -> collective in flight
         self.current = set(range(len(self.buckets)))  # buckets whose parameters are this step's
+        if stage == 3:  # between steps a rank holds its shards only
+            self.release()
         self.modules: list = []    # each hooked module's parameter indices (attach)
+        self.module_buckets: list = []  # each hooked module's buckets
         self.unmarked = set()      # modules whose backward no _BackwardDone marks (their input needs no gradient)
         self.hooks_traced = False  # the forward is compiled: its hooks are traced and mark nothing (mark_hooks_traced)
         self.fused = set()         # parameters whose backward accumulated into the buffer since their module's end
@@ -200,12 +218,14 @@ class ZeroDataParallel:
         if self.mixed:
             span = bucket.params if self.stage == 0 else bucket.params[bucket.shard_start:bucket.shard_end]
             bucket.master = span.float()
+        elif self.stage == 3:  # the shard outlives the full buffer: its own storage
+            bucket.master = bucket.params[bucket.shard_start:bucket.shard_end].clone()
         elif self.stage > 0:
             bucket.master = bucket.params[bucket.shard_start:bucket.shard_end]  # the optimizer updates the parameters in place
 
     def _shard_of(self, i: int) -> torch.Tensor:
         """Parameter i's shard, what the optimizer updates: the parameter (fp32, ZeRO-0), its fp32
-        master (bf16, ZeRO-0), or the flat part of it in this rank's bucket shard (ZeRO 1/2), as a
+        master (bf16, ZeRO-0), or the flat part of it in this rank's bucket shard (ZeRO 1-3), as a
         view into the bucket."""
         p, (b, k) = self.params[i], self.where[i]
         bucket = self.buckets[b]
@@ -239,21 +259,27 @@ class ZeroDataParallel:
 
     def attach(self, modules: list) -> None:
         """Hooks the schedule onto the model. `modules`: (parameter indices, the registration of the
-        forward hook that runs before their first use), in forward order (parallel.py's
-        _forward_modules). Each hook waits for the module's buckets (DP overlap; a wait at the
-        wrong module is Megatron-LM #950: a layer computing with last step's weights) and marks
-        the module's end of backward, where its gradients are added (_BackwardDone)."""
+        forward hook that runs before their first use[, the registration of a forward hook of the
+        module itself, or None]), in forward order (parallel.py's _forward_modules). Each hook
+        waits for the module's buckets (DP overlap, ZeRO-3; a wait at the wrong module is
+        Megatron-LM #950: a layer computing with last step's weights) and marks the module's end
+        of backward, where its gradients are added (_BackwardDone). At ZeRO-3 the module's own
+        forward hook frees its buckets and hooks its output's gradient, where its backward begins."""
         if self.autograd_keeps_grads:  # the optimizer's shards are the parameters, their .grad autograd's
             return
-        for m, (indices, register) in enumerate(modules):
+        for m, (indices, register, *after) in enumerate(modules):
+            buckets = sorted({self.where[i][0] for i in indices})
             self.modules.append(indices)
-            register(self._hook(m, sorted({self.where[i][0] for i in indices})))
+            self.module_buckets.append(buckets)
+            register(self._hook(m, buckets))
+            if self.stage == 3 and after and after[0] is not None:
+                after[0](self._after_hook(m, buckets, reshard=after[1] if len(after) > 1 else True))
         for i, p in enumerate(self.params):
             p.grad_sink = GradientSink(self, i)
 
     def _hook(self, m: int, buckets: list):
         def before_module(module, args, *output):  # a forward pre-hook, or (the tail's) a forward hook
-            if self.overlap:
+            if self.overlap or self.stage == 3:
                 self.before_forward(buckets)
             if torch.compiler.is_compiling() or not torch.is_grad_enabled():
                 return None
@@ -265,14 +291,37 @@ class ZeroDataParallel:
             return marked if output else (marked, *args[1:])
         return before_module
 
+    def _after_hook(self, m: int, buckets: list, reshard: bool = True):
+        def after_module(module, args, output):  # ZeRO-3: a forward hook of the module itself
+            if not torch.is_grad_enabled():
+                self.release(buckets)  # evaluation: no backward will need them
+                return None
+            if self.reshard_after_forward and reshard:
+                self.release(buckets)
+            if torch.is_tensor(output) and output.requires_grad:  # a hook on the gradient of the output runs
+                output.register_hook(lambda grad: self.before_backward(m))  # before the module's backward
+            return None
+        return after_module
+
     def before_forward(self, buckets: list) -> None:
         """Step 1, before a module whose parameters are in `buckets`: wait for them (those no
         earlier module prefetched are gathered now: a module larger than bucket_size spans
-        several), and prefetch the bucket after."""
+        several), and with DP overlap prefetch the bucket after."""
         for b in buckets:
             self.launch_gather(b)
             self.wait_gather(b)
-        self.launch_gather(buckets[-1] + 1)
+        if self.overlap:
+            self.launch_gather(buckets[-1] + 1)
+
+    def before_backward(self, m: int) -> None:
+        """ZeRO-3, before module m's backward (the hook on its output's gradient): its buckets gathered again
+        (reshard_after_forward) and, with DP overlap, the previous module's prefetched."""
+        for b in self.module_buckets[m]:
+            self.launch_gather(b)
+            self.wait_gather(b)
+        if self.overlap and m > 0:
+            for b in self.module_buckets[m - 1]:
+                self.launch_gather(b)
 
     def fused_view(self, i: int) -> torch.Tensor:
         """Parameter i's view of its gradient buffer, for its backward's weight-gradient GEMM to
@@ -304,6 +353,8 @@ class ZeroDataParallel:
             self.buckets[b].arrived += n
             if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.microbatches:
                 self._launch_reduction(b)
+        if self.stage == 3:  # its backward is over: only the shard stays
+            self.release(self.module_buckets[m])
 
     def _add(self, b: int, indices: list) -> None:
         """Parameters' fresh gradients into bucket b's buffer, in one foreach add, and freed."""
@@ -351,7 +402,7 @@ class ZeroDataParallel:
         """Sum the bucket's TP-replicated gradients over their replicas (norms, row-parallel
         biases: each TP rank saw a slice of the sequence; QKV's KV group shared by several ranks:
         each computed some of its query heads; they sit at the bucket's end), then launch its DP
-        all-reduce (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1/2)."""
+        all-reduce (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1-3)."""
         bucket = self.buckets[b]
         self._grad_views(bucket)
         grads = bucket.grads
@@ -375,7 +426,7 @@ class ZeroDataParallel:
         if self.layout.dp > 1:
             out.div_(self.layout.dp)
         bucket = self.buckets[b]
-        if self.stage == 2:  # the full buffer goes; this rank's shard stays
+        if self.stage >= 2:  # the full buffer goes; this rank's shard stays
             out, bucket.grads, bucket.grad_views = out.clone(), None, None
         grads = out if out.dtype == torch.float32 else out.float()
         for k, i in enumerate(bucket.indices):
@@ -392,7 +443,8 @@ class ZeroDataParallel:
     def after_step(self) -> None:
         """Step 5, after the optimizer: zero the gradient buffers; ZeRO-0 in mixed precision casts
         the master weights back; ZeRO 1/2 prefetch the first bucket with overlap (before_forward
-        chains the rest), or gather everything now without."""
+        chains the rest), or gather everything now without; ZeRO-3 gathers nothing until a
+        module's forward asks."""
         for bucket in self.buckets:
             if bucket.grads is not None:
                 bucket.grads.zero_()
@@ -401,6 +453,8 @@ class ZeroDataParallel:
         if self.stage == 0:
             return
         self.current.clear()
+        if self.stage == 3:  # each module gathers its own at its forward
+            return
         if self.overlap:
             self.launch_gather(0)
         else:
@@ -413,9 +467,17 @@ class ZeroDataParallel:
         if self.stage == 0 or b >= len(self.buckets) or b in self.gathering or b in self.current:
             return  # (the later microbatches' forwards, or a pipeline's, find it current)
         bucket = self.buckets[b]
-        mine = bucket.params[bucket.shard_start:bucket.shard_end]  # in place, in the parameters' dtype: bf16 on the wire
-        if self.mixed:
-            mine.copy_(bucket.master)
+        if self.stage == 3:  # the full buffer exists again, gathered from the shard's own storage
+            storage = bucket.params.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(bucket.numel * bucket.params.element_size())
+            mine = bucket.master.to(self.dtype)  # (fp32: the master itself)
+            if self.layout.dp == 1:
+                bucket.params.copy_(mine)
+        else:
+            mine = bucket.params[bucket.shard_start:bucket.shard_end]  # in place, in the parameters' dtype: bf16 on the wire
+            if self.mixed:
+                mine.copy_(bucket.master)
         work = None
         if self.layout.dp > 1:
             work = dist.all_gather_single(bucket.params, mine, group=self.group, async_op=True)
@@ -432,6 +494,17 @@ class ZeroDataParallel:
             with self.clock.waiting("comm", self.buckets[b].params.device):
                 work.wait()
 
+    @torch.no_grad()
+    def release(self, buckets: Optional[list] = None) -> None:
+        """ZeRO-3: free the buckets' full parameter buffers (all of them by default), as FSDP
+        does: the storage shrinks to nothing under the parameters' views, which stay valid (as
+        do autograd's saved references to them) and see the next gather's values."""
+        for b in range(len(self.buckets)) if buckets is None else buckets:
+            if b in self.gathering:
+                self.wait_gather(b)
+            self.current.discard(b)
+            self.buckets[b].params.untyped_storage().resize_(0)
+
     def gather_all(self) -> None:
         for b in range(len(self.buckets)):
             self.launch_gather(b)
@@ -443,6 +516,9 @@ class ZeroDataParallel:
         """After a checkpoint load. In mixed precision it wrote the fp32 masters (checkpoint.py
         saves them as the model's weights): cast them into the bf16 parameters. In fp32 it wrote
         the parameters, which the shards are views of: nothing to do."""
+        if self.stage == 3:  # the masters (fp32: the shards themselves) hold them; gathered at use
+            self.release()
+            return
         if not self.mixed:
             return
         for bucket in self.buckets:

@@ -32,8 +32,8 @@ def misordered(build):
     """Each module's wait registered at the next module (the last keeps its own)."""
     def shifted(self, params):
         modules = build(self, params)
-        hooks = [hook for _, hook in modules[1:]] + [modules[-1][1]]
-        return [(m, hook) for (m, _), hook in zip(modules, hooks)]
+        hooks = [m[1] for m in modules[1:]] + [modules[-1][1]]
+        return [(m[0], hook, *m[2:]) for m, hook in zip(modules, hooks)]
     return shifted
 
 

@@ -54,6 +54,23 @@ def test_resume_at_another_layout_continues_the_same_run(straight, ranks, layout
     assert resumed == pytest.approx(losses[3:], rel=1e-5)
 
 
+def test_zero3_resumes_a_zero1_checkpoint_and_zero1_a_zero3_one_bitwise(tmp_path, cache_dir):
+    """dp2 at ZeRO-1 and at ZeRO-3 compute the same sums: each saves at step 3, the other stage
+    resumes it, and the last two losses are the uninterrupted run's, bit for bit (ZeRO-3 saves
+    each rank's flat ranges, as mixed precision's masters are, and loads into its shards)."""
+    runs = {}
+    for stage in (1, 3):
+        runs[stage] = tmp_path / f"zero{stage}"
+        run_train(runs[stage], ARGS + [f"parallel.zero_stage={stage}", "checkpoint.interval=3"], cache_dir, nproc=2)
+    losses = {stage: [r["loss"] for r in read_metrics(run_dir)] for stage, run_dir in runs.items()}
+    assert losses[1] == losses[3]
+    for saved, resumed in ((1, 3), (3, 1)):
+        run_dir = tmp_path / f"zero{saved}_to_zero{resumed}"
+        step3 = checkpoint.step_dir(runs[saved] / "checkpoints", 3)
+        run_train(run_dir, ARGS + [f"parallel.zero_stage={resumed}", f"resume={step3}"], cache_dir, nproc=2)
+        assert [r["loss"] for r in read_metrics(run_dir)] == losses[saved][3:], (saved, resumed)
+
+
 @pytest.mark.parametrize("n_kv_heads", [2, 1])
 def test_llama_resumes_at_tp2_from_a_one_process_checkpoint(n_kv_heads, tmp_path, cache_dir):
     """The Llama block's TP slices read from a layout-free checkpoint: each rank's rows of the

@@ -31,6 +31,19 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "tp2_overlap_domino": (2, ["parallel.tp=2", "parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"]),
     "pp2_vpp2_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"]),
     "dp2_zero2_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
+    # ZeRO-3: each module's parameters gathered for its forward and again for its backward, freed
+    # after each (or, reshard_after_forward=false, kept from forward to backward); under a
+    # pipeline too, where the interleaved schedule runs other microbatches between a module's
+    # forward and its backward (dp1 there: the gathers are copies; pp2_dp2 gathers over DP).
+    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
+    "dp2_zero3_overlap": (2, ["parallel.zero_stage=3", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
+    "dp2_zero3_no_reshard": (2, ["parallel.zero_stage=3", "parallel.reshard_after_forward=false",
+                                 "parallel.microbatches=2"]),
+    "pp2_dp2_zero3_overlap": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=3",
+                                  "parallel.overlap.dp=true"]),
+    "pp2_vpp2_zero3_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.zero_stage=3",
+                                   "parallel.overlap.dp=true", "parallel.overlap.pp=true"]),
+    "tp2_dp2_zero3_recompute_full": (4, ["parallel.tp=2", "parallel.zero_stage=3", "train.recompute=full"]),
     # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
     "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # the CI stress pass's run (conftest.eight_rank_run)
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
@@ -71,6 +84,7 @@ LLAMA_LAYOUTS = {
                                           "parallel.overlap.tp=chunked", "parallel.overlap.tp_chunks=2"]),
     "llama_mqa_tp2": (2, ["parallel.tp=2"]),
     "llama_tp4": (4, ["parallel.tp=4"]),
+    "llama_tp2_dp2_zero3_overlap": (4, ["parallel.tp=2", "parallel.zero_stage=3", "parallel.overlap.dp=true"]),
 }
 BASES = {**{name: EXACT for name in LAYOUTS}, **{name: LLAMA for name in LLAMA_LAYOUTS}, "llama_mqa_tp2": LLAMA_MQA}
 
@@ -117,7 +131,7 @@ def test_layout_equals_single_process(name, references, tmp_path, cache_dir, req
     assert relative_error(flat(weights), flat(ref_weights)) < 1e-5
     for key in names:  # a missing or doubled reduction shows up as ~1e-1 here
         assert relative_error(weights[key], ref_weights[key]) < 1e-4, key
-    if name in ("dp2_zero1", "dp2_zero2_overlap"):
+    if name in ("dp2_zero1", "dp2_zero2_overlap", "dp2_zero3"):
         assert_zero_splits_the_optimizer_state(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))
 
 
@@ -246,7 +260,7 @@ INVALID_LAYOUTS = [
     (["parallel.pp=2", "parallel.vpp=4"], 2, "parallel.pp"),    # 8 virtual stages, 4 layers
     (["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=3"], 2, "parallel.microbatches"),
     (["parallel.microbatches=3"], 2, "train.batch_size"),       # 8 sequences over dp2 x 3
-    (["parallel.zero_stage=3"], 2, "parallel.zero_stage"),
+    (["parallel.zero_stage=4"], 2, "parallel.zero_stage"),
     (["parallel.order=[dp,tp]"], 2, "parallel.order"),
     (["model=llama_tiny", "model.n_heads=12", "model.n_kv_heads=6", "model.d_model=384", "parallel.tp=4"], 4,
      "parallel.tp: tp=4 neither divides model.n_kv_heads=6 nor is a multiple"),  # 4 ranks cannot share 6 KV heads
@@ -254,6 +268,7 @@ INVALID_LAYOUTS = [
      "parallel.tp: tp=4 does not divide the MLP's width"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.overlap.tp=chunked"], 2, "parallel.overlap.tp"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "model.dropout=0.1"], 2, "model.dropout"),
+    (["parallel.zero_stage=3", "train.compile=true"], 2, "train.compile"),
 ]
 
 
@@ -549,3 +564,16 @@ def test_a_cuda_rank_binds_its_device_at_init(monkeypatch):
     seen.clear()
     launch.init_distributed(torch.device("cpu"), timeout_s=77)
     assert seen["backend"] == "gloo" and "device_id" not in seen
+
+
+def test_zero3_is_refused_where_the_performance_model_would_price_it():
+    """clustermodel (parallel.validate with run=False) and a rehearsal do not price ZeRO-3 yet: one line."""
+    import config
+    import parallel
+    cfg = config.compose(SMALL + ["parallel.zero_stage=3"])
+    parallel.validate(cfg, 2)  # a run: fine
+    with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the performance model"):
+        parallel.validate(cfg, 2, run=False)
+    rehearsal = config.compose(SMALL + ["parallel.zero_stage=3", "rehearse.rank=0", "rehearse.world=2"])
+    with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the performance model"):
+        config.validate(rehearsal, 2)

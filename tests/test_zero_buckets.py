@@ -1,7 +1,8 @@
 """ZeRO's buckets alone (parallelisms/zero.py), on 2 gloo ranks against one unsharded copy of the same model:
 each rank's shards receive the average of both ranks' gradients (reduce-scatter, or all-reduce at
 ZeRO-0), and the all-gather rebuilds every parameter from the updated shards, with and without DP
-overlap, ZeRO stages 0, 1 and 2. Buckets are small enough that shards cut parameters in two and
+overlap, ZeRO stages 0 to 3 (at 3 each module gathers its parameters for its forward and its
+backward and frees them after each). Buckets are small enough that shards cut parameters in two and
 the last is padded. The second layer's GEMM is a TP layer's (tensor_parallel.Linear), whose
 backward accumulates the weight gradient straight into its bucket: DP overlap launches a bucket
 only once those arrivals are in too."""
@@ -61,14 +62,15 @@ def _buckets_against_reference(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     layout = parallel.build_layout(parallel.ParallelConfig(), rank, world, torch.device("cpu"))
     errors = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         for overlap in (False, True):
             torch.manual_seed(0)
             model = TwoLinears()
             reference = copy.deepcopy(model)
             params = list(model.parameters())
-            modules = [([0, 1], model.a.register_forward_pre_hook), ([2, 3], model.b.register_forward_pre_hook)]
-            buckets = plan_buckets([m for m, _ in modules], params, bucket_size=40, per_module=overlap)
+            modules = [([0, 1], model.a.register_forward_pre_hook, model.a.register_forward_hook),
+                       ([2, 3], model.b.register_forward_pre_hook, model.b.register_forward_hook)]
+            buckets = plan_buckets([m[0] for m in modules], params, bucket_size=40, per_module=overlap or stage == 3)
             zero = ZeroDataParallel(params, layout, stage, torch.float32, buckets, MICROBATCHES, overlap=overlap)
             zero.attach(modules)
             fused, take = [], zero.fused_view
@@ -95,8 +97,14 @@ def _buckets_against_reference(rank, world, port, out):
                 zero.after_step()
                 with torch.no_grad():
                     model(torch.zeros(1, 5))  # the forward whose hooks wait for (and, overlapping, chain) the gathers
+                held = sum(b.params.untyped_storage().nbytes() for b in zero.buckets)
+                if stage == 3:  # each module freed its parameters after its forward: gather them to compare
+                    assert held == 0, held
+                    zero.gather_all()
                 worst_param = max(worst_param, max((p - q).abs().max().item()
                                                    for p, q in zip(params, reference.parameters())))
+                if stage == 3:
+                    zero.release()
             errors[f"zero{stage}{'_overlap' if overlap else ''}"] = {
                 "grad": worst_grad, "param": worst_param, "buckets": len(zero.buckets),
                 "split": sum(0 < hi - lo < p.numel() for p, (lo, hi) in zip(params, zero.shard_ranges)) if stage else 0,
@@ -109,13 +117,13 @@ def test_buckets_average_gradients_and_rebuild_parameters_like_one_process(tmp_p
     spawn(_buckets_against_reference, 2, str(tmp_path))
     for rank in range(2):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(errors) == 6
+        assert len(errors) == 8
         for name, e in errors.items():
             assert e["grad"] < 1e-6 and e["param"] < 1e-6, (rank, name, e)
             assert e["buckets"] >= 2
             assert e["fused"] == [2] * (STEPS * MICROBATCHES), (name, e)  # b.weight, into the buffer each microbatch
             assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
-            if name.startswith(("zero1", "zero2")):
+            if name.startswith(("zero1", "zero2", "zero3")):
                 assert e["split"] > 0, (name, e)  # some parameter straddles the ranks' shards
 
 
@@ -144,3 +152,62 @@ def test_what_a_parameter_is_and_where_its_gradient_goes_stay_on_it_on_meta():
         assert view.device.type == "meta" and view.shape == p.shape and view._base is zero.buckets[b].grads
     copied = copy.deepcopy(params[2])
     assert sharding.shard_info(copied) == sharding.WHOLE and gradient_sink(copied) is None
+
+
+def _storage_between_steps(rank, world, port, out):
+    """Per ZeRO stage: the parameter storage a rank holds before and after a step (every distinct
+    storage under the model's parameters and the optimizer's shards, as allocated: nbytes), and
+    the most buckets whose full buffer existed at once when a block's forward or backward ran."""
+    import parallel
+    from model import GPT, ModelConfig
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for stage in (1, 3):
+        cfg = parallel.ParallelConfig(zero_stage=stage)
+        layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
+        model = GPT(ModelConfig(n_layers=4, n_heads=4, d_model=64, vocab_size=128))
+        model.init_weights(0)
+        engine = parallel.build(model, layout, cfg)
+        optimizer = torch.optim.AdamW(engine.zero.shards, lr=1e-3)
+
+        def held() -> int:
+            storages = {}
+            for t in list(engine.zero.params) + list(engine.zero.shards):
+                s = t.untyped_storage()
+                storages[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+            return sum(storages.values())
+
+        resident = []
+        count = lambda *_: resident.append(sum(b.params.untyped_storage().nbytes() > 0 for b in engine.zero.buckets))
+        for block in engine.chunks[0].blocks.values():  # after the schedule's own hooks: its gather
+            block.register_forward_pre_hook(count)
+            block.register_full_backward_hook(count)
+        before = held()
+        engine.forward_backward(tokens[:, :-1], tokens[:, 1:], torch.float32)
+        engine.finish_gradients(1.0)
+        engine.optimizer_step(optimizer)
+        found[stage] = {"before": before, "after": held(), "most_resident": max(resident),
+                        "buckets": len(engine.zero.buckets),
+                        "model": 4 * sum(p.numel() for p in engine.zero.params),
+                        "padded_shards": 4 * sum(b.shard_numel for b in engine.zero.buckets)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def test_zero3_holds_only_its_shards_between_steps(tmp_path):
+    """ZeRO-3 at dp=2: between steps a rank's parameter storage is its shards (half the model plus
+    each bucket's padding); ZeRO-1 holds every parameter whole. During a step a block computes with
+    its own bucket gathered and the others freed (the tail's, head and norm, stays gathered from its
+    forward to its backward, FSDP's root): at most two full buffers at once."""
+    spawn(_storage_between_steps, 2, str(tmp_path))
+    for rank in range(2):
+        found = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        one, three = found["1"], found["3"]
+        print(f"rank {rank}: model {one['model']} B; between steps ZeRO-1 {one['after']} B, ZeRO-3 {three['after']} B "
+              f"(shards {three['padded_shards']} B), most buckets gathered at once {three['most_resident']} of {three['buckets']}")
+        assert one["before"] == one["after"] >= one["model"]
+        assert three["before"] == three["after"] == three["padded_shards"]
+        assert three["padded_shards"] <= one["model"] / 2 + 4 * three["buckets"]
+        assert three["most_resident"] <= 2 < three["buckets"]
