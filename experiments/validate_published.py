@@ -4,8 +4,8 @@ Each row is a run as its source states it: model shape, GPUs, layout, recomputat
 parallelism and the throughput it measured. The throughput is converted to the project's MFU
 (model.flops_per_token: 6N + 12·L·h·T per token, over the GPU's dense bf16 peak) through the
 source's own FLOP formula (published_mfu), the run is composed as a config train.py would take
-(row_config), and the model predicts its MFU. A run the code cannot express (FSDP, uneven pipeline
-stages, ...) is not approximated: it is reported with one line naming the missing knob.
+(row_config), and the model predicts its MFU. A run the model cannot express (FSDP, which it does not
+price yet, uneven pipeline stages, ...) is not approximated: it is reported with one line naming the missing knob.
 
 The rows' split (fit / held_out) is in the CSV, fixed before any error was looked at. Table 2 of
 MegaScale is a source too: its Megatron-LM column is fit, its MegaScale column held out. A run
@@ -78,7 +78,7 @@ def all_rows() -> List[Dict[str, str]]:
 
 # Knobs a published run may need that the code does not have: (test on the row, the one line).
 MISSING_KNOBS = [
-    (lambda r: r["zero_stage"] == "3", "fully sharded data parallelism (parallel.zero_stage=3) is not in the code yet"),
+    (lambda r: r["zero_stage"] == "3", "fully sharded data parallelism (parallel.zero_stage=3): the performance model does not price it yet"),
     (lambda r: r.get("precision", "bf16") == "fp8", "FP8 GEMMs (precision=fp8) are not in the code"),
     (lambda r: recompute_overrides(r["recompute"]) is None,
      "the recomputation is not one the code has: none, selective, full, or full:N (the first N layers of each "
