@@ -44,8 +44,19 @@ class ParallelConfig:
     # SP each rank sends its slice of the sequence anyway: no effect there, as in Megatron-LM.
     pp_scatter_gather: bool = True
     vpp: int = 1             # virtual pipeline stages per rank (interleaved 1F1B when > 1)
+    # Layers of the model's first chunk (pipeline rank 0's first, its stage at vpp=1) and of its
+    # last (rank pp-1's last); -1: n_layers/(pp*vpp) like every chunk. The other chunks share the
+    # rest evenly. Llama 3 405B's 126 layers at pp=16: 7 and 7 (Meta's first and last stage one
+    # layer short, for the embedding and the head), or 0 and 0 at vpp=8 (a chunk of the embedding
+    # alone, one of the head alone). Megatron-LM's --decoder-first/last-pipeline-num-layers.
+    pp_first_chunk_layers: int = -1
+    pp_last_chunk_layers: int = -1
     dp: int = -1             # -1: whatever the world size leaves, world / (tp * pp)
     zero_stage: int = 0      # 0: replicated optimizer | 1: sharded optimizer state | 2: + sharded grads | 3: + params
+    # Hybrid sharding (FSDP's HSDP; Megatron-LM's distributed-optimizer instances): ZeRO shards over
+    # groups of dp_shard consecutive DP ranks and replicates across the dp/dp_shard groups (gradients
+    # reduce-scattered in the shard group, then all-reduced across replicas). -1: all of dp.
+    dp_shard: int = -1
     # ZeRO-3: free a module's gathered parameters after its forward and gather them again for its
     # backward (true, FSDP's default), or keep them until its backward is done (false).
     reshard_after_forward: bool = True
@@ -62,6 +73,34 @@ class ParallelConfig:
 
 def data_parallel_size(cfg: ParallelConfig, world: int) -> int:
     return cfg.dp if cfg.dp > 0 else max(1, world // (cfg.tp * cfg.pp))
+
+
+def chunk_layers(n_layers: int, cfg: ParallelConfig) -> list:
+    """Blocks of each of the model's pp*vpp chunks, in model order (virtual stage s on pipeline rank
+    s % pp): the first and last as parallel.pp_first/last_chunk_layers say (-1: even), the others
+    sharing the rest evenly. One ConfigError where they cannot."""
+    chunks = cfg.pp * cfg.vpp
+    first, last = cfg.pp_first_chunk_layers, cfg.pp_last_chunk_layers
+    if first == -1 and last == -1:
+        if n_layers % chunks:
+            raise ConfigError("parallel.pp", f"pp*vpp={chunks} does not divide model.n_layers={n_layers}",
+                              "choose pp and vpp whose product divides the layer count, or set "
+                              "parallel.pp_first_chunk_layers and pp_last_chunk_layers")
+        return [n_layers // chunks] * chunks
+    if chunks < 2 or min(first, last) < -1:
+        raise ConfigError("parallel.pp_first_chunk_layers", f"{first} and {last} with pp*vpp={chunks}",
+                          "use them with pp*vpp >= 2, each -1 or a count of layers")
+    inner = chunks - 2
+    ends = [x for x in (first, last) if x >= 0]
+    rest = n_layers - sum(ends)
+    evenly = chunks - len(ends)  # chunks that share `rest`: the middle ones, and an end left at -1
+    if rest < 0 or (evenly and rest % evenly) or (not evenly and rest) or (inner and evenly and rest // evenly == 0):
+        raise ConfigError("parallel.pp_first_chunk_layers",
+                          f"first {first} and last {last} leave {rest} of model.n_layers={n_layers} layers "
+                          f"for {evenly} chunks (pp*vpp={chunks}), which must share them evenly, at least one each",
+                          "choose first and last chunk layers that leave a multiple of the other chunks' number")
+    each = rest // evenly if evenly else 0
+    return [first if first >= 0 else each] + [each] * inner + [last if last >= 0 else each]
 
 
 def validate(cfg, world: int, run: bool = True) -> None:
@@ -81,13 +120,28 @@ def validate(cfg, world: int, run: bool = True) -> None:
                           "list all three, outermost first, e.g. parallel.order=[dp,pp,tp]")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", f"{p.zero_stage}", "use 0, 1, 2 or 3")
+    if p.zero_stage == 3 and not run:
+        raise ConfigError("parallel.zero_stage", "3: the performance model does not price it yet",
+                          "use parallel.zero_stage=0, 1 or 2 to model a run")
+    if p.zero_stage == 3 and getattr(getattr(cfg, "rehearse", None), "rehearsing", False):
+        raise ConfigError("parallel.zero_stage", "3: the rehearsal does not run it yet",
+                          "use parallel.zero_stage=0, 1 or 2 to rehearse a run")
     if p.zero_stage == 3:
-        if not run or getattr(getattr(cfg, "rehearse", None), "rehearsing", False):
-            raise ConfigError("parallel.zero_stage", "3: the performance model does not price it yet",
-                              "use parallel.zero_stage=0, 1 or 2 to model or rehearse a run")
         if t.compile:
             raise ConfigError("train.compile", "true with parallel.zero_stage=3 is not supported yet (its "
                               "gather and free hooks run eager)", "use train.compile=false or auto (eager at ZeRO-3)")
+    if p.dp_shard != -1 and (p.dp_shard < 1 or dp % p.dp_shard):
+        raise ConfigError("parallel.dp_shard", f"{p.dp_shard} does not divide dp={dp}",
+                          "use a divisor of the data-parallel size, or -1 to shard over all of it")
+    if 1 <= p.dp_shard < dp and p.zero_stage == 0:
+        raise ConfigError("parallel.dp_shard", f"{p.dp_shard} with parallel.zero_stage=0, which shards nothing",
+                          "use parallel.zero_stage=1, 2 or 3, or parallel.dp_shard=-1")
+    if 1 <= p.dp_shard < dp and run:
+        raise ConfigError("parallel.dp_shard", f"{p.dp_shard}: hybrid sharding is not in the training code yet",
+                          "use parallel.dp_shard=-1")
+    if run and (p.pp_first_chunk_layers != -1 or p.pp_last_chunk_layers != -1):
+        raise ConfigError("parallel.pp_first_chunk_layers", "uneven pipeline chunks are not in the training code yet",
+                          "use parallel.pp_first_chunk_layers=-1 and parallel.pp_last_chunk_layers=-1")
     if p.reduce_dtype not in ("fp32", "bf16"):
         raise ConfigError("parallel.reduce_dtype", f"{p.reduce_dtype!r}", "use fp32 or bf16")
     if m.n_heads % p.tp or m.d_model % p.tp or m.vocab_size % p.tp:
@@ -107,10 +161,7 @@ def validate(cfg, world: int, run: bool = True) -> None:
         raise ConfigError("parallel.overlap.tp", f"{p.overlap.tp} overlaps sequence parallelism's all-gathers and "
                           "reduce-scatters, which parallel.sequence_parallel=false replaces by all-reduces",
                           "use parallel.overlap.tp=off or parallel.sequence_parallel=true")
-    if m.n_layers % (p.pp * p.vpp):
-        raise ConfigError("parallel.pp", f"pp*vpp={p.pp * p.vpp} does not divide model.n_layers={m.n_layers}",
-                          "choose pp and vpp whose product divides the layer count")
-    per_chunk = m.n_layers // (p.pp * p.vpp)
+    per_chunk = max(chunk_layers(m.n_layers, p))
     if t.recompute_layers > per_chunk:
         raise ConfigError("train.recompute_layers", f"{t.recompute_layers} layers but a model chunk holds "
                           f"model.n_layers/(pp*vpp) = {per_chunk}",

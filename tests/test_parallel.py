@@ -575,5 +575,5 @@ def test_zero3_is_refused_where_the_performance_model_would_price_it():
     with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the performance model"):
         parallel.validate(cfg, 2, run=False)
     rehearsal = config.compose(SMALL + ["parallel.zero_stage=3", "rehearse.rank=0", "rehearse.world=2"])
-    with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the performance model"):
+    with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the rehearsal"):
         config.validate(rehearsal, 2)
