@@ -58,7 +58,8 @@ class ParallelConfig:
     # reduce-scattered in the shard group, then all-reduced across replicas). -1: all of dp.
     dp_shard: int = -1
     # ZeRO-3: free a module's gathered parameters after its forward and gather them again for its
-    # backward (true, FSDP's default), or keep them until its backward is done (false).
+    # backward (true, FSDP's default), or keep them from its first forward of the step to its last
+    # backward (false: one gather a step, whatever the microbatches; Llama 3's choice under PP).
     reshard_after_forward: bool = True
     microbatches: int = 1    # per optimizer step and DP rank: pipeline microbatches, or accumulation
     # Mesh dims, outermost first. TP innermost makes a TP group consecutive ranks, i.e. one host
@@ -123,9 +124,6 @@ def validate(cfg, world: int, run: bool = True) -> None:
     if p.zero_stage == 3 and not run:
         raise ConfigError("parallel.zero_stage", "3: the performance model does not price it yet",
                           "use parallel.zero_stage=0, 1 or 2 to model a run")
-    if p.zero_stage == 3 and getattr(getattr(cfg, "rehearse", None), "rehearsing", False):
-        raise ConfigError("parallel.zero_stage", "3: the rehearsal does not run it yet",
-                          "use parallel.zero_stage=0, 1 or 2 to rehearse a run")
     if p.zero_stage == 3:
         if t.compile:
             raise ConfigError("train.compile", "true with parallel.zero_stage=3 is not supported yet (its "
@@ -486,8 +484,7 @@ class ParallelModel:
                 with spans.segment(spans.action_name(("B", mb, 0)), x.device):
                     loss.backward()
                 self.zero.backward_done()
-            if self.zero.stage == 3:  # between microbatches (and after evaluation's forward) only the shards
-                self.zero.release()
+            self.zero.microbatch_done(backward, last=mb == len(xs) - 1)
             kept = loss.detach().clone() if self._cuda_graphs else loss.detach()  # a replay reuses its outputs' memory
             total = kept if total is None else total + kept
         return total

@@ -251,6 +251,9 @@ class MemoryLedger(TorchDispatchMode):
         self.live[key] = (weakref.ref(st), st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."))
         self.bytes += st.nbytes()
         weakref.finalize(st, self._release, key, st.nbytes())
+        self._note_peak()
+
+    def _note_peak(self) -> None:
         if self.bytes > self.peak:
             self.peak = self.bytes
             if self.bytes > self._snapshot_at * 1.001:  # re-split only when the peak moved
@@ -275,13 +278,30 @@ class MemoryLedger(TorchDispatchMode):
         self._classify_peak()
         return self._peak_at
 
+    def _resized(self, t: torch.Tensor) -> None:
+        """A storage resized in place (ZeRO-3 frees a gathered bucket and gathers it again): its
+        bytes as they are now."""
+        st = t.untyped_storage()
+        entry = self.live.get(id(st))
+        if entry is None:
+            return self.track(t)
+        ref, before, shape, dtype = entry
+        self.live[id(st)] = (ref, st.nbytes(), shape, dtype)
+        self.bytes += st.nbytes() - before
+        self._note_peak()
+
     def _release(self, key, nbytes) -> None:
-        if self.live.pop(key, None) is not None:
-            self.bytes -= nbytes
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[1]  # (its size now: a resized storage's differs from its first)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._classify_peak()
         out = func(*args, **(kwargs or {}))
+        if func is torch.ops.inductor.resize_storage_bytes_.default:
+            if not self.paused and args[0].device.type == self.device.type:
+                self._resized(args[0])
+            return out
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             self.track(t)
         return out

@@ -45,7 +45,10 @@ pre-hook gathers it (with DP overlap, prefetching the next module's); its forwar
 valid, autograd's saved references to them too, and see the next gather's values) unless
 reshard_after_forward is off, and hooks its output's gradient, so that the module's backward
 begins by gathering it again (with DP overlap, prefetching the previous module's); the end of
-its backward (add_gradients) frees it. The final norm and head, whose backward usually comes
+its backward (add_gradients) frees it. With reshard_after_forward off a module stays gathered
+from its first forward of the step to its last backward (the last microbatch's): one gather a
+step, whatever the microbatches, as torch's pipelining runs FSDP2 with reshard_after_forward=False
+(it reshards after the last backward only) and Llama 3 trained under pipeline parallelism. The final norm and head, whose backward usually comes
 right after their forward, stay gathered in between, as FSDP keeps its root (their output is
 hooked too: a pipeline schedule may run another microbatch's backward between). The shard lives in
 storage of its own (the fp32 master), which the gather reads, so between steps a rank holds only
@@ -196,6 +199,7 @@ class ZeroDataParallel:
         if stage == 3:  # between steps a rank holds its shards only
             self.release()
         self.modules: list = []    # each hooked module's parameter indices (attach)
+        self.backwards: list = []  # ZeRO-3: each module's backwards this step (kept gathered until its last)
         self.module_buckets: list = []  # each hooked module's buckets
         self.unmarked = set()      # modules whose backward no _BackwardDone marks (their input needs no gradient)
         self.hooks_traced = False  # the forward is compiled: its hooks are traced and mark nothing (mark_hooks_traced)
@@ -270,6 +274,7 @@ class ZeroDataParallel:
         for m, (indices, register, *after) in enumerate(modules):
             buckets = sorted({self.where[i][0] for i in indices})
             self.modules.append(indices)
+            self.backwards.append(0)
             self.module_buckets.append(buckets)
             register(self._hook(m, buckets))
             if self.stage == 3 and after and after[0] is not None:
@@ -353,8 +358,10 @@ class ZeroDataParallel:
             self.buckets[b].arrived += n
             if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.microbatches:
                 self._launch_reduction(b)
-        if self.stage == 3:  # its backward is over: only the shard stays
-            self.release(self.module_buckets[m])
+        if self.stage == 3:  # its backward is over: only the shard stays (kept: after the step's last)
+            self.backwards[m] += 1
+            if self.reshard_after_forward or self.backwards[m] >= self.microbatches:
+                self.release(self.module_buckets[m])
 
     def _add(self, b: int, indices: list) -> None:
         """Parameters' fresh gradients into bucket b's buffer, in one foreach add, and freed."""
@@ -391,6 +398,7 @@ class ZeroDataParallel:
         for bucket in self.buckets:
             bucket.arrived = 0
         self.fused.clear()
+        self.backwards = [0] * len(self.modules)
 
     @torch.no_grad()
     def _add_stragglers(self, b: int) -> None:
@@ -468,9 +476,8 @@ class ZeroDataParallel:
             return  # (the later microbatches' forwards, or a pipeline's, find it current)
         bucket = self.buckets[b]
         if self.stage == 3:  # the full buffer exists again, gathered from the shard's own storage
-            storage = bucket.params.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(bucket.numel * bucket.params.element_size())
+            if bucket.params.untyped_storage().nbytes() == 0:
+                _resize_storage(bucket.params, bucket.numel * bucket.params.element_size())
             mine = bucket.master.to(self.dtype)  # (fp32: the master itself)
             if self.layout.dp == 1:
                 bucket.params.copy_(mine)
@@ -503,7 +510,13 @@ class ZeroDataParallel:
             if b in self.gathering:
                 self.wait_gather(b)
             self.current.discard(b)
-            self.buckets[b].params.untyped_storage().resize_(0)
+            _resize_storage(self.buckets[b].params, 0)
+
+    def microbatch_done(self, backward: bool, last: bool) -> None:
+        """ZeRO-3, after a microbatch without a pipeline (which releases once its schedule is done):
+        only the shards stay, but with reshard_after_forward off until the step's last backward."""
+        if self.stage == 3 and (self.reshard_after_forward or last or not backward):
+            self.release()
 
     def gather_all(self) -> None:
         for b in range(len(self.buckets)):
@@ -527,6 +540,13 @@ class ZeroDataParallel:
         if self.stage > 0:
             self.current.clear()
             self.gather_all()
+
+
+def _resize_storage(t: torch.Tensor, nbytes: int) -> None:
+    """Resize t's storage in place, as FSDP2 does, through the dispatcher's op (a plain
+    UntypedStorage.resize_ is invisible to a TorchDispatchMode: the rehearsal's memory ledger
+    follows ZeRO-3's frees and gathers through this one)."""
+    torch.ops.inductor.resize_storage_bytes_(t, nbytes)
 
 
 def _replicas_last(indices: list, params: list) -> list:

@@ -399,6 +399,9 @@ LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off an
     "tp2_pp2_no_sp": ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.sequence_parallel=false"],
     "tp2_pp2_no_sp_whole_sends": ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
                                   "parallel.sequence_parallel=false", "parallel.pp_scatter_gather=false"],
+    # ZeRO-3's per-module gathers and frees under 1F1B, prefetched: one order on every rank.
+    "pp2_dp2_zero3_overlap": ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2", "parallel.zero_stage=3",
+                              "parallel.overlap.dp=true"],
 }
 
 
@@ -452,3 +455,22 @@ def test_a_ranks_communicators_and_connections_do_not_grow_with_the_world(world,
     assert comms["lazy"] == comms["groups"] + comms["p2p_pairs"]
     assert ckpt["before"]["sockets"] == world - 1 and ckpt["after"]["sockets"] <= 16
     assert ckpt["after"]["resume_check_fs_calls"] <= 4 < 2 * world <= ckpt["before"]["resume_check_fs_calls"]
+
+
+def test_zero3_gathers_per_use_or_once_a_step_and_the_ledger_follows_its_frees(tmp_path):
+    """ZeRO-3 on dp2 with 2 microbatches, through the real code: with reshard_after_forward each
+    block's bucket is gathered for each microbatch's forward and again for its backward (the
+    embedding too: its output's gradient hook; the norm and head once a microbatch), without it
+    once a step. The memory ledger follows the frees (storage resized through the dispatcher):
+    at the peak a rank holds a few modules' parameters with resharding, and without it every
+    module's, as at ZeRO-2."""
+    base = ["model.vocab_size=512", "precision=bf16", "parallel.dp=2", "parallel.microbatches=2"]
+    records = {flag: rehearse_here(base + ["parallel.zero_stage=3", f"parallel.reshard_after_forward={flag}"], [0],
+                                   tmp_path / flag)[0] for flag in ("true", "false")}
+    zero2, = rehearse_here(base + ["parallel.zero_stage=2"], [0], tmp_path / "zero2")
+    blocks = config.compose(TINY).model.n_layers
+    gathers = {flag: sum(ev["op"] == "all_gather" and ev["step"] == 1 for ev in rec["comm"]) for flag, rec in records.items()}
+    assert gathers == {"true": 2 * 2 * (blocks + 1) + 2, "false": blocks + 2}
+    weights = {flag: rec["memory"]["weights_bytes"] for flag, rec in records.items()}
+    assert weights["false"] == zero2["memory"]["weights_bytes"]
+    assert weights["true"] < weights["false"] / 2
