@@ -452,7 +452,16 @@ def table_row(rec: dict) -> dict:
             "fits": m["fits"], "dominant": m["dominant"], "capacity_gib": gib(m.get("capacity_bytes", 80 * 2**30)),
             "comm_gib": {k: gib(v) for k, v in sorted(comm_per_step(rec).items())},
             "tflops_per_step": sum(rec["flops"]["per_step"].values()) / 1e12,
-            "checkpoint_gib": gib(rec["checkpoint_bytes"]), "seconds": rec["seconds"], "rss_gib": gib(rec["rss_bytes"])}
+            "checkpoint_gib": gib(rec["checkpoint_bytes"]), "seconds": rec["seconds"], "rss_gib": gib(rec["rss_bytes"]),
+            "costs": _cost_summary(rec.get("costs") or {})}
+
+
+def _cost_summary(costs: dict) -> dict:
+    """What a rank costs beyond its tensors, in a few numbers (rank_costs.py): process groups it is
+    in, the checkpoint's peers and a resume check's file-system calls."""
+    comms, ckpt = costs.get("communicators") or {}, (costs.get("checkpoint") or {}).get("after", {})
+    return {"groups": comms.get("groups"), "p2p_pairs": comms.get("p2p_pairs"), "checkpoint_peers": ckpt.get("sockets"),
+            "resume_check_fs_calls": ckpt.get("resume_check_fs_calls")}
 
 
 def render(summary: dict, cfg) -> str:

@@ -1,12 +1,13 @@
 """The paper's jobs, rehearsed (clustermodel/rehearsal.py): Table 3's 9 steps (175B on 256 GPUs, TP8 PP8 vpp6
 DP4), Table 2's 8 rows (175B on 256-12,288 GPUs) and the 530B model on 2,240, 4,480 and 11,200
-GPUs (MegaScale's settings, batch = GPUs, as `python -m clustermodel 530b`), and Llama 3 70B on
-256 GPUs (LLAMA_70B). Each job rehearses its first
+GPUs (MegaScale's settings, batch = GPUs, as `python -m clustermodel 530b`), Llama 3 70B on
+256 GPUs (LLAMA_70B) and Llama 3 405B on 8,192 and 16,384 GPUs with fully sharded and hybrid-sharded
+data parallelism (LLAMA_405B, SETTINGS_405B). Each job rehearses its first
 and last rank (the first and last pipeline stage: the most in flight, and the logits), 2 steps,
 NCCL's rules on; the table gives each job's peak memory per GPU, split, and its communication per
 step, per mesh dimension, and is appended to experiments/results/rehearsal_paper.md.
 
-    python experiments/rehearse_paper.py [--jobs table3,table2,530b,llama70b] [--only "step 0,2240 GPUs"] [--out DIR]
+    python experiments/rehearse_paper.py [--jobs table3,table2,530b,llama70b,llama405b] [--only "step 0,2240 GPUs"] [--out DIR]
     python experiments/rehearse_paper.py --render DIR/results.json ...   # the table of finished jobs
 """
 from __future__ import annotations
@@ -44,6 +45,36 @@ LLAMA_70B = ["scale=cluster", "model=llama3_70B", "hardware=h100_cluster", "trai
              "parallel.overlap.pp=true", "parallel.overlap.dp=true", "kernels.attention=auto", "kernels.fused=true",
              "data.pipeline=megascale", "optim.name=adamw", "train.recompute=none"]
 
+# Llama 3 405B as Meta trained it at 8K context (Dubey et al. 2024, Table 4 and section 3.3.2):
+# H100 80 GB, TP8 inside a host, PP16 with the first and last stage one layer short (126 = 7 +
+# 14 x 8 + 7), DP 64 on 8,192 GPUs and 128 on 16,384, 2,048 sequences of 8,192 tokens a step,
+# parameters, gradients and optimizer state sharded over DP (FSDP), not resharded after forward
+# under the pipeline. The MegaScale switches that leave the maths alone, as LLAMA_70B.
+LLAMA_405B = ["scale=cluster", "model=llama3_405B", "hardware=h100_cluster", "train.seq_len=8192", "train.batch_size=2048",
+              "parallel.tp=8", "parallel.pp=16", "parallel.vpp=1", "parallel.pp_first_chunk_layers=7",
+              "parallel.pp_last_chunk_layers=7", "parallel.zero_stage=3", "parallel.overlap.tp=chunked",
+              "parallel.overlap.tp_chunks=4", "parallel.overlap.pp=true", "parallel.overlap.dp=true",
+              "kernels.attention=auto", "kernels.fused=true", "data.pipeline=megascale", "optim.name=adamw"]
+SETTINGS_405B = {  # label: overrides beside LLAMA_405B's
+    "ZeRO-3, kept (Meta's)": ["parallel.reshard_after_forward=false"],
+    "ZeRO-3, resharded": ["parallel.reshard_after_forward=true"],
+    "hybrid, shard 8, kept": ["parallel.reshard_after_forward=false", "parallel.dp_shard=8"],
+    "hybrid, shard 64, kept": ["parallel.reshard_after_forward=false", "parallel.dp_shard=64"],
+}
+
+
+def jobs_405b(recompute: str) -> list:
+    """The 405B settings on 8,192 and 16,384 GPUs (shard 64 is all of DP on 8,192: not repeated)."""
+    out = []
+    for gpus in (8192, 16384):
+        dp = gpus // (8 * 16)
+        for label, extra in SETTINGS_405B.items():
+            if "shard 64" in label and dp == 64:
+                continue
+            out.append(("Llama 3 405B", f"{gpus} GPUs, {label}, recompute {recompute}", gpus,
+                        LLAMA_405B + extra + [f"parallel.microbatches={2048 // dp}", f"train.recompute={recompute}"]))
+    return out
+
 
 def jobs(which: list) -> list:
     """(table, label, world, overrides) of every job, tables in the order asked."""
@@ -63,8 +94,10 @@ def jobs(which: list) -> list:
                                                       f"train.batch_size={g}", f"parallel.microbatches={g // dp}"]))
         elif table == "llama70b":
             out.append(("Llama 3 70B", "TP8 PP4 vpp5 DP8 seq 8192", 256, LLAMA_70B))
+        elif table == "llama405b":
+            out += jobs_405b("none") + jobs_405b("selective")
         else:
-            raise SystemExit(f"--jobs: unknown table {table!r}. Fix: a comma list of table3, table2, 530b, llama70b")
+            raise SystemExit(f"--jobs: unknown table {table!r}. Fix: a comma list of table3, table2, 530b, llama70b, llama405b")
     return out
 
 
@@ -82,7 +115,8 @@ def run(table: str, label: str, world: int, overrides: list, out: Path) -> dict:
 
 def render(results: list) -> str:
     lines = ["| job | GPUs | rank (dp,pp,tp) | peak GiB | weights | grads | optimizer | activations | fits (GiB tensors may use) | "
-             "TP GiB/step | PP GiB/step | DP GiB/step | time per rank | NCCL rules |", "|" + "---|" * 14]
+             "TP GiB/step | PP GiB/step | DP GiB/step | groups / p2p peers / checkpoint peers / resume fs calls | "
+             "time per rank | NCCL rules |", "|" + "---|" * 15]
     for r in results:
         rule = "kept" if not r["problems"] else f"{len(r['problems'])} problems"
         for row in r["rows"]:
@@ -90,11 +124,22 @@ def render(results: list) -> str:
             lines.append(f"| {r['table']} {r['label']} | {r['world']:,} | {row['rank']} ({row['dp']},{row['pp']},{row['tp']}) | "
                          f"{row['peak_gib']:.1f} | {row['weights']:.1f} | {row['gradients']:.1f} | {row['optimizer']:.1f} | "
                          f"{row['activations']:.1f} | {'yes' if row['fits'] else 'NO: ' + row['dominant']} ({row.get('capacity_gib', 80):g}) | "
-                         f"{comm.get('tp', 0):.1f} | {comm.get('pp', 0):.2f} | {comm.get('dp', 0):.2f} | "
+                         f"{comm.get('tp', 0):.1f} | {comm.get('pp', 0):.2f} | {dp_gib(comm):.2f} | {costs(row)} | "
                          f"{row['seconds']:.0f} s | {rule} |")
         if not r["rows"]:
-            lines.append(f"| {r['table']} {r['label']} | {r['world']:,} | failed (exit {r['exit']}) | | | | | | | | | | | {rule} |")
+            lines.append(f"| {r['table']} {r['label']} | {r['world']:,} | failed (exit {r['exit']}) | | | | | | | | | | | | {rule} |")
     return "\n".join(lines)
+
+
+def dp_gib(comm: dict) -> float:
+    """DP's bytes a step, over every data-parallel group (hybrid sharding's shard and replicate groups too)."""
+    return sum(v for k, v in comm.items() if k.startswith("dp"))
+
+
+def costs(row: dict) -> str:
+    c = row.get("costs") or {}
+    return " / ".join("-" if c.get(k) is None else str(c[k])
+                      for k in ("groups", "p2p_pairs", "checkpoint_peers", "resume_check_fs_calls"))
 
 
 def main(argv=None) -> int:
