@@ -139,9 +139,6 @@ def validate(cfg, world: int, run: bool = True) -> None:
     if 1 <= p.dp_shard < dp and run:
         raise ConfigError("parallel.dp_shard", f"{p.dp_shard}: hybrid sharding is not in the training code yet",
                           "use parallel.dp_shard=-1")
-    if run and (p.pp_first_chunk_layers != -1 or p.pp_last_chunk_layers != -1):
-        raise ConfigError("parallel.pp_first_chunk_layers", "uneven pipeline chunks are not in the training code yet",
-                          "use parallel.pp_first_chunk_layers=-1 and parallel.pp_last_chunk_layers=-1")
     if p.reduce_dtype not in ("fp32", "bf16"):
         raise ConfigError("parallel.reduce_dtype", f"{p.reduce_dtype!r}", "use fp32 or bf16")
     if m.n_heads % p.tp or m.d_model % p.tp or m.vocab_size % p.tp:
@@ -163,8 +160,8 @@ def validate(cfg, world: int, run: bool = True) -> None:
                           "use parallel.overlap.tp=off or parallel.sequence_parallel=true")
     per_chunk = max(chunk_layers(m.n_layers, p))
     if t.recompute_layers > per_chunk:
-        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} layers but a model chunk holds "
-                          f"model.n_layers/(pp*vpp) = {per_chunk}",
+        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} layers but the largest model chunk "
+                          f"holds {per_chunk} (parallel.chunk_layers)",
                           f"use train.recompute_layers<={per_chunk}, or -1 for every layer")
     if p.vpp > 1 and p.microbatches % p.pp:
         raise ConfigError("parallel.microbatches", f"interleaved 1F1B walks microbatches in groups of pp={p.pp}, "
@@ -369,7 +366,7 @@ class ParallelModel:
         on_meta = next(model.parameters()).is_meta
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Split first: TP and recompute apply to the modules each chunk really holds.
-        self.chunks = split_for_pipeline(model, layout, cfg.vpp)
+        self.chunks = split_for_pipeline(model, layout, chunk_layers(len(model.blocks), cfg))
         for chunk in self.chunks:
             parallelize(chunk, layout, cfg, recompute, recompute_layers)
             _materialize(chunk, layout, cfg, dtype, self.device if on_meta else None, seed)
@@ -394,8 +391,9 @@ class ParallelModel:
         of the hook that must run before that use and of the one after its forward (where ZeRO-3
         frees them): the embedding and each block wait in their own pre-hook; the final norm (run
         as a function, so it has no hook of its own) and the head wait in the post-hook of the
-        last block, before the norm reads its weights, and stay gathered for their backward,
-        which comes next (FSDP keeps its root's the same way)."""
+        last block, before the norm reads its weights (in a chunk of no block, the chunk's own
+        pre-hook), and stay gathered for their backward, which comes next (FSDP keeps its root's
+        the same way)."""
         index = {id(p): i for i, p in enumerate(params)}
         modules = []
         for chunk in self.chunks:
@@ -408,7 +406,7 @@ class ParallelModel:
                                 block.register_forward_hook))
             tail = [index[id(p)] for m in (chunk.norm, chunk.head) if m is not None for p in m.parameters()]
             if tail:  # kept gathered from its forward to its backward (False: no reshard_after_forward)
-                modules.append((tail, blocks[-1].register_forward_hook,
+                modules.append((tail, _before_tail(chunk),
                                 chunk.head.register_forward_hook if chunk.head is not None else None, False))
         return modules
 
@@ -519,6 +517,15 @@ class ParallelModel:
     def parameters_loaded(self) -> None:
         """After a checkpoint load: the parameters and the optimizer's shards agree again."""
         self.zero.parameters_loaded()
+
+
+def _before_tail(chunk: torch.nn.Module) -> Callable:
+    """The registration of the hook that runs just before `chunk`'s final norm reads its weights:
+    its last block's forward hook, or with no block (parallel.pp_last_chunk_layers=0) the chunk's
+    own forward pre-hook, its input then going straight to the norm. (The embedding cannot come
+    before the norm in the same chunk: a model of pp*vpp >= 2 chunks has them apart.)"""
+    blocks = list(chunk.blocks.values())
+    return blocks[-1].register_forward_hook if blocks else chunk.register_forward_pre_hook
 
 
 def _materialize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, dtype: torch.dtype,

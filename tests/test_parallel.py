@@ -53,6 +53,19 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     # Full recomputation of the first of each stage's two blocks only (train.recompute_layers).
     "pp2_recompute_layers": (2, ["parallel.pp=2", "parallel.microbatches=2", "train.recompute=full",
                                  "train.recompute_layers=1"]),
+    # Uneven pipeline chunks (parallel.pp_first/last_chunk_layers): stages of 1 and 3 blocks, each
+    # recomputing up to 3 (train.recompute_layers counts against the largest chunk); then first and
+    # last chunks of no block (the embedding alone, the final norm and head alone: the tail's ZeRO-3
+    # gather hooked on the chunk itself) around two of 2, interleaved, every overlap on; and 1F1B's
+    # last stage the tail alone, its gradients reduced per bucket as the backward goes.
+    "pp2_uneven_recompute_layers": (2, ["parallel.pp=2", "parallel.pp_first_chunk_layers=1", "parallel.microbatches=2",
+                                        "train.recompute=full", "train.recompute_layers=3"]),
+    "pp2_vpp2_uneven_empty_ends_zero3_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4",
+                                                     "parallel.pp_first_chunk_layers=0", "parallel.pp_last_chunk_layers=0",
+                                                     "parallel.zero_stage=3", "parallel.overlap.dp=true",
+                                                     "parallel.overlap.pp=true"]),
+    "pp2_empty_last_zero2_overlap": (2, ["parallel.pp=2", "parallel.pp_last_chunk_layers=0", "parallel.microbatches=2",
+                                         "parallel.zero_stage=2", "parallel.overlap.dp=true"]),
     # Two middle stages, which read no batch (a shaped placeholder), between two that do.
     "pp4_megascale_data": (4, ["parallel.pp=4", "parallel.microbatches=4", "data.pipeline=megascale"]),
     # TP without sequence parallelism: the stream replicated, the norms' and biases' gradients whole
