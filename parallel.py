@@ -318,7 +318,8 @@ def apply_recompute(model: torch.nn.Module, mode: str, layers: int = -1) -> None
     """full: store only each block's input and recompute the block in backward. selective: recompute
     only attention's core (Korthikanti et al. 2022), whose activations are the largest per FLOP.
     layers (full only): how many of the chunk's blocks recompute, its first ones, the rest keeping
-    their activations (Megatron-LM's block method, per model chunk); -1: every block.
+    their activations (Megatron-LM's block method, per model chunk; a chunk of fewer blocks, under
+    parallel.pp_first/last_chunk_layers, recomputes all of them); -1: every block.
     The model runs torch.utils.checkpoint where its switches say (Block.recompute,
     Attention.recompute_core), which dynamo traces into a compiled graph; a TP block takes its
     plain block's switch, so TP and recompute apply in either order."""
