@@ -309,13 +309,13 @@ def gradients(engine) -> torch.Tensor:
     return torch.cat([s.grad.flatten() for s in engine.zero.shards])
 
 
-def _compiled_pipeline(rank: int, world: int, port: int, out_dir: str) -> None:
+def _compiled_pipeline(rank: int, world: int, port: int, out_dir: str, last_chunk_layers: int) -> None:
     import torch.distributed as dist
     import parallel
     from model import GPT, ModelConfig
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = parallel.ParallelConfig(pp=2, microbatches=2)
+    cfg = parallel.ParallelConfig(pp=2, microbatches=2, pp_last_chunk_layers=last_chunk_layers)
     layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
     tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
     found = {}
@@ -334,10 +334,12 @@ def _compiled_pipeline(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def test_compiled_chunks_run_in_the_pipeline(tmp_path):
+@pytest.mark.parametrize("last_chunk_layers", [-1, 0])
+def test_compiled_chunks_run_in_the_pipeline(last_chunk_layers, tmp_path):
     """train.compile=true at pp2: the pipeline runs the compiled chunks (it used to keep its own
-    list of the uncompiled ones), and they compute what the eager chunks do."""
-    spawn(_compiled_pipeline, 2, str(tmp_path))
+    list of the uncompiled ones), and they compute what the eager chunks do; a last chunk of the
+    norm and head alone too, its DP hook on the chunk itself traced with it."""
+    spawn(_compiled_pipeline, 2, str(tmp_path), last_chunk_layers)
     for rank in range(2):
         got = json.loads((tmp_path / f"compiled_{rank}.json").read_text())
         assert got["graphs"] >= 1, rank
