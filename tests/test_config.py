@@ -140,7 +140,6 @@ def test_recompute_layers_within_a_chunk_is_accepted():
 
 
 @pytest.mark.parametrize("overrides, world, key", [
-    (["parallel.pp=3"], 3, "parallel.pp"),                                               # 3 does not divide 4 layers
     (["parallel.pp=2", "parallel.pp_first_chunk_layers=5"], 2, "parallel.pp_first_chunk_layers"),  # more than 4
     (["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=2", "parallel.pp_first_chunk_layers=1",
       "parallel.pp_last_chunk_layers=0"], 2, "parallel.pp_first_chunk_layers"),          # 3 left for 2 chunks
