@@ -137,9 +137,6 @@ def validate(cfg, world: int, run: bool = True) -> None:
     if 1 <= p.dp_shard < dp and run:
         raise ConfigError("parallel.dp_shard", f"{p.dp_shard}: hybrid sharding is not in the training code yet",
                           "use parallel.dp_shard=-1")
-    if run and (p.pp_first_chunk_layers != -1 or p.pp_last_chunk_layers != -1):
-        raise ConfigError("parallel.pp_first_chunk_layers", "uneven pipeline chunks are not in the training code yet",
-                          "use parallel.pp_first_chunk_layers=-1 and parallel.pp_last_chunk_layers=-1")
     if p.reduce_dtype not in ("fp32", "bf16"):
         raise ConfigError("parallel.reduce_dtype", f"{p.reduce_dtype!r}", "use fp32 or bf16")
     if m.n_heads % p.tp or m.d_model % p.tp or m.vocab_size % p.tp:
@@ -161,8 +158,8 @@ def validate(cfg, world: int, run: bool = True) -> None:
                           "use parallel.overlap.tp=off or parallel.sequence_parallel=true")
     per_chunk = max(chunk_layers(m.n_layers, p))
     if t.recompute_layers > per_chunk:
-        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} layers but a model chunk holds "
-                          f"model.n_layers/(pp*vpp) = {per_chunk}",
+        raise ConfigError("train.recompute_layers", f"{t.recompute_layers} layers but the largest model chunk "
+                          f"holds {per_chunk} (parallel.chunk_layers)",
                           f"use train.recompute_layers<={per_chunk}, or -1 for every layer")
     if p.vpp > 1 and p.microbatches % p.pp:
         raise ConfigError("parallel.microbatches", f"interleaved 1F1B walks microbatches in groups of pp={p.pp}, "
@@ -319,7 +316,8 @@ def apply_recompute(model: torch.nn.Module, mode: str, layers: int = -1) -> None
     """full: store only each block's input and recompute the block in backward. selective: recompute
     only attention's core (Korthikanti et al. 2022), whose activations are the largest per FLOP.
     layers (full only): how many of the chunk's blocks recompute, its first ones, the rest keeping
-    their activations (Megatron-LM's block method, per model chunk); -1: every block.
+    their activations (Megatron-LM's block method, per model chunk; a chunk of fewer blocks, under
+    parallel.pp_first/last_chunk_layers, recomputes all of them); -1: every block.
     The model runs torch.utils.checkpoint where its switches say (Block.recompute,
     Attention.recompute_core), which dynamo traces into a compiled graph; a TP block takes its
     plain block's switch, so TP and recompute apply in either order."""
@@ -367,7 +365,7 @@ class ParallelModel:
         on_meta = next(model.parameters()).is_meta
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         # Split first: TP and recompute apply to the modules each chunk really holds.
-        self.chunks = split_for_pipeline(model, layout, cfg.vpp)
+        self.chunks = split_for_pipeline(model, layout, chunk_layers(len(model.blocks), cfg))
         for chunk in self.chunks:
             parallelize(chunk, layout, cfg, recompute, recompute_layers)
             _materialize(chunk, layout, cfg, dtype, self.device if on_meta else None, seed)
@@ -392,8 +390,9 @@ class ParallelModel:
         of the hook that must run before that use and of the one after its forward (where ZeRO-3
         frees them): the embedding and each block wait in their own pre-hook; the final norm (run
         as a function, so it has no hook of its own) and the head wait in the post-hook of the
-        last block, before the norm reads its weights, and stay gathered for their backward,
-        which comes next (FSDP keeps its root's the same way)."""
+        last block, before the norm reads its weights (in a chunk of no block, the chunk's own
+        pre-hook), and stay gathered for their backward, which comes next (FSDP keeps its root's
+        the same way)."""
         index = {id(p): i for i, p in enumerate(params)}
         modules = []
         for chunk in self.chunks:
@@ -406,7 +405,7 @@ class ParallelModel:
                                 block.register_forward_hook))
             tail = [index[id(p)] for m in (chunk.norm, chunk.head) if m is not None for p in m.parameters()]
             if tail:  # kept gathered from its forward to its backward (False: no reshard_after_forward)
-                modules.append((tail, blocks[-1].register_forward_hook,
+                modules.append((tail, _before_tail(chunk),
                                 chunk.head.register_forward_hook if chunk.head is not None else None, False))
         return modules
 
@@ -516,6 +515,15 @@ class ParallelModel:
     def parameters_loaded(self) -> None:
         """After a checkpoint load: the parameters and the optimizer's shards agree again."""
         self.zero.parameters_loaded()
+
+
+def _before_tail(chunk: torch.nn.Module) -> Callable:
+    """The registration of the hook that runs just before `chunk`'s final norm reads its weights:
+    its last block's forward hook, or with no block (parallel.pp_last_chunk_layers=0) the chunk's
+    own forward pre-hook, its input then going straight to the norm. (The embedding cannot come
+    before the norm in the same chunk: a model of pp*vpp >= 2 chunks has them apart.)"""
+    blocks = list(chunk.blocks.values())
+    return blocks[-1].register_forward_hook if blocks else chunk.register_forward_pre_hook
 
 
 def _materialize(chunk: torch.nn.Module, layout: Layout, cfg: ParallelConfig, dtype: torch.dtype,

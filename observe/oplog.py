@@ -497,11 +497,14 @@ def span_capacity(cfg) -> int:
     four TP waits per layer of the chunk (the sequence-parallel gather and scatter each way), plus
     SPANS_PER_STEP_FIXED. At the paper's 175B layout (Table 2: TP8 PP8, 6 chunks, ~190
     microbatches, 2 layers a chunk) that is ~16k, which the ring holds; smaller layouts keep the
-    least, several steps."""
+    least, several steps. Chunks may differ in size (parallel.pp_first/last_chunk_layers): the
+    rank of the most layers sets the size."""
+    from parallel import chunk_layers  # (here: observe is imported by parallel)
     p = cfg.parallel
-    chunks, layers = p.vpp * p.microbatches, cfg.model.n_layers // (p.pp * p.vpp)
-    per_chunk = 2 * 3 + (4 * layers if p.tp > 1 else 0)
-    return min(max(chunks * per_chunk + SPANS_PER_STEP_FIXED, SPANS_BOUNDS[0]), SPANS_BOUNDS[1])
+    chunks = chunk_layers(cfg.model.n_layers, p)
+    layers = max(sum(chunks[r::p.pp]) for r in range(p.pp))  # a rank holds virtual stages r, r+pp, ...
+    per_microbatch = p.vpp * 2 * 3 + (4 * layers if p.tp > 1 else 0)
+    return min(max(p.microbatches * per_microbatch + SPANS_PER_STEP_FIXED, SPANS_BOUNDS[0]), SPANS_BOUNDS[1])
 
 
 def start(cfg: ObserveConfig, layout, run_dir: Optional[Path] = None, device=None,

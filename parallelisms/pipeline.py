@@ -69,18 +69,21 @@ def around(hooks: list, backward: bool, action: Optional[tuple] = None):
     return stack
 
 
-def split_for_pipeline(model: torch.nn.Module, layout: Layout, vpp: int) -> list:
-    """This rank's model chunks. Virtual stage s = v*pp + pp_rank holds layers [s*k, (s+1)*k):
-    rank r gets stages r, r+pp, ... (Megatron's interleaving). Blocks keep their global index."""
+def split_for_pipeline(model: torch.nn.Module, layout: Layout, layers: list) -> list:
+    """This rank's model chunks. `layers`: the blocks of each of the pp*vpp virtual stages, in
+    model order (parallel.chunk_layers); stage s = v*pp + pp_rank holds the next layers[s] blocks
+    after those of the stages before it: rank r gets stages r, r+pp, ... (Megatron's
+    interleaving). Blocks keep their global index. A stage may hold no block: the first then runs
+    the embedding alone, the last the final norm and head alone."""
     import copy
-    stages = layout.pp * vpp
-    per_stage = len(model.blocks) // stages
+    stages, vpp = len(layers), len(layers) // layout.pp
+    starts = [sum(layers[:s]) for s in range(stages + 1)]
     chunks = []
     for v in range(vpp):
         stage = v * layout.pp + layout.pp_rank
-        chunk = copy.deepcopy(model) if vpp > 1 or layout.pp > 1 else model
+        chunk = copy.deepcopy(model) if stages > 1 else model
         for name in list(chunk.blocks):
-            if not stage * per_stage <= int(name) < (stage + 1) * per_stage:
+            if not starts[stage] <= int(name) < starts[stage + 1]:
                 del chunk.blocks[name]
         if stage != 0:
             chunk.embed = None

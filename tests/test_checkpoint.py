@@ -71,6 +71,20 @@ def test_zero3_resumes_a_zero1_checkpoint_and_zero1_a_zero3_one_bitwise(tmp_path
         assert [r["loss"] for r in read_metrics(run_dir)] == losses[saved][3:], (saved, resumed)
 
 
+def test_uneven_pipeline_chunks_resume_an_even_pp2_checkpoint(tmp_path, cache_dir):
+    """Blocks keep their global names whatever the chunks: a pp2 checkpoint of two stages of 2
+    blocks resumes at pp2 vpp2 in chunks of 0, 2, 2 and 0 blocks (parallel.pp_first/last_chunk_layers:
+    blocks 0 and 1 move to the other rank, the embedding and the head to chunks of their own), and
+    the last two losses are the uninterrupted run's."""
+    saved = tmp_path / "even"
+    run_train(saved, ARGS + ["parallel.pp=2", "parallel.microbatches=4", "checkpoint.interval=3"], cache_dir, nproc=2)
+    losses = [r["loss"] for r in read_metrics(saved)]
+    resumed = tmp_path / "uneven"
+    run_train(resumed, ARGS + PP2_VPP2 + ["parallel.pp_first_chunk_layers=0", "parallel.pp_last_chunk_layers=0",
+                                          f"resume={checkpoint.step_dir(saved / 'checkpoints', 3)}"], cache_dir, nproc=2)
+    assert [r["loss"] for r in read_metrics(resumed)] == pytest.approx(losses[3:], rel=1e-5)
+
+
 @pytest.mark.parametrize("n_kv_heads", [2, 1])
 def test_llama_resumes_at_tp2_from_a_one_process_checkpoint(n_kv_heads, tmp_path, cache_dir):
     """The Llama block's TP slices read from a layout-free checkpoint: each rank's rows of the

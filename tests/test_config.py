@@ -121,6 +121,9 @@ def test_llama3_shapes_have_the_published_parameter_counts(name, total):
     (["train.recompute=full", "train.recompute_layers=5"], "train.recompute_layers<=4"),  # tiny: 4 layers a chunk
     (["train.recompute=full", "train.recompute_layers=3", "parallel.pp=2"], "train.recompute_layers<=2"),
     (["train.recompute=full", "train.recompute_layers=-2"], "-1"),
+    # uneven chunks of 1 and 3: the largest holds 3
+    (["train.recompute=full", "train.recompute_layers=4", "parallel.pp=2", "parallel.pp_first_chunk_layers=1"],
+     "train.recompute_layers<=3"),
 ])
 def test_recompute_layers_out_of_place_is_one_line_naming_it(overrides, fix):
     with pytest.raises(config.ConfigError) as err:
@@ -132,3 +135,37 @@ def test_recompute_layers_out_of_place_is_one_line_naming_it(overrides, fix):
 def test_recompute_layers_within_a_chunk_is_accepted():
     config.validate(config.compose(["train.recompute=full", "train.recompute_layers=2", "parallel.pp=2"]), world=2)
     config.validate(config.compose(["train.recompute=full", "train.recompute_layers=0"]), world=1)
+    config.validate(config.compose(["train.recompute=full", "train.recompute_layers=3", "parallel.pp=2",
+                                     "parallel.pp_first_chunk_layers=1"]), world=2)
+
+
+@pytest.mark.parametrize("overrides, world, key", [
+    (["parallel.pp=2", "parallel.pp_first_chunk_layers=5"], 2, "parallel.pp_first_chunk_layers"),  # more than 4
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=2", "parallel.pp_first_chunk_layers=1",
+      "parallel.pp_last_chunk_layers=0"], 2, "parallel.pp_first_chunk_layers"),          # 3 left for 2 chunks
+    (["parallel.pp=4", "parallel.pp_first_chunk_layers=2", "parallel.pp_last_chunk_layers=2"], 4,
+     "parallel.pp_first_chunk_layers"),                                                  # none left for the middle two
+    (["parallel.pp_first_chunk_layers=1"], 1, "parallel.pp_first_chunk_layers"),         # one chunk: no first and last
+    (["parallel.pp=2", "parallel.pp_last_chunk_layers=-2"], 2, "parallel.pp_first_chunk_layers"),
+])
+def test_an_impossible_pipeline_split_is_one_line_naming_it(overrides, world, key):
+    with pytest.raises(config.ConfigError) as err:
+        config.validate(config.compose(overrides), world=world)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"config error: {key}:") and "Fix:" in line
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.pp=16", "parallel.pp_first_chunk_layers=7", "parallel.pp_last_chunk_layers=7"],
+    ["parallel.pp=16", "parallel.vpp=8", "parallel.microbatches=16", "parallel.pp_first_chunk_layers=0",
+     "parallel.pp_last_chunk_layers=0"],
+])
+def test_llama3_405B_pipeline_layouts_split_its_126_layers(overrides):
+    """Meta's: 7 layers on the first and last stage and 8 on each other at pp=16; at vpp=8 a chunk
+    of the embedding alone, one of the head alone, and one layer in each of the 126 others."""
+    import parallel
+    cfg = config.compose(["model=llama3_405B", "train.batch_size=16"] + overrides)
+    config.validate(cfg, world=16)
+    layers = parallel.chunk_layers(cfg.model.n_layers, cfg.parallel)
+    assert sum(layers) == 126 and layers[0] == layers[-1] == (7 if cfg.parallel.vpp == 1 else 0)
+    assert set(layers[1:-1]) == {8 if cfg.parallel.vpp == 1 else 1}

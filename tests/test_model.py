@@ -286,6 +286,43 @@ def test_llama_equals_transformers_llama(n_kv_heads, bias):
         torch.testing.assert_close(g, hf_grads[name].grad, **LLAMA_TOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("first, last, vpp, want", [
+    (1, -1, 1, [[1], [3]]),                  # pp2: the first stage one block short of the last
+    (0, -1, 1, [[0], [4]]),                  # the first stage the embedding alone
+    (0, 0, 2, [[0, 2], [2, 0]]),             # pp2 vpp2: the first chunk the embedding, the last the head
+])
+def test_uneven_chunks_hold_chunk_layers_blocks_and_compute_the_whole_model(first, last, vpp, want):
+    """parallel.pp_first/last_chunk_layers: each rank's chunks hold the blocks chunk_layers gives
+    their virtual stages, under their global names, and the chunks run in model order (a chunk of
+    no block too: the embedding alone, or the final norm and head alone) give the whole model's
+    logits and gradients."""
+    import copy
+
+    import parallel
+    from parallelisms.pipeline import split_for_pipeline
+    torch.manual_seed(0)
+    base = GPT(tiny(n_layers=4))
+    tokens = torch.randint(0, 128, (2, 16))
+    cfg = parallel.ParallelConfig(pp=2, vpp=vpp, pp_first_chunk_layers=first, pp_last_chunk_layers=last)
+    layers = parallel.chunk_layers(4, cfg)
+    ranks = [split_for_pipeline(copy.deepcopy(base), parallel.Layout(pp=2, pp_rank=r), layers) for r in range(2)]
+    assert [[len(c.blocks) for c in chunks] for chunks in ranks] == want
+    in_order = sorted((c for chunks in ranks for c in chunks), key=lambda c: c.stage)
+    assert [int(name) for c in in_order for name in c.blocks] == list(range(4))
+    h = tokens
+    for chunk in in_order:
+        h = chunk(h)
+    h.sum().backward()
+    whole = copy.deepcopy(base)
+    expected = whole(tokens)
+    expected.sum().backward()
+    assert torch.equal(h, expected)
+    grads = {n: p.grad for c in in_order for n, p in c.named_parameters()}
+    assert grads.keys() == dict(whole.named_parameters()).keys()
+    for name, p in whole.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
+
+
 @pytest.mark.parametrize("pp", [1, 2])
 def test_recompute_layers_recomputes_the_first_n_blocks_of_each_chunk_and_changes_no_gradient(pp):
     """train.recompute_layers=1 with recompute=full (Megatron-LM's block method): in one process
@@ -301,7 +338,7 @@ def test_recompute_layers_recomputes_the_first_n_blocks_of_each_chunk_and_change
     tokens = torch.randint(0, 128, (2, 16))
 
     def run(mode, layers):
-        chunks = [c for r in range(pp) for c in split_for_pipeline(copy.deepcopy(base), parallel.Layout(pp=pp, pp_rank=r), 1)]
+        chunks = [c for r in range(pp) for c in split_for_pipeline(copy.deepcopy(base), parallel.Layout(pp=pp, pp_rank=r), [4 // pp] * pp)]
         for chunk in chunks:
             parallel.apply_recompute(chunk, mode, layers)
         h = tokens

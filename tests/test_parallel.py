@@ -53,6 +53,19 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     # Full recomputation of the first of each stage's two blocks only (train.recompute_layers).
     "pp2_recompute_layers": (2, ["parallel.pp=2", "parallel.microbatches=2", "train.recompute=full",
                                  "train.recompute_layers=1"]),
+    # Uneven pipeline chunks (parallel.pp_first/last_chunk_layers): stages of 1 and 3 blocks, each
+    # recomputing up to 3 (train.recompute_layers counts against the largest chunk); then first and
+    # last chunks of no block (the embedding alone, the final norm and head alone: the tail's ZeRO-3
+    # gather hooked on the chunk itself) around two of 2, interleaved, every overlap on; and 1F1B's
+    # last stage the tail alone, its gradients reduced per bucket as the backward goes.
+    "pp2_uneven_recompute_layers": (2, ["parallel.pp=2", "parallel.pp_first_chunk_layers=1", "parallel.microbatches=2",
+                                        "train.recompute=full", "train.recompute_layers=3"]),
+    "pp2_vpp2_uneven_empty_ends_zero3_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4",
+                                                     "parallel.pp_first_chunk_layers=0", "parallel.pp_last_chunk_layers=0",
+                                                     "parallel.zero_stage=3", "parallel.overlap.dp=true",
+                                                     "parallel.overlap.pp=true"]),
+    "pp2_empty_last_zero2_overlap": (2, ["parallel.pp=2", "parallel.pp_last_chunk_layers=0", "parallel.microbatches=2",
+                                         "parallel.zero_stage=2", "parallel.overlap.dp=true"]),
     # Two middle stages, which read no batch (a shaped placeholder), between two that do.
     "pp4_megascale_data": (4, ["parallel.pp=4", "parallel.microbatches=4", "data.pipeline=megascale"]),
     # TP without sequence parallelism: the stream replicated, the norms' and biases' gradients whole
@@ -296,13 +309,13 @@ def gradients(engine) -> torch.Tensor:
     return torch.cat([s.grad.flatten() for s in engine.zero.shards])
 
 
-def _compiled_pipeline(rank: int, world: int, port: int, out_dir: str) -> None:
+def _compiled_pipeline(rank: int, world: int, port: int, out_dir: str, last_chunk_layers: int) -> None:
     import torch.distributed as dist
     import parallel
     from model import GPT, ModelConfig
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = parallel.ParallelConfig(pp=2, microbatches=2)
+    cfg = parallel.ParallelConfig(pp=2, microbatches=2, pp_last_chunk_layers=last_chunk_layers)
     layout = parallel.build_layout(cfg, rank, world, torch.device("cpu"))
     tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
     found = {}
@@ -321,10 +334,12 @@ def _compiled_pipeline(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def test_compiled_chunks_run_in_the_pipeline(tmp_path):
+@pytest.mark.parametrize("last_chunk_layers", [-1, 0])
+def test_compiled_chunks_run_in_the_pipeline(last_chunk_layers, tmp_path):
     """train.compile=true at pp2: the pipeline runs the compiled chunks (it used to keep its own
-    list of the uncompiled ones), and they compute what the eager chunks do."""
-    spawn(_compiled_pipeline, 2, str(tmp_path))
+    list of the uncompiled ones), and they compute what the eager chunks do; a last chunk of the
+    norm and head alone too, its DP hook on the chunk itself traced with it."""
+    spawn(_compiled_pipeline, 2, str(tmp_path), last_chunk_layers)
     for rank in range(2):
         got = json.loads((tmp_path / f"compiled_{rank}.json").read_text())
         assert got["graphs"] >= 1, rank

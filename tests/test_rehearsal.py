@@ -386,6 +386,11 @@ LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off an
                             "parallel.zero_stage=1", "parallel.overlap.tp=chunked", "parallel.overlap.pp=true",
                             "parallel.overlap.dp=true"],
     "tp2_recompute_full": ["parallel.tp=2", "train.recompute=full"],
+    # Uneven chunks with TP: a chunk of the embedding alone and one of the norm and head alone,
+    # their TP collectives (the embedding's, the head's) with no block between them and the pipeline.
+    "tp2_pp2_vpp2_uneven_empty_ends": ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4",
+                                       "parallel.pp_first_chunk_layers=0", "parallel.pp_last_chunk_layers=0",
+                                       "parallel.overlap.pp=true"],
     # The Llama block's TP (a KV group a rank, SwiGLU's one gate/up GEMM, RMSNorm's TP-summed
     # gradient) posts what GPT's does, in shapes of its own: its tp2 x pp2 layout.
     "llama_tp2_pp2_overlap": ["model=llama_tiny", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
