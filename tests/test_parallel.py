@@ -44,6 +44,14 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "pp2_vpp2_zero3_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.zero_stage=3",
                                    "parallel.overlap.dp=true", "parallel.overlap.pp=true"]),
     "tp2_dp2_zero3_recompute_full": (4, ["parallel.tp=2", "parallel.zero_stage=3", "train.recompute=full"]),
+    # Hybrid sharding (parallel.dp_shard): ZeRO shards over dp_shard consecutive DP ranks, each shard
+    # summed over its replicas; dp_shard=1 shards nothing and all-reduces every shard over dp.
+    "dp4_shard2_zero1": (4, ["parallel.zero_stage=1", "parallel.dp_shard=2"]),
+    "dp4_shard2_zero3_overlap": (4, ["parallel.zero_stage=3", "parallel.dp_shard=2", "parallel.overlap.dp=true",
+                                     "parallel.microbatches=2"]),
+    "pp2_dp2_shard1_zero2": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=2",
+                                 "parallel.dp_shard=1"]),
+    "tp2_dp2_shard1_zero3": (4, ["parallel.tp=2", "parallel.zero_stage=3", "parallel.dp_shard=1"]),
     # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
     "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # the CI stress pass's run (conftest.eight_rank_run)
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
@@ -121,7 +129,7 @@ def test_layout_equals_single_process(name, references, tmp_path, cache_dir, req
     assert len(rows) == STEPS
     for got, want in zip(rows, ref_rows):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (name, got["step"])
-        if name in LLAMA_LAYOUTS or "no_sp" in name:  # each element of the gradient counted once, a replicated one too
+        if name in LLAMA_LAYOUTS or "no_sp" in name or "_shard" in name:  # each element counted once, a replicated one too
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (name, got["step"])
     assert rows[-1]["val_loss"] == pytest.approx(ref_rows[-1]["val_loss"], rel=1e-5)
     weights = checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))
