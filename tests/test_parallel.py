@@ -277,6 +277,8 @@ INVALID_LAYOUTS = [
     (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.overlap.tp=chunked"], 2, "parallel.overlap.tp"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "model.dropout=0.1"], 2, "model.dropout"),
     (["parallel.zero_stage=3", "train.compile=true"], 2, "train.compile"),
+    (["parallel.zero_stage=1", "parallel.dp_shard=3"], 4, "parallel.dp_shard: 3 does not divide dp=4"),
+    (["parallel.dp_shard=2"], 4, "parallel.dp_shard: 2 with parallel.zero_stage=0"),  # nothing to shard
 ]
 
 
@@ -524,16 +526,21 @@ def _group_timeouts(rank, world, port, out):
                                    torch.device("cpu"), timeout_s=77)
     groups = {**{n: layout.group(n) for n in ("dp", "pp", "tp")}, **{str(k): g for k, g in layout.pp_channels.items()},
               "dp_tp": parallel._norm_group(layout)}
+    hybrid = parallel.build_layout(parallel.ParallelConfig(zero_stage=1, dp_shard=2), rank, world,
+                                   torch.device("cpu"), timeout_s=77)
+    groups.update({n: hybrid.group(n) for n in ("dp_shard", "dp_replicate")})
     found = {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for name, g in groups.items()}
     whole = parallel.build_layout(parallel.ParallelConfig(), rank, world, torch.device("cpu"), timeout_s=77)
-    out.put((found, whole.group("dp") is dist.group.WORLD))
+    out.put((found, whole.group("dp") is dist.group.WORLD and whole.group("dp_shard") is dist.group.WORLD
+             and whole.group("dp_replicate") is None))
     dist.destroy_process_group()
 
 
 def test_every_group_gets_the_configured_timeout():
-    """Mesh dimensions, pipeline channels and the flattened dp x tp group all time out after the
-    configured seconds, not torch's 30-minute default; a dimension over every rank is the world
-    group itself, not a second group over the same ranks."""
+    """Mesh dimensions, pipeline channels, the flattened dp x tp group and hybrid sharding's split
+    of dp all time out after the configured seconds, not torch's 30-minute default; a dimension
+    over every rank is the world group itself, not a second group over the same ranks (nor does
+    ZeRO's shard group make one without hybrid sharding)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -547,7 +554,7 @@ def test_every_group_gets_the_configured_timeout():
     for p in procs:
         p.join(timeout=60)
     for found, dp_is_world in results:
-        assert len(found) == 8 and set(found.values()) == {77.0}, found
+        assert len(found) == 10 and set(found.values()) == {77.0}, found
         assert dp_is_world
 
 
@@ -585,3 +592,13 @@ def test_zero3_is_refused_where_the_performance_model_would_price_it():
     rehearsal = config.compose(SMALL + ["parallel.zero_stage=3", "rehearse.rank=0", "rehearse.world=2"])
     with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the rehearsal"):
         config.validate(rehearsal, 2)
+
+
+def test_hybrid_sharding_is_refused_by_the_rehearsal():
+    """A run takes parallel.dp_shard; the rehearsal does not run it yet: one line."""
+    import config
+    overrides = SMALL + ["parallel.zero_stage=1", "parallel.dp_shard=2"]
+    config.validate(config.compose(overrides), 4)
+    rehearsal = config.compose(overrides + ["rehearse.rank=0", "rehearse.world=4"])
+    with pytest.raises(config.ConfigError, match="^config error: parallel.dp_shard: 2: the rehearsal"):
+        config.validate(rehearsal, 4)
