@@ -531,8 +531,11 @@ def _group_timeouts(rank, world, port, out):
     groups.update({n: hybrid.group(n) for n in ("dp_shard", "dp_replicate")})
     found = {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for name, g in groups.items()}
     whole = parallel.build_layout(parallel.ParallelConfig(), rank, world, torch.device("cpu"), timeout_s=77)
+    from observe import oplog
+    dims = oplog.dim_names(hybrid)
     out.put((found, whole.group("dp") is dist.group.WORLD and whole.group("dp_shard") is dist.group.WORLD
-             and whole.group("dp_replicate") is None))
+             and whole.group("dp_replicate") is None,
+             [dims[hybrid.group(n).group_name] for n in ("dp_shard", "dp_replicate")]))
     dist.destroy_process_group()
 
 
@@ -553,9 +556,10 @@ def test_every_group_gets_the_configured_timeout():
     results = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    for found, dp_is_world in results:
+    for found, dp_is_world, hybrid_dims in results:
         assert len(found) == 10 and set(found.values()) == {77.0}, found
         assert dp_is_world
+        assert hybrid_dims == ["dp", "dp"]  # the op log counts hybrid sharding's collectives as DP's
 
 
 def test_a_cuda_rank_binds_its_device_at_init(monkeypatch):
