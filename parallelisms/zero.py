@@ -6,15 +6,16 @@ when each bucket's reduce-scatter and all-gather launches, and LAMB must see who
 shards. Megatron-LM's distributed optimizer is the model. Its words, used throughout:
 
 - bucket: a flat run of whole parameters (in the order forward uses them), padded at its end
-  only, to a multiple of dp_shard (dp unless hybrid sharding). The model's parameters are views into the bucket's parameter buffer,
-  so an all-gather writes them in place. A bucket closes at `bucket_size` elements; with DP
-  overlap every module (the embedding, each block, the final norm with the head) also closes
-  one, so each module's forward can wait for its own parameters.
+  only, to a multiple of dp (of dp_shard under hybrid sharding, below). The model's parameters
+  are views into the bucket's parameter buffer, so an all-gather writes them in place. A bucket
+  closes at `bucket_size` elements; with DP overlap every module (the embedding, each block, the
+  final norm with the head) also closes one, so each module's forward can wait for its own
+  parameters.
 - shard: what one rank owns. A bucket's shard is the rank's 1/dp range of it, [r*S/dp, (r+1)*S/dp)
-  of a bucket of S elements (hybrid sharding: its 1/dp_shard range, r its rank in its shard group); a parameter's shard is the part of the parameter inside that range: a
-  contiguous flat slice, possibly empty, never a mix of parameters, so LAMB's per-tensor norms
-  stay exact (optim.py). The optimizer updates the parameters' shards (`shards`; at ZeRO-0 the
-  whole parameters).
+  of a bucket of S elements (hybrid sharding: 1/dp_shard, r the rank in its shard group); a
+  parameter's shard is the part of the parameter inside that range: a contiguous flat slice,
+  possibly empty, never a mix of parameters, so LAMB's per-tensor norms stay exact (optim.py).
+  The optimizer updates the parameters' shards (`shards`; at ZeRO-0 the whole parameters).
 - gradient buffer: the bucket's gradients in the reduction dtype, accumulated microbatch after
   microbatch. Where the code owns a weight's backward (the TP layers' GEMMs) the
   weight-gradient GEMM accumulates straight into the weight's view of it, as Megatron-LM's
@@ -53,6 +54,7 @@ its shards; gradients are ZeRO-2's.
 
 One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the gradients
 stay where autograd puts them (param.grad, which the optimizer reads), as in plain PyTorch.
+
 Hybrid sharding (parallel.dp_shard, FSDP2's HSDP, Megatron-LM's distributed-optimizer
 instances): ZeRO 1-3 shard each bucket over a shard group of dp_shard consecutive DP ranks, whose
 dp/dp_shard copies replicate each other. A bucket's gradients are reduce-scattered in the shard
@@ -184,14 +186,16 @@ class ZeroDataParallel:
         self.reshard_after_forward = reshard_after_forward
         self.group, self.overlap, self.microbatches = layout.group("dp"), overlap, microbatches
         if stage == 0 and layout.dp_shard != layout.dp:
-            raise ValueError(f"hybrid sharding (dp_shard={layout.dp_shard} of dp={layout.dp}) at ZeRO-0, which shards nothing")
+            raise ValueError(f"hybrid sharding (dp_shard={layout.dp_shard} of dp={layout.dp}) at ZeRO-0, "
+                             "which shards nothing")
         # Hybrid sharding: the shards are 1/dp_shard of a bucket, over the shard group; each
         # replica of it sums its shard with theirs (without it: the dp group, and no replicas).
         self.shard_group, self.replicate_group = layout.group("dp_shard"), layout.group("dp_replicate")
         self.clock = layout.clock
         self.dtype = params[0].dtype
         self.mixed = self.dtype != torch.float32
-        self.buckets = [Bucket(_replicas_last(b, params), params, layout.dp_shard, layout.dp_shard_rank) for b in buckets]
+        self.buckets = [Bucket(_replicas_last(b, params), params, layout.dp_shard, layout.dp_shard_rank)
+                        for b in buckets]
         for replicas in sorted({tp_summed_replicas(p) for p in params} - {1}):
             layout.tp_replica_group(replicas)  # made now, on every rank in the same order (NCCL's rule)
         self.where = {}  # parameter index -> (bucket, position in it)
@@ -425,7 +429,7 @@ class ZeroDataParallel:
             with self.clock.waiting("comm", grads.device):
                 dist.all_reduce(grads[start:end], group=self.layout.tp_replica_group(replicas))
         work, out = None, grads
-        if self.stage > 0:  # in place: this rank's shard of the buffer receives its sum (over the shard group)
+        if self.stage > 0:  # in place: this rank's shard of the buffer receives its shard group's sum
             out = grads[bucket.shard_start:bucket.shard_end]
             if self.layout.dp_shard > 1:
                 work = dist.reduce_scatter_single(out, grads, group=self.shard_group, async_op=True)
