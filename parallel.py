@@ -134,9 +134,6 @@ def validate(cfg, world: int, run: bool = True) -> None:
     if 1 <= p.dp_shard < dp and p.zero_stage == 0:
         raise ConfigError("parallel.dp_shard", f"{p.dp_shard} with parallel.zero_stage=0, which shards nothing",
                           "use parallel.zero_stage=1, 2 or 3, or parallel.dp_shard=-1")
-    if 1 <= p.dp_shard < dp and run:
-        raise ConfigError("parallel.dp_shard", f"{p.dp_shard}: hybrid sharding is not in the training code yet",
-                          "use parallel.dp_shard=-1")
     if p.reduce_dtype not in ("fp32", "bf16"):
         raise ConfigError("parallel.reduce_dtype", f"{p.reduce_dtype!r}", "use fp32 or bf16")
     if m.n_heads % p.tp or m.d_model % p.tp or m.vocab_size % p.tp:
@@ -204,7 +201,12 @@ class Layout:
     pp_rank: int = 0
     tp: int = 1
     tp_rank: int = 0
+    # Hybrid sharding: ZeRO's shard group, dp_shard consecutive DP ranks (None: all of dp). The
+    # dp/dp_shard groups replicate each other: dp_replicate_rank says which of them this rank's is.
+    dp_shard: Optional[int] = None
     mesh: Optional[object] = None          # torch DeviceMesh, or None for a single process
+    # The mesh with dp split into (dp_replicate, dp_shard): only where 1 <= dp_shard < dp
+    zero_mesh: Optional[object] = field(default=None, repr=False)
     setup_seconds: float = 0.0             # time to build every process group
     group_options: Optional[object] = None  # the backend's options every group gets (its timeout)
     pp_channels: dict = field(default_factory=dict)  # pipeline messages: (kind, direction) -> group
@@ -212,9 +214,33 @@ class Layout:
     _tp_group: Optional[TPGroup] = field(default=None, repr=False)
     _tp_replica_groups: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        if self.dp_shard is None:
+            self.dp_shard = self.dp
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return self.dp_rank % self.dp_shard
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return self.dp_rank // self.dp_shard
+
     def group(self, dim: str):
-        """The process group of one mesh dimension (None when single-process)."""
-        return None if self.mesh is None else self.mesh.get_group(dim)
+        """The process group of one mesh dimension, or of ZeRO's split of dp: dp_shard, dp_replicate
+        (None when single-process, and dp_replicate without hybrid sharding, where it is one rank).
+        Without hybrid sharding dp_shard is the dp group itself: no group of its own."""
+        if self.mesh is None:
+            return None
+        if dim in ("dp_shard", "dp_replicate"):
+            if self.zero_mesh is not None:
+                return self.zero_mesh.get_group(dim)
+            return self.mesh.get_group("dp") if dim == "dp_shard" else None
+        return self.mesh.get_group(dim)
 
     @property
     def tp_group(self) -> TPGroup:
@@ -261,7 +287,8 @@ def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.devic
     import time
     dp = data_parallel_size(cfg, world)
     sizes = {"dp": dp, "pp": cfg.pp, "tp": cfg.tp}
-    layout = Layout(rank=rank, world=world, dp=dp, pp=cfg.pp, tp=cfg.tp)
+    layout = Layout(rank=rank, world=world, dp=dp, pp=cfg.pp, tp=cfg.tp,
+                    dp_shard=cfg.dp_shard if cfg.dp_shard > 0 else dp)
     if world == 1:
         return layout
     from torch.distributed.device_mesh import init_device_mesh
@@ -275,11 +302,24 @@ def build_layout(cfg: ParallelConfig, rank: int, world: int, device: torch.devic
                                    backend_override=override or None)
     if cfg.pp > 1:
         layout.pp_channels = _pipeline_channels(layout.mesh, names, timeout_s)
+    if layout.dp_shard < dp:
+        layout.zero_mesh = _hybrid_sharding_mesh(layout)
     layout.setup_seconds = time.perf_counter() - t0
     coords = layout.mesh.get_coordinate()
     for name, coord in zip(names, coords):
         setattr(layout, f"{name}_rank", coord)
     return layout
+
+
+def _hybrid_sharding_mesh(layout: Layout):
+    """The mesh with its dp dim split in place into (dp_replicate, dp_shard), dp_shard innermost:
+    DP coordinate d is shard rank d % dp_shard of replica d // dp_shard. DeviceMesh makes the two
+    new dims' groups (the others are the mesh's own), every rank all of them in the same order;
+    a rank joins one of each."""
+    options = layout.group_options
+    override = None if options is None else {"dp_replicate": options, "dp_shard": options}
+    return layout.mesh._unflatten("dp", (layout.dp_replicate, layout.dp_shard), ("dp_replicate", "dp_shard"),
+                                  backend_override=override)
 
 
 def group_options(timeout_s: Optional[float]):

@@ -215,6 +215,9 @@ def _dim_names(layout) -> dict:
             names[layout.mesh.get_group(dim).group_name] = dim
     for group in layout.pp_channels.values():
         names[group.group_name] = "pp"
+    if getattr(layout, "zero_mesh", None) is not None:  # hybrid sharding's split of dp, apart: it crosses other links
+        for dim in ("dp_shard", "dp_replicate"):
+            names[layout.zero_mesh.get_group(dim).group_name] = dim
     return names
 
 

@@ -432,7 +432,8 @@ def wire_bytes(ev: dict) -> float:
 
 def comm_per_step(rec: dict, step=None) -> dict:
     """{mesh dimension: wire bytes} of one training step (the last rehearsed: the steady state,
-    whose DP gathers under overlap are the previous step's)."""
+    whose DP gathers under overlap are the previous step's). Hybrid sharding's two groups are
+    dp_shard and dp_replicate, and "dp" sums every data-parallel group's."""
     step = rec["steps"] if step is None else step
     per_dim = {}
     for ev in rec["comm"]:
@@ -441,6 +442,8 @@ def comm_per_step(rec: dict, step=None) -> dict:
         for part in ev.get("ops", [ev]):
             if "bytes" in part:
                 per_dim[part["group"]] = per_dim.get(part["group"], 0) + wire_bytes(part)
+    if "dp_shard" in per_dim or "dp_replicate" in per_dim:
+        per_dim["dp"] = sum(v for k, v in per_dim.items() if k.startswith("dp"))
     return per_dim
 
 

@@ -40,7 +40,8 @@ def layout_for(cfg, rank: int) -> parallel.Layout:
     for name in reversed(list(p.order)):
         coords[name], rest = rest % sizes[name], rest // sizes[name]
     return parallel.Layout(rank=rank, world=p.dp * p.pp * p.tp, dp=p.dp, pp=p.pp, tp=p.tp,
-                           dp_rank=coords["dp"], pp_rank=coords["pp"], tp_rank=coords["tp"])
+                           dp_rank=coords["dp"], pp_rank=coords["pp"], tp_rank=coords["tp"],
+                           dp_shard=p.dp_shard if p.dp_shard > 0 else p.dp)
 
 
 def main(argv: list) -> None:

@@ -123,7 +123,7 @@ def run(table: str, label: str, world: int, overrides: list, out: Path) -> dict:
 
 def render(results: list) -> str:
     lines = ["| job | GPUs | rank (dp,pp,tp) | peak GiB | weights | grads | optimizer | activations | fits (GiB tensors may use) | "
-             "TP GiB/step | PP GiB/step | DP GiB/step | groups / p2p peers / checkpoint peers / resume fs calls | "
+             "TP GiB/step | PP GiB/step | DP GiB/step (shard + replicate groups) | groups / p2p peers / checkpoint peers / resume fs calls | "
              "time per rank | NCCL rules |", "|" + "---|" * 15]
     for r in results:
         rule = "kept" if not r["problems"] else f"{len(r['problems'])} problems"
@@ -132,16 +132,17 @@ def render(results: list) -> str:
             lines.append(f"| {r['table']} {r['label']} | {r['world']:,} | {row['rank']} ({row['dp']},{row['pp']},{row['tp']}) | "
                          f"{row['peak_gib']:.1f} | {row['weights']:.1f} | {row['gradients']:.1f} | {row['optimizer']:.1f} | "
                          f"{row['activations']:.1f} | {'yes' if row['fits'] else 'NO: ' + row['dominant']} ({row.get('capacity_gib', 80):g}) | "
-                         f"{comm.get('tp', 0):.1f} | {comm.get('pp', 0):.2f} | {dp_gib(comm):.2f} | {costs(row)} | "
+                         f"{comm.get('tp', 0):.1f} | {comm.get('pp', 0):.2f} | {dp_gib(comm)} | {costs(row)} | "
                          f"{row['seconds']:.0f} s | {rule} |")
         if not r["rows"]:
             lines.append(f"| {r['table']} {r['label']} | {r['world']:,} | failed (exit {r['exit']}) | | | | | | | | | | | | {rule} |")
     return "\n".join(lines)
 
 
-def dp_gib(comm: dict) -> float:
-    """DP's bytes a step, over every data-parallel group (hybrid sharding's shard and replicate groups too)."""
-    return sum(v for k, v in comm.items() if k.startswith("dp"))
+def dp_gib(comm: dict) -> str:
+    """DP's bytes a step, and under hybrid sharding its shard and replicate groups' apart."""
+    split = [f"{comm[k]:.2f}" for k in ("dp_shard", "dp_replicate") if k in comm]
+    return f"{comm.get('dp', 0):.2f}" + (f" ({' + '.join(split)})" if split else "")
 
 
 def costs(row: dict) -> str:

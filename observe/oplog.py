@@ -554,4 +554,7 @@ def dim_names(layout) -> dict:
             names.setdefault(layout.mesh.get_group(dim).group_name, dim)
     for group in getattr(layout, "pp_channels", {}).values():
         names.setdefault(group.group_name, "pp")
+    if getattr(layout, "zero_mesh", None) is not None:  # hybrid sharding's split of dp: DP's collectives still
+        for dim in ("dp_shard", "dp_replicate"):
+            names.setdefault(layout.zero_mesh.get_group(dim).group_name, "dp")
     return names

@@ -6,15 +6,16 @@ when each bucket's reduce-scatter and all-gather launches, and LAMB must see who
 shards. Megatron-LM's distributed optimizer is the model. Its words, used throughout:
 
 - bucket: a flat run of whole parameters (in the order forward uses them), padded at its end
-  only, to a multiple of dp. The model's parameters are views into the bucket's parameter buffer,
-  so an all-gather writes them in place. A bucket closes at `bucket_size` elements; with DP
-  overlap every module (the embedding, each block, the final norm with the head) also closes
-  one, so each module's forward can wait for its own parameters.
+  only, to a multiple of dp (of dp_shard under hybrid sharding, below). The model's parameters
+  are views into the bucket's parameter buffer, so an all-gather writes them in place. A bucket
+  closes at `bucket_size` elements; with DP overlap every module (the embedding, each block, the
+  final norm with the head) also closes one, so each module's forward can wait for its own
+  parameters.
 - shard: what one rank owns. A bucket's shard is the rank's 1/dp range of it, [r*S/dp, (r+1)*S/dp)
-  of a bucket of S elements; a parameter's shard is the part of the parameter inside that range: a
-  contiguous flat slice, possibly empty, never a mix of parameters, so LAMB's per-tensor norms
-  stay exact (optim.py). The optimizer updates the parameters' shards (`shards`; at ZeRO-0 the
-  whole parameters).
+  of a bucket of S elements (hybrid sharding: 1/dp_shard, r the rank in its shard group); a
+  parameter's shard is the part of the parameter inside that range: a contiguous flat slice,
+  possibly empty, never a mix of parameters, so LAMB's per-tensor norms stay exact (optim.py).
+  The optimizer updates the parameters' shards (`shards`; at ZeRO-0 the whole parameters).
 - gradient buffer: the bucket's gradients in the reduction dtype, accumulated microbatch after
   microbatch. Where the code owns a weight's backward (the TP layers' GEMMs) the
   weight-gradient GEMM accumulates straight into the weight's view of it, as Megatron-LM's
@@ -56,6 +57,14 @@ its shards; gradients are ZeRO-2's.
 
 One rank (dp = tp = 1) at ZeRO-0 in fp32 has nothing to reduce and no master copy: the gradients
 stay where autograd puts them (param.grad, which the optimizer reads), as in plain PyTorch.
+
+Hybrid sharding (parallel.dp_shard, FSDP2's HSDP, Megatron-LM's distributed-optimizer
+instances): ZeRO 1-3 shard each bucket over a shard group of dp_shard consecutive DP ranks, whose
+dp/dp_shard copies replicate each other. A bucket's gradients are reduce-scattered in the shard
+group, then each shard all-reduced over its replicas (the replicate group: the ranks of the same
+shard rank), then divided by dp; the all-gather stays within the shard group. Without it
+(dp_shard = dp) the shard group is the dp group and there is no replicate step.
+
 Nothing here holds a full-size copy of the gradients or parameters besides the buffers (ZeRO-3:
 while a module computes).
 """
@@ -76,15 +85,15 @@ DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's --ddp-bucket-size
 class Bucket:
     """A flat run of whole parameters: their offsets, this rank's shard of it, the buffers."""
 
-    def __init__(self, indices: list, params: list, dp: int, dp_rank: int):
+    def __init__(self, indices: list, params: list, shards: int, shard_rank: int):
         self.indices = indices
         self.offsets, total = [], 0
         for i in indices:
             self.offsets.append(total)
             total += params[i].numel()
-        self.numel = -(-total // dp) * dp
-        self.shard_numel = self.numel // dp
-        self.shard_start, self.shard_end = dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel
+        self.numel = -(-total // shards) * shards
+        self.shard_numel = self.numel // shards
+        self.shard_start, self.shard_end = shard_rank * self.shard_numel, (shard_rank + 1) * self.shard_numel
         self.params: torch.Tensor = None    # flat, the parameters' dtype: the model's weights view into it
         self.grads: torch.Tensor = None     # flat, the reduction dtype (ZeRO 2/3: only while reducing)
         self.grad_views: list = None        # each parameter's view of `grads`, shaped as the parameter
@@ -179,11 +188,17 @@ class ZeroDataParallel:
         self.params, self.layout, self.stage, self.reduce_dtype = params, layout, stage, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.group, self.overlap, self.microbatches = layout.group("dp"), overlap, microbatches
+        if stage == 0 and layout.dp_shard != layout.dp:
+            raise ValueError(f"hybrid sharding (dp_shard={layout.dp_shard} of dp={layout.dp}) at ZeRO-0, "
+                             "which shards nothing")
+        # Hybrid sharding: the shards are 1/dp_shard of a bucket, over the shard group; each
+        # replica of it sums its shard with theirs (without it: the dp group, and no replicas).
+        self.shard_group, self.replicate_group = layout.group("dp_shard"), layout.group("dp_replicate")
         self.clock = layout.clock
         self.dtype = params[0].dtype
         self.mixed = self.dtype != torch.float32
-        dp, r = layout.dp, layout.dp_rank
-        self.buckets = [Bucket(_replicas_last(b, params), params, dp, r) for b in buckets]
+        self.buckets = [Bucket(_replicas_last(b, params), params, layout.dp_shard, layout.dp_shard_rank)
+                        for b in buckets]
         for replicas in sorted({tp_summed_replicas(p) for p in params} - {1}):
             layout.tp_replica_group(replicas)  # made now, on every rank in the same order (NCCL's rule)
         self.where = {}  # parameter index -> (bucket, position in it)
@@ -244,9 +259,10 @@ class ZeroDataParallel:
             start = bucket.offsets[k] + lo - bucket.shard_start
             shard = torch.nn.Parameter(bucket.master[start:start + hi - lo])
             info = dataclasses.replace(info, logical_ndim=p.ndim)  # a flat shard of a matrix is still a matrix's
-        # LAMB and gradient clipping sum squared norms over ranks: count each element once.
+        # LAMB and gradient clipping sum squared norms over ranks: count each element once (a
+        # shard's replicas under hybrid sharding: the first replica's).
         tp_owner = self.layout.tp_rank % shard_info(p).tp_replicas == 0
-        owner = tp_owner and (self.stage > 0 or self.layout.dp_rank == 0)
+        owner = tp_owner and (self.layout.dp_replicate_rank if self.stage > 0 else self.layout.dp_rank) == 0
         set_shard_info(shard, dataclasses.replace(info, norm_owner=owner))
         return shard
 
@@ -393,6 +409,9 @@ class ZeroDataParallel:
                 self._add_stragglers(b)                                   # or a gradient marked late
             if b not in self.reducing:
                 self._launch_reduction(b)
+        if self.stage > 0 and self.layout.dp_replicate > 1:
+            for b in range(len(self.buckets)):
+                self._launch_replica_sum(b)
         for b in range(len(self.buckets)):
             self._finish_reduction(b)
         for bucket in self.buckets:
@@ -418,13 +437,26 @@ class ZeroDataParallel:
             with self.clock.waiting("comm", grads.device):
                 dist.all_reduce(grads[start:end], group=self.layout.tp_replica_group(replicas))
         work, out = None, grads
-        if self.stage > 0:  # in place: this rank's shard of the buffer receives its sum
+        if self.stage > 0:  # in place: this rank's shard of the buffer receives its shard group's sum
             out = grads[bucket.shard_start:bucket.shard_end]
-            if self.layout.dp > 1:
-                work = dist.reduce_scatter_single(out, grads, group=self.group, async_op=True)
+            if self.layout.dp_shard > 1:
+                work = dist.reduce_scatter_single(out, grads, group=self.shard_group, async_op=True)
         elif self.layout.dp > 1:
             work = dist.all_reduce(grads, group=self.group, async_op=True)
         self.reducing[b] = (work, out)
+
+    def _launch_replica_sum(self, b: int) -> None:
+        """Hybrid sharding: once bucket b's reduce-scatter is in, launch the sum of this rank's
+        shard over its replicas (the ranks of the same shard rank in the other shard groups).
+        Chained here, in reduce_gradients after backward, bucket after bucket: each bucket's
+        all-reduce is on the wire while the next bucket's reduce-scatter is waited for. Launching
+        it from backward as each reduce-scatter completes would need a poll, and ranks could then
+        launch the replicate and shard groups' collectives in different orders."""
+        work, out = self.reducing[b]
+        if work is not None:
+            with self.clock.waiting("comm", out.device):
+                work.wait()
+        self.reducing[b] = (dist.all_reduce(out, group=self.replicate_group, async_op=True), out)
 
     def _finish_reduction(self, b: int) -> None:
         work, out = self.reducing.pop(b)
@@ -479,15 +511,15 @@ class ZeroDataParallel:
             if bucket.params.untyped_storage().nbytes() == 0:
                 _resize_storage(bucket.params, bucket.numel * bucket.params.element_size())
             mine = bucket.master.to(self.dtype)  # (fp32: the master itself)
-            if self.layout.dp == 1:
+            if self.layout.dp_shard == 1:
                 bucket.params.copy_(mine)
         else:
             mine = bucket.params[bucket.shard_start:bucket.shard_end]  # in place, in the parameters' dtype: bf16 on the wire
             if self.mixed:
                 mine.copy_(bucket.master)
         work = None
-        if self.layout.dp > 1:
-            work = dist.all_gather_single(bucket.params, mine, group=self.group, async_op=True)
+        if self.layout.dp_shard > 1:  # within the shard group: every replica holds the same shards
+            work = dist.all_gather_single(bucket.params, mine, group=self.shard_group, async_op=True)
         self.gathering[b] = (work, mine)
 
     @torch.no_grad()

@@ -54,20 +54,23 @@ def test_resume_at_another_layout_continues_the_same_run(straight, ranks, layout
     assert resumed == pytest.approx(losses[3:], rel=1e-5)
 
 
-def test_zero3_resumes_a_zero1_checkpoint_and_zero1_a_zero3_one_bitwise(tmp_path, cache_dir):
-    """dp2 at ZeRO-1 and at ZeRO-3 compute the same sums: each saves at step 3, the other stage
-    resumes it, and the last two losses are the uninterrupted run's, bit for bit (ZeRO-3 saves
-    each rank's flat ranges, as mixed precision's masters are, and loads into its shards)."""
+def test_zero3_resumes_a_hybrid_zero1_checkpoint_and_hybrid_zero1_a_zero3_one_bitwise(tmp_path, cache_dir):
+    """dp4 at ZeRO-1 with hybrid sharding (dp_shard=2: each half of a bucket held by two replicas,
+    which both write it, and DCP keeps one) and at ZeRO-3 over all four compute the same sums: each
+    saves at step 3, the other resumes it, and the last two losses are the uninterrupted run's, bit
+    for bit (ZeRO-3 saves each rank's flat ranges, as mixed precision's masters are, and loads into
+    its shards; the replicas of a hybrid shard each read the same ranges)."""
+    layouts = {"zero1_shard2": ["parallel.zero_stage=1", "parallel.dp_shard=2"], "zero3": ["parallel.zero_stage=3"]}
     runs = {}
-    for stage in (1, 3):
-        runs[stage] = tmp_path / f"zero{stage}"
-        run_train(runs[stage], ARGS + [f"parallel.zero_stage={stage}", "checkpoint.interval=3"], cache_dir, nproc=2)
-    losses = {stage: [r["loss"] for r in read_metrics(run_dir)] for stage, run_dir in runs.items()}
-    assert losses[1] == losses[3]
-    for saved, resumed in ((1, 3), (3, 1)):
-        run_dir = tmp_path / f"zero{saved}_to_zero{resumed}"
+    for name, layout in layouts.items():
+        runs[name] = tmp_path / name
+        run_train(runs[name], ARGS + layout + ["checkpoint.interval=3"], cache_dir, nproc=4)
+    losses = {name: [r["loss"] for r in read_metrics(run_dir)] for name, run_dir in runs.items()}
+    assert losses["zero1_shard2"] == losses["zero3"]
+    for saved, resumed in (("zero1_shard2", "zero3"), ("zero3", "zero1_shard2")):
+        run_dir = tmp_path / f"{saved}_to_{resumed}"
         step3 = checkpoint.step_dir(runs[saved] / "checkpoints", 3)
-        run_train(run_dir, ARGS + [f"parallel.zero_stage={resumed}", f"resume={step3}"], cache_dir, nproc=2)
+        run_train(run_dir, ARGS + layouts[resumed] + [f"resume={step3}"], cache_dir, nproc=4)
         assert [r["loss"] for r in read_metrics(run_dir)] == losses[saved][3:], (saved, resumed)
 
 

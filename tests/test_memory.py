@@ -48,11 +48,13 @@ def test_bf16_weights_are_never_cast_again_and_the_masters_are_fp32():
     assert copies == []
 
 
-def test_zero_buckets_are_flat_and_hold_no_full_size_copies():
+@pytest.mark.parametrize("dp_shard", [4, 2])
+def test_zero_buckets_are_flat_and_hold_no_full_size_copies(dp_shard):
     """dp=4, ZeRO-1, fixed-size buckets: every parameter is a view of its bucket's buffer, padded
     at the bucket's end only; each rank's optimizer pieces are views of one fp32 master range
-    per bucket (in fp32, of the parameters themselves), a quarter of the parameters."""
-    layout = parallel.Layout(world=4, dp=4, dp_rank=1)
+    per bucket (in fp32, of the parameters themselves), a quarter of the parameters; with hybrid
+    sharding over pairs (parallel.dp_shard=2) half of them, the optimizer's state with them."""
+    layout = parallel.Layout(world=4, dp=4, dp_rank=1, dp_shard=dp_shard)
     for dtype in (torch.float32, torch.bfloat16):
         engine = build(layout, dtype=dtype, zero_stage=1, bucket_size=20_000)
         zero, params = engine.zero, engine.zero.params
@@ -60,12 +62,19 @@ def test_zero_buckets_are_flat_and_hold_no_full_size_copies():
         assert len(zero.buckets) > 1
         for b in zero.buckets:
             largest = max(params[i].numel() for i in b.indices)
-            assert b.numel - sum(params[i].numel() for i in b.indices) < 4           # padding < dp
+            assert b.numel % dp_shard == 0 and b.numel - sum(params[i].numel() for i in b.indices) < dp_shard
             assert b.numel - largest <= 20_000 + 3 or len(b.indices) == 1             # closed at bucket_size
             for i in b.indices:
                 assert params[i].untyped_storage().data_ptr() == b.params.untyped_storage().data_ptr()
         masters = sum(b.master.numel() for b in zero.buckets)
-        assert masters == sum(b.shard_numel for b in zero.buckets) and masters < total / 4 + 4 * len(zero.buckets)
+        assert masters == sum(b.shard_numel for b in zero.buckets)
+        assert total / dp_shard <= masters < total / dp_shard + dp_shard * len(zero.buckets)
+        optimizer = torch.optim.AdamW(zero.shards)
+        for shard in zero.shards:
+            shard.grad = torch.zeros_like(shard)
+        optimizer.step()
+        moments = sum(v.numel() for state in optimizer.state.values() for k, v in state.items() if k != "step")
+        assert moments == 2 * masters
         for i, piece in enumerate(zero.shards):
             b = zero.buckets[zero.where[i][0]]
             assert piece.untyped_storage().data_ptr() == b.master.untyped_storage().data_ptr()
@@ -74,7 +83,7 @@ def test_zero_buckets_are_flat_and_hold_no_full_size_copies():
         held = sum(b.params.numel() * b.params.element_size() for b in zero.buckets)
         held += sum(b.master.numel() * 4 for b in zero.buckets if b.master.untyped_storage().data_ptr() !=
                     b.params.untyped_storage().data_ptr())
-        assert held == pytest.approx(total * (dtype.itemsize + (4 / 4 if dtype != torch.float32 else 0)), rel=0.01)
+        assert held == pytest.approx(total * (dtype.itemsize + (4 / dp_shard if dtype != torch.float32 else 0)), rel=0.01)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])

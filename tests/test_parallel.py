@@ -44,6 +44,14 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "pp2_vpp2_zero3_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.zero_stage=3",
                                    "parallel.overlap.dp=true", "parallel.overlap.pp=true"]),
     "tp2_dp2_zero3_recompute_full": (4, ["parallel.tp=2", "parallel.zero_stage=3", "train.recompute=full"]),
+    # Hybrid sharding (parallel.dp_shard): ZeRO shards over dp_shard consecutive DP ranks, each shard
+    # summed over its replicas; dp_shard=1 shards nothing and all-reduces every shard over dp.
+    "dp4_shard2_zero1": (4, ["parallel.zero_stage=1", "parallel.dp_shard=2"]),
+    "dp4_shard2_zero3_overlap": (4, ["parallel.zero_stage=3", "parallel.dp_shard=2", "parallel.overlap.dp=true",
+                                     "parallel.microbatches=2"]),
+    "pp2_dp2_shard1_zero2": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=2",
+                                 "parallel.dp_shard=1"]),
+    "tp2_dp2_shard1_zero3": (4, ["parallel.tp=2", "parallel.zero_stage=3", "parallel.dp_shard=1"]),
     # (plain 1F1B here: pp2_vpp2_overlap has the interleaved schedule)
     "tp2_pp2_dp2_overlap": (8, EIGHT_RANKS),  # the CI stress pass's run (conftest.eight_rank_run)
     # Also data.pipeline=megascale (the reference reads naively): one reader per TP group plus
@@ -134,7 +142,7 @@ def test_layout_equals_single_process(name, references, tmp_path, cache_dir, req
     assert len(rows) == STEPS
     for got, want in zip(rows, ref_rows):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (name, got["step"])
-        if name in LLAMA_LAYOUTS or "no_sp" in name:  # each element of the gradient counted once, a replicated one too
+        if name in LLAMA_LAYOUTS or "no_sp" in name or "_shard" in name:  # each element counted once, a replicated one too
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (name, got["step"])
     assert rows[-1]["val_loss"] == pytest.approx(ref_rows[-1]["val_loss"], rel=1e-5)
     weights = checkpoint.consolidate_model(checkpoint.step_dir(tmp_path / "checkpoints", STEPS))
@@ -282,6 +290,8 @@ INVALID_LAYOUTS = [
     (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.overlap.tp=chunked"], 2, "parallel.overlap.tp"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "model.dropout=0.1"], 2, "model.dropout"),
     (["parallel.zero_stage=3", "train.compile=true"], 2, "train.compile"),
+    (["parallel.zero_stage=1", "parallel.dp_shard=3"], 4, "parallel.dp_shard: 3 does not divide dp=4"),
+    (["parallel.dp_shard=2"], 4, "parallel.dp_shard: 2 with parallel.zero_stage=0"),  # nothing to shard
 ]
 
 
@@ -531,16 +541,24 @@ def _group_timeouts(rank, world, port, out):
                                    torch.device("cpu"), timeout_s=77)
     groups = {**{n: layout.group(n) for n in ("dp", "pp", "tp")}, **{str(k): g for k, g in layout.pp_channels.items()},
               "dp_tp": parallel._norm_group(layout)}
+    hybrid = parallel.build_layout(parallel.ParallelConfig(zero_stage=1, dp_shard=2), rank, world,
+                                   torch.device("cpu"), timeout_s=77)
+    groups.update({n: hybrid.group(n) for n in ("dp_shard", "dp_replicate")})
     found = {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for name, g in groups.items()}
     whole = parallel.build_layout(parallel.ParallelConfig(), rank, world, torch.device("cpu"), timeout_s=77)
-    out.put((found, whole.group("dp") is dist.group.WORLD))
+    from observe import oplog
+    dims = oplog.dim_names(hybrid)
+    out.put((found, whole.group("dp") is dist.group.WORLD and whole.group("dp_shard") is dist.group.WORLD
+             and whole.group("dp_replicate") is None,
+             [dims[hybrid.group(n).group_name] for n in ("dp_shard", "dp_replicate")]))
     dist.destroy_process_group()
 
 
 def test_every_group_gets_the_configured_timeout():
-    """Mesh dimensions, pipeline channels and the flattened dp x tp group all time out after the
-    configured seconds, not torch's 30-minute default; a dimension over every rank is the world
-    group itself, not a second group over the same ranks."""
+    """Mesh dimensions, pipeline channels, the flattened dp x tp group and hybrid sharding's split
+    of dp all time out after the configured seconds, not torch's 30-minute default; a dimension
+    over every rank is the world group itself, not a second group over the same ranks (nor does
+    ZeRO's shard group make one without hybrid sharding)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -553,9 +571,10 @@ def test_every_group_gets_the_configured_timeout():
     results = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    for found, dp_is_world in results:
-        assert len(found) == 8 and set(found.values()) == {77.0}, found
+    for found, dp_is_world, hybrid_dims in results:
+        assert len(found) == 10 and set(found.values()) == {77.0}, found
         assert dp_is_world
+        assert hybrid_dims == ["dp", "dp"]  # the op log counts hybrid sharding's collectives as DP's
 
 
 def test_a_cuda_rank_binds_its_device_at_init(monkeypatch):

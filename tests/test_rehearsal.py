@@ -407,6 +407,9 @@ LAYOUTS_OF_TEST_PARALLEL = {  # tests/test_parallel.py's layouts, overlap off an
     # ZeRO-3's per-module gathers and frees under 1F1B, prefetched: one order on every rank.
     "pp2_dp2_zero3_overlap": ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2", "parallel.zero_stage=3",
                               "parallel.overlap.dp=true"],
+    # Hybrid sharding: reduce-scatters and gathers in pairs, each shard's all-reduce over its replicas.
+    "dp4_shard2_zero3_overlap": ["parallel.dp=4", "parallel.dp_shard=2", "parallel.microbatches=2",
+                                 "parallel.zero_stage=3", "parallel.overlap.dp=true"],
 }
 
 
@@ -439,23 +442,30 @@ def test_dry_run_gives_the_rehearsed_memory_once_there_is_one(tmp_path, monkeypa
     assert "rehearsed (rank 0)" in line and f"{records[0]['memory']['peak_bytes'] / 2**30:,.1f} GiB" in line, line
 
 
-@pytest.mark.parametrize("world, layout", [
-    (2240, ["parallel.tp=8", "parallel.pp=35", "model.n_layers=35", "parallel.microbatches=35", "train.batch_size=280"]),
-    (12288, ["parallel.tp=8", "parallel.pp=8", "model.n_layers=8", "parallel.microbatches=8", "train.batch_size=1536"]),
+JOB_530B = ["parallel.tp=8", "parallel.pp=35", "model.n_layers=35", "parallel.microbatches=35", "train.batch_size=280"]
+
+
+@pytest.mark.parametrize("world, layout, groups", [
+    (2240, JOB_530B, 8),
+    (12288, ["parallel.tp=8", "parallel.pp=8", "model.n_layers=8", "parallel.microbatches=8", "train.batch_size=1536"], 8),
+    (2240, JOB_530B + ["parallel.dp_shard=2"], 10),  # hybrid sharding: its shard and replicate groups
 ])
-def test_a_ranks_communicators_and_connections_do_not_grow_with_the_world(world, layout, tmp_path):
+def test_a_ranks_communicators_and_connections_do_not_grow_with_the_world(world, layout, groups, tmp_path):
     """The last rank of the 530B job's layout (2,240 GPUs, tp8 pp35) and of Table 2's last row
     (12,288 GPUs, tp8 pp8), with a tiny model: the rank is in 8 process groups (the world, dp,
-    pp, tp, three more pipeline channels, dp x tp), of which only the world spans every rank;
+    pp, tp, three more pipeline channels, dp x tp; hybrid sharding adds ZeRO's shard and
+    replicate groups), of which only the world spans every rank;
     NCCL would add a 2-rank communicator per pipeline peer without a device bound at init, none
     with one; the checkpoint group connects it to O(log W) peers and a resume check costs it a
-    few file-system calls, where a full gloo mesh cost W-1 sockets and the old check 2W."""
+    few file-system calls, where a full gloo mesh cost W-1 sockets and the old check 2W.
+    (rehearse_rank skips config.validate, which refuses hybrid sharding to a rehearsal: the
+    layout and its groups are the real code's.)"""
     rank = world - 1
     rec, = rehearse_here(["model.vocab_size=512", "model.n_heads=8", "model.d_model=256", "precision=fp32", "parallel.dp=-1", "parallel.zero_stage=1",
                           f"rehearse.world={world}", "rehearse.steps=1"] + layout, [rank], tmp_path)
     assert rec["crash"] is None, rec["crash"]
     comms, ckpt = rec["costs"]["communicators"], rec["costs"]["checkpoint"]
-    assert comms["groups"] == comms["bound"] == 8 and comms["group_sizes"][0] == world
+    assert comms["groups"] == comms["bound"] == groups and comms["group_sizes"][0] == world
     assert comms["group_sizes"][1] < world and 0 < comms["p2p_pairs"] <= 8
     assert comms["lazy"] == comms["groups"] + comms["p2p_pairs"]
     assert ckpt["before"]["sockets"] == world - 1 and ckpt["after"]["sockets"] <= 16

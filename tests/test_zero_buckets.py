@@ -55,14 +55,27 @@ def reference_step(model: TwoLinears, step: int, world: int) -> list:
     return grads
 
 
-def _buckets_against_reference(rank, world, port, out):
+def _logged_collectives(log: list) -> None:
+    """Every DP collective ZeRO launches, appended to `log` as (name, ranks of its group)."""
+    for name in ("all_reduce", "reduce_scatter_single", "all_gather_single"):
+        original = getattr(dist, name)
+
+        def logged(*args, _f=original, _name=name, group=None, **kwargs):
+            log.append((_name, dist.get_process_group_ranks(group or dist.group.WORLD)))
+            return _f(*args, group=group, **kwargs)
+        setattr(dist, name, logged)
+
+
+def _buckets_against_reference(rank, world, port, out, dp_shard=-1):
     import parallel
     from parallelisms.zero import ZeroDataParallel, plan_buckets
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    layout = parallel.build_layout(parallel.ParallelConfig(), rank, world, torch.device("cpu"))
+    layout = parallel.build_layout(parallel.ParallelConfig(dp_shard=dp_shard), rank, world, torch.device("cpu"))
+    collectives = []
+    _logged_collectives(collectives)
     errors = {}
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 1, 2, 3) if dp_shard == -1 else (1, 2, 3):
         for overlap in (False, True):
             torch.manual_seed(0)
             model = TwoLinears()
@@ -108,7 +121,9 @@ def _buckets_against_reference(rank, world, port, out):
             errors[f"zero{stage}{'_overlap' if overlap else ''}"] = {
                 "grad": worst_grad, "param": worst_param, "buckets": len(zero.buckets),
                 "split": sum(0 < hi - lo < p.numel() for p, (lo, hi) in zip(params, zero.shard_ranges)) if stage else 0,
-                "fused": fused, "launched": launched}
+                "fused": fused, "launched": launched, "shard_numel": [b.shard_numel for b in zero.buckets],
+                "numel": [b.numel for b in zero.buckets], "collectives": sorted({(n, tuple(g)) for n, g in collectives})}
+            collectives.clear()
     Path(out, f"rank{rank}.json").write_text(json.dumps(errors))
     dist.destroy_process_group()
 
@@ -125,6 +140,29 @@ def test_buckets_average_gradients_and_rebuild_parameters_like_one_process(tmp_p
             assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
             if name.startswith(("zero1", "zero2", "zero3")):
                 assert e["split"] > 0, (name, e)  # some parameter straddles the ranks' shards
+            # over the dp group only (dp_shard=-1: no replicate step)
+            ops = {"all_reduce"} if name.startswith("zero0") else {"reduce_scatter_single", "all_gather_single"}
+            assert {(n, tuple(g)) for n, g in e["collectives"]} == {(op, (0, 1)) for op in ops}, (name, e)
+
+
+def test_hybrid_sharding_shards_over_pairs_and_sums_over_replicas(tmp_path):
+    """parallel.dp_shard=2 at dp=4 (FSDP2's HSDP), ZeRO 1 to 3 with and without DP overlap: each
+    rank's shard is half a bucket; its gradient is the average over all four ranks (reduce-scatter
+    in its pair of consecutive ranks, then all-reduce with the rank of the same shard rank in the
+    other pair), and the all-gather within the pair rebuilds every parameter. No DP collective
+    goes over all four ranks."""
+    spawn(_buckets_against_reference, 4, str(tmp_path), 2)
+    for rank in range(4):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        pair, replicas = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
+        assert len(errors) == 6
+        for name, e in errors.items():
+            assert e["grad"] < 1e-6 and e["param"] < 1e-6, (rank, name, e)
+            assert e["split"] > 0 and all(n % 2 == 0 and s == n // 2 for n, s in zip(e["numel"], e["shard_numel"]))
+            assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
+            assert {(n, tuple(g)) for n, g in e["collectives"]} == {
+                ("reduce_scatter_single", tuple(pair)), ("all_reduce", tuple(replicas)),
+                ("all_gather_single", tuple(pair))}, (rank, name, e["collectives"])
 
 
 def test_what_a_parameter_is_and_where_its_gradient_goes_stay_on_it_on_meta():
