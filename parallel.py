@@ -120,9 +120,6 @@ def validate(cfg, world: int, run: bool = True) -> None:
                           "list all three, outermost first, e.g. parallel.order=[dp,pp,tp]")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", f"{p.zero_stage}", "use 0, 1, 2 or 3")
-    if p.zero_stage == 3 and not run:
-        raise ConfigError("parallel.zero_stage", "3: the performance model does not price it yet",
-                          "use parallel.zero_stage=0, 1 or 2 to model a run")
     if p.zero_stage == 3 and getattr(getattr(cfg, "rehearse", None), "rehearsing", False):
         raise ConfigError("parallel.zero_stage", "3: the rehearsal does not run it yet",
                           "use parallel.zero_stage=0, 1 or 2 to rehearse a run")
