@@ -629,7 +629,7 @@ def dp_overlap_exposed(lay: JobLayout, layers: int, layer_fwd: float, layer_bwd:
     prefetches behind: one layer's, or before a chunk's first layer the group of chunk-steps between
     that chunk's first microbatch and the one before."""
     v, group = lay.vpp, min(lay.pp, lay.microbatches)
-    per_chunk = layers // v
+    per_chunk = max(1, layers // v)  # (uneven chunks: their mean, at least one block)
     chunk_bwd, chunk_fwd = per_chunk * layer_bwd, per_chunk * layer_fwd
     (layer_rs, layer_ag), (end_rs, end_ag) = layer_comm, end_comm
     # backward: (compute still to run when the bucket launches, its reduce-scatter), in launch order
