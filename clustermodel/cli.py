@@ -245,6 +245,13 @@ def sharding_choices(dp: int) -> List[Tuple[int, int, bool]]:
     return out + [(3, s, reshard) for s in shards for reshard in (True, False)]
 
 
+def sharding_note(lay) -> str:
+    """What the layout shards beyond its ZeRO stage, for a heading: nothing where it is the default."""
+    return ((f", dp_shard {lay.shard}" if lay.shard < lay.dp and lay.zero else "")
+            + (", no reshard" if lay.zero == 3 and not lay.reshard else "")
+            + (f", chunks {'/'.join(map(str, lay.chunks))}" if lay.chunks and len(lay.chunks) <= 8 else ""))
+
+
 # --- Markdown tables of predictions (markdown_table, pct, seconds: metrics.py) ---
 
 def ablation_table(results, paper: Optional[Dict[str, str]] = None) -> str:
@@ -664,7 +671,7 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
         pred = pm.predict(cfg, gpus)
         lay = pred.layout
         print(f"{cfg.model.name} on {lay.gpus} x {cfg.hardware.name} (tp {lay.tp}, pp {lay.pp}, vpp {lay.vpp}, "
-              f"dp {lay.dp}, zero {lay.zero}), batch {cfg.train.batch_size} x {lay.seq}: step {seconds(pred.step_s)}, "
+              f"dp {lay.dp}, zero {lay.zero}{sharding_note(lay)}), batch {cfg.train.batch_size} x {lay.seq}: step {seconds(pred.step_s)}, "
               f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pct(pred.mfu)}\n")
         print(breakdown_table(pred))
     return 0

@@ -8,7 +8,9 @@ optim, train) plus a description of the machine in conf/hardware/, and prices on
 the busiest rank: every GEMM and attention kernel (efficiency depends on shape), every memory-bound
 op, the TP/SP collectives over NVLink, PP sends (1/tp of the activation under SP or with
 Megatron-LM's scatter/gather, which all-gathers it over TP on receipt) and the interleaved-1F1B bubble (p-1)/(m*v), DP
-reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts),
+reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts;
+a group spanning zones at its hop out of a zone), ZeRO-3's per-module gathers and hybrid
+sharding's two-step reduction (sharding_cost.py), the busiest stage under uneven chunks,
 what each overlap switch hides and what hiding costs, the optimizer and the data loader. Memory is
 counted per rank (memory.py): weights, gradients and optimizer states by ZeRO stage, activations by
 schedule and recomputation. The block's shapes are the config's, as model.py builds them
