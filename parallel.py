@@ -121,9 +121,6 @@ def validate(cfg, world: int, run: bool = True) -> None:
                           "list all three, outermost first, e.g. parallel.order=[dp,pp,tp]")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero_stage", f"{p.zero_stage}", "use 0, 1, 2 or 3")
-    if p.zero_stage == 3 and not run:
-        raise ConfigError("parallel.zero_stage", "3: the performance model does not price it yet",
-                          "use parallel.zero_stage=0, 1 or 2 to model a run")
     if p.zero_stage == 3:
         if t.compile:
             raise ConfigError("train.compile", "true with parallel.zero_stage=3 is not supported yet (its "

@@ -204,9 +204,11 @@ def rehearse_530b(gpu_counts: Sequence[int] = (2240,), overrides: Sequence[str] 
 
 
 def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, include_oom: bool = False):
-    """Every valid (tp, pp, vpp, dp, zero) layout of cfg on `gpus` devices at a global batch, with
-    cfg's technique switches, ranked by predicted MFU. Layouts that overflow memory are left out
-    unless include_oom; TP stays inside a host."""
+    """Every valid (tp, pp, vpp, dp, zero, dp_shard, reshard) layout of cfg on `gpus` devices at a
+    global batch, with cfg's technique switches, ranked by predicted MFU: ZeRO stages 0-3, hybrid
+    sharding over each power-of-two shard group below dp (ZeRO 1-3), ZeRO-3 with and without
+    resharding after forward. Layouts that overflow memory are left out unless include_oom; TP
+    stays inside a host; chunks are even."""
     hw = pm.resolve_hardware(cfg.hardware)
     m, L = cfg.model, cfg.model.n_layers
     tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.perfmodel.devices_per_host and m.n_heads % t == 0
@@ -219,10 +221,11 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
                 continue
             microbatches = batch // (dp * micro_batch)
             for vpp in (v for v in range(1, 9) if (L // pp) % v == 0 and (v == 1 or (pp > 1 and microbatches % pp == 0))):
-                for zero in (0, 1, 2):
+                for zero, shard, reshard in sharding_choices(dp):
                     c = copy.deepcopy(cfg)
                     c.parallel.tp, c.parallel.pp, c.parallel.vpp, c.parallel.dp = tp, pp, vpp, -1
                     c.parallel.zero_stage, c.parallel.microbatches, c.train.batch_size = zero, microbatches, batch
+                    c.parallel.dp_shard, c.parallel.reshard_after_forward = shard, reshard
                     try:
                         pred = pm.predict(c, gpus, hw)
                     except ConfigError:
@@ -230,6 +233,23 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
                     if include_oom or pred.memory.fits:
                         ranked.append(pred)
     return sorted(ranked, key=lambda p: -p.mfu)
+
+
+def sharding_choices(dp: int) -> List[Tuple[int, int, bool]]:
+    """(zero stage, dp_shard, reshard_after_forward) a plan tries at `dp`: stages 0-2 over all of
+    dp, then hybrid shard groups (powers of two below dp) for stages 1-3, ZeRO-3 with and
+    without resharding."""
+    shards = [-1] + [1 << k for k in range(1, dp.bit_length()) if (1 << k) < dp and dp % (1 << k) == 0]
+    out = [(zero, -1, True) for zero in (0, 1, 2)]
+    out += [(zero, s, True) for zero in (1, 2) for s in shards[1:]]
+    return out + [(3, s, reshard) for s in shards for reshard in (True, False)]
+
+
+def sharding_note(lay) -> str:
+    """What the layout shards beyond its ZeRO stage, for a heading: nothing where it is the default."""
+    return ((f", dp_shard {lay.shard}" if lay.shard < lay.dp and lay.zero else "")
+            + (", no reshard" if lay.zero == 3 and not lay.reshard else "")
+            + (f", chunks {'/'.join(map(str, lay.chunks))}" if lay.chunks and len(lay.chunks) <= 8 else ""))
 
 
 # --- Markdown tables of predictions (markdown_table, pct, seconds: metrics.py) ---
@@ -271,11 +291,12 @@ def scaling_table(results, paper_key: Optional[str] = None, per_batch: bool = Tr
 
 
 def plan_table(ranked, top: int = 15) -> str:
-    rows = [[i + 1, p.layout.tp, p.layout.pp, p.layout.vpp, p.layout.dp, p.layout.zero,
+    rows = [[i + 1, p.layout.tp, p.layout.pp, p.layout.vpp, p.layout.dp, p.layout.zero, p.layout.shard,
+             ("yes" if p.layout.reshard else "no") if p.layout.zero == 3 else "",
              f"{p.layout.micro_batch}x{p.layout.microbatches}", seconds(p.step_s), pct(p.mfu),
              pct(p.breakdown["bubble"] / p.step_s), f"{p.memory.total:.1f}" + ("" if p.memory.fits else " (OOM)")]
             for i, p in enumerate(ranked[:top])]
-    return markdown_table(["#", "tp", "pp", "vpp", "dp", "zero", "micro-batch x m", "step time", "MFU",
+    return markdown_table(["#", "tp", "pp", "vpp", "dp", "zero", "dp_shard", "reshard", "micro-batch x m", "step time", "MFU",
                            "bubble", "memory GiB"], rows)
 
 
@@ -650,7 +671,7 @@ def run(command: str, own: Dict[str, str], overrides: List[str], flags: set) -> 
         pred = pm.predict(cfg, gpus)
         lay = pred.layout
         print(f"{cfg.model.name} on {lay.gpus} x {cfg.hardware.name} (tp {lay.tp}, pp {lay.pp}, vpp {lay.vpp}, "
-              f"dp {lay.dp}, zero {lay.zero}), batch {cfg.train.batch_size} x {lay.seq}: step {seconds(pred.step_s)}, "
+              f"dp {lay.dp}, zero {lay.zero}{sharding_note(lay)}), batch {cfg.train.batch_size} x {lay.seq}: step {seconds(pred.step_s)}, "
               f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pct(pred.mfu)}\n")
         print(breakdown_table(pred))
     return 0

@@ -98,12 +98,37 @@ def layer_params(m: gpt.ModelConfig, tp: int = 1) -> Tuple[int, int]:
 
 
 def rank_params(m: gpt.ModelConfig, lay: JobLayout) -> Tuple[int, int]:
-    """Parameters held by the first and the last pipeline rank (the same rank when pp=1)."""
+    """Parameters held by the first and the last pipeline rank (the same rank when pp=1), each
+    with its own blocks (uneven chunks: lay.chunks)."""
     split, replicated = layer_params(m, lay.tp)
-    body = m.n_layers // lay.pp * (split + replicated)
+    body, last_body = (lay.rank_layers(r, m.n_layers) * (split + replicated) for r in (0, lay.pp - 1))
     embed = m.vocab_size * m.d_model // lay.tp
     head = m.vocab_size * m.d_model // lay.tp + norm_params(m)
-    return (body + embed + head, body + embed + head) if lay.pp == 1 else (body + embed, body + head)
+    return (body + embed + head, body + embed + head) if lay.pp == 1 else (body + embed, last_body + head)
+
+
+def rank_modules(cfg: config.Config, lay: JobLayout, rank: int) -> List[int]:
+    """Parameters of each module pipeline rank `rank` runs, in forward order: the embedding on the
+    first rank, its blocks, the final norm with the head on the last."""
+    split, replicated = layer_params(cfg.model, lay.tp)
+    vocab = cfg.model.vocab_size * cfg.model.d_model // lay.tp
+    modules = [vocab] if rank == 0 else []
+    modules += [split + replicated] * lay.rank_layers(rank, cfg.model.n_layers)
+    return modules + ([vocab + norm_params(cfg.model)] if rank == lay.pp - 1 else [])
+
+
+def gathered_params(cfg: config.Config, lay: JobLayout, rank: int) -> int:
+    """ZeRO-3: parameters a rank holds gathered at its peak. Resharding, the module computing and
+    the one prefetched (DP overlap; the head, kept from its forward to its backward, with the
+    last block); without resharding every module whose backward is pending keeps its
+    parameters: under 1F1B (and gradient accumulation) all the rank's modules by the end of the
+    first microbatch's forward."""
+    modules = rank_modules(cfg, lay, rank)
+    if not lay.reshard:
+        return sum(modules)
+    if not cfg.parallel.overlap.dp or len(modules) == 1:
+        return max(modules)
+    return max(a + b for a, b in zip(modules, modules[1:]))
 
 
 def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
@@ -237,7 +262,7 @@ def in_flight_layers(lay: JobLayout, n_layers: int, rank: int) -> float:
     every chunk-forward of the step, m*v, where there are fewer)."""
     if lay.pp == 1:
         return n_layers
-    per_rank = n_layers // lay.pp
+    per_rank = lay.rank_layers(rank, n_layers)
     if lay.vpp == 1:
         return min(lay.microbatches, lay.pp - rank) * per_rank
     chunks = min(lay.microbatches * lay.vpp, (lay.pp - rank - 1) * 2 + (lay.vpp - 1) * lay.pp + 1)
@@ -260,7 +285,7 @@ def fused_weight_params(cfg: config.Config, lay: JobLayout, last: bool = False) 
         return 0, 0
     m, ov = cfg.model, cfg.parallel.overlap
     head = m.vocab_size * m.d_model // lay.tp if last or lay.pp == 1 else 0
-    blocks = m.n_layers // lay.pp * sum(n * k for n, k in block_matrices(m).values()) // lay.tp
+    blocks = lay.rank_layers(lay.pp - 1 if last else 0, m.n_layers) * sum(n * k for n, k in block_matrices(m).values()) // lay.tp
     pieces = {"chunked": ov.tp_chunks, "domino": min(ov.tp_chunks, lay.micro_batch)}.get(ov.tp, 1)
     return blocks + head, blocks * pieces + head
 
@@ -304,7 +329,9 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     ZeRO (parallelisms/zero.py). ZeRO-1 splits the optimizer over DP; ZeRO-2 the gradients too, but only once
     reduced: while microbatches add up the whole gradient buffer is there (in the reduction dtype),
     through the backward, where the peak is; so ZeRO-2's peak is ZeRO-1's (DeepSpeed refuses ZeRO-2
-    with pipeline parallelism for this reason)."""
+    with pipeline parallelism for this reason). ZeRO-3's gradients and optimizer are ZeRO-2's, its
+    weights the modules gathered at the peak (gathered_params). Hybrid sharding divides by its
+    shard group, parallel.dp_shard, not dp."""
     e, GiB = element_bytes(cfg), 2.0 ** 30
     m, M = cfg.model, lay.micro_batch * lay.seq
     states = 8 + (4 if precision(cfg) == "bf16" else 0)
@@ -313,7 +340,7 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     params = rank_params(m, lay)[1 if last else 0]
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
     grads = grad_bytes * params
-    optimizer = states * params / (lay.dp if lay.zero >= 1 else 1)
+    optimizer = states * params / (lay.shard if lay.zero >= 1 else 1)  # (hybrid sharding: its shard group)
     layers = in_flight_layers(lay, m.n_layers, rank)
     recomputed, per_chunk = recomputed_layers(cfg, lay.pp, lay.vpp)
     layer_input = M * e * m.d_model / stream_shards(cfg, lay.tp)
@@ -348,4 +375,8 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
         # first backward has freed about one layer's activations (ZeRO-1 holds it all along; on
         # the last rank the head's weight gradient comes first, before anything is freed).
         acts -= min(per_layer, acts)
-    return Memory(e * params / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)
+    weights = e * params
+    if lay.zero == 3:  # the modules gathered at the peak, and the shard's own storage: in bf16 the fp32
+        # master (counted with the optimizer: the gather reads it, no bf16 copy is kept), in fp32 itself
+        weights = e * gathered_params(cfg, lay, rank) + (0 if precision(cfg) == "bf16" else 4 * params / lay.shard)
+    return Memory(weights / GiB, grads / GiB, optimizer / GiB, acts / GiB, capacity_gib)

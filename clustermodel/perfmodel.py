@@ -8,7 +8,9 @@ optim, train) plus a description of the machine in conf/hardware/, and prices on
 the busiest rank: every GEMM and attention kernel (efficiency depends on shape), every memory-bound
 op, the TP/SP collectives over NVLink, PP sends (1/tp of the activation under SP or with
 Megatron-LM's scatter/gather, which all-gathers it over TP on receipt) and the interleaved-1F1B bubble (p-1)/(m*v), DP
-reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts),
+reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts;
+a group spanning zones at its hop out of a zone), ZeRO-3's per-module gathers and hybrid
+sharding's two-step reduction (sharding_cost.py), the busiest stage under uneven chunks,
 what each overlap switch hides and what hiding costs, the optimizer and the data loader. Memory is
 counted per rank (memory.py): weights, gradients and optimizer states by ZeRO stage, activations by
 schedule and recomputation. The block's shapes are the config's, as model.py builds them
@@ -73,6 +75,7 @@ from clustermodel.memory import (MATERIALIZED, Memory, block_matrices, compiled_
                                  pp_gathers, pp_message_shards, recomputed_layers,
                                  swiglu)
 from clustermodel.layout import JobLayout, layout_of  # noqa: F401
+from clustermodel.sharding_cost import gradient_reduction, parameter_gather, zero3_gathers
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
                    collective_time, gemm_key, gemm_time, owner, resolve_hardware, stream_time)
 
@@ -109,8 +112,30 @@ class Network:
         self.inter = (nic * p.inter_host_efficiency, p.inter_host_latency_us * 1e-6)
         self.nic = nic
 
+    def crosses_zones(self, dim: str) -> bool:
+        """Whether a `dim` group spans more than one zone (hardware.perfmodel.hosts_per_zone)."""
+        p = self.rates
+        if not p.hosts_per_zone:
+            return False
+        return self.lay.members_per_host(dim, p.hosts_per_zone * p.devices_per_host) < self.lay.group(dim)[0]
+
+    def network_hop(self, dim: str) -> Tuple[float, float]:
+        """(bytes/s, latency) of a `dim` group's slowest network hop: the NIC, or where the group
+        spans zones its hop out of a zone, which shares the zone's uplinks (1/oversubscription of
+        its GPUs' NICs) with the other groups' rings: a ring in rank order leaves a zone once, so
+        the zone's Z GPUs in groups of k members there send Z/k flows out, each at
+        min(1, k/oversubscription) of a NIC. DP outermost (k large) keeps the full NIC rate; a
+        group with few members a zone (hybrid sharding's replicas) is slowed."""
+        if not self.crosses_zones(dim):
+            return self.inter
+        p = self.rates
+        k = self.lay.members_per_host(dim, p.hosts_per_zone * p.devices_per_host)
+        return self.inter[0] * min(1.0, k / (p.inter_zone_oversubscription or 1.0)), self.inter[1]
+
     def collective(self, kind: str, nbytes: float, dim: str) -> float:
-        n = getattr(self.lay, dim)
+        """One collective over a `dim` group (tp, pp, dp; dp_shard and dp_replicate under hybrid
+        sharding), priced on the slowest link it crosses."""
+        n = self.lay.group(dim)[0]
         k = self.lay.members_per_host(dim, self.rates.devices_per_host)
         algo = self.rates.collective_algo
         # the library's own algorithm for this kind (gloo's reduce_scatter is an all-reduce)
@@ -118,17 +143,18 @@ class Network:
         if k >= n:
             return collective_time(kind, nbytes, n, *self.intra, algo)
         if k == 1 or algo == "ring":  # a flat ring runs at its slowest (network) hop
-            return collective_time(kind, nbytes, n, *self.inter, algo)
+            return collective_time(kind, nbytes, n, *self.network_hop(dim), algo)
         # tree: inside each host over NVLink, then across hosts on 1/k of the buffer, every GPU on its NIC
         return (collective_time(kind, nbytes, k, *self.intra, "ring")
-                + collective_time(kind, nbytes / k, n // k, *self.inter, "tree"))
+                + collective_time(kind, nbytes / k, n // k, *self.network_hop(dim), "tree"))
 
     def pp_send(self, nbytes: float) -> float:
         """One activation (or its gradient) to the next pipeline stage, over NVLink if the whole
         pipeline shares a host, else over the NIC (the slowest hop paces the pipeline)."""
         p = self.rates
         if self.lay.members_per_host("pp", p.devices_per_host) < self.lay.pp:
-            return self.inter[1] + nbytes / (self.nic * p.p2p_efficiency)
+            slowdown = self.inter[0] / self.network_hop("pp")[0]
+            return self.inter[1] + nbytes * slowdown / (self.nic * p.p2p_efficiency)
         return self.intra[1] + nbytes / (p.intra_host_GBps * 1e9 * p.p2p_efficiency)
 
 
@@ -404,13 +430,24 @@ def stage_microbatch(cfg: config.Config, lay: JobLayout, r: Rates, net: Network)
     holds all of them at pp=1); a middle rank is the first less its embedding."""
     fwd, bwd = layer_microbatch(cfg, lay, r, net)
     layer = _add(_add({}, fwd), bwd)
-    body = _add({}, layer, cfg.model.n_layers // lay.pp)
+    body = _add({}, layer, lay.rank_layers(0, cfg.model.n_layers))
     (emb_f, emb_b), (head_f, head_b) = ends_time(cfg, lay, r, net)
     first = _add(_add(dict(body), emb_f), emb_b)
-    last = _add(_add(dict(body), head_f), head_b)
+    last = _add(_add(_add({}, layer, lay.rank_layers(lay.pp - 1, cfg.model.n_layers)), head_f), head_b)
     if lay.pp == 1:
         first = _add(_add(first, head_f), head_b)
     return first, last
+
+
+def middle_stages(cfg: config.Config, lay: JobLayout, r: Rates, net: Network) -> list:
+    """Where chunks are uneven, the busiest middle pipeline rank's microbatch (its blocks alone):
+    with short end chunks it may hold more blocks than the first or last. Even: none (a middle
+    rank is the first less its embedding)."""
+    if not lay.chunks or lay.pp < 3:
+        return []
+    layers, rank = max((lay.rank_layers(k, cfg.model.n_layers), k) for k in range(1, lay.pp - 1))
+    fwd, bwd = layer_microbatch(cfg, lay, r, net)
+    return [(rank, _add({}, _add(_add({}, fwd), bwd), layers))]
 
 
 @dataclass
@@ -435,7 +472,12 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
 
     fwd, (first, last) = layer_time(cfg, lay, r, net)[0], stage_microbatch(cfg, lay, r, net)
     busy = lambda c: sum(v for k, v in c.items() if k != "hidden")
-    mb = max(first, last, key=busy)
+    stages = [(0, first), (lay.pp - 1, last), *middle_stages(cfg, lay, r, net)]
+    if lay.zero == 3 and lay.dp > 1:  # each rank's own gathers (the first gathers the embedding, the last the head)
+        for rank, stage in stages:
+            exposed, total = zero3_gathers(cfg, lay, net, rank, busy(fwd), layer_backward(cfg, lay, r, net))
+            stage["param_gather"], stage["hidden"] = exposed, stage.get("hidden", 0.0) + total - exposed
+    mb = max((stage for _, stage in stages), key=busy)  # the slowest stage sets the pace
 
     message = lay.micro_batch * lay.seq * m.d_model * element_bytes(cfg)
     send = net.pp_send(message / pp_message_shards(cfg, lay.tp)) if lay.pp > 1 else 0.0
@@ -456,7 +498,7 @@ def predict(cfg: config.Config, gpus: Optional[int] = None, hw: Optional[Hardwar
     step_s = sum(step.values())
     tokens = cfg.train.batch_size * lay.seq
     mfu = tokens / step_s * gpt.flops_per_token(m, lay.seq) / (lay.gpus * r.flops)
-    exposed = step.get("tp_comm", 0.0) + step.get("pp_comm", 0.0) + step.get("dp_comm", 0.0)
+    exposed = step.get("tp_comm", 0.0) + step.get("pp_comm", 0.0) + step.get("dp_comm", 0.0) + step.get("param_gather", 0.0)
     return Prediction(step_s, tokens / step_s, mfu, step, exposed, hidden,
                       memory(cfg, lay, machine.tensor_memory_gib(hw)), lay)
 
@@ -501,7 +543,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
     cfg = resolve_config(cfg, resolve_hardware(cfg.hardware))
     m, e, t = cfg.model, element_bytes(cfg), lay.tp
     M, h, V = lay.micro_batch * lay.seq, m.d_model, m.vocab_size
-    layers, mbs = m.n_layers // lay.pp, lay.microbatches
+    layers, mbs = lay.rank_layers(lay.pp - 1 if last else 0, m.n_layers), lay.microbatches
     ring = lambda kind, nbytes, n: nbytes * (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n)
     mix = layer_mix(cfg, lay)
     recomputed = sum(share for c, share in mix if c.train.recompute == "full")  # the chunk's share that recomputes
@@ -553,22 +595,24 @@ def dp_time(cfg: config.Config, lay: JobLayout, net: Network, layer_fwd: float, 
     one layer's forward and backward seconds (one microbatch, recomputation included) on this rank.
     Without DP overlap both run after the backward. With it they are priced as parallelisms/zero.py
     issues them, a bucket per module (the embedding, each block, the head), on the busier of the
-    first and last pipeline rank (dp_overlap_exposed)."""
+    first and last pipeline rank (dp_overlap_exposed). Hybrid sharding reduces in two steps and
+    ZeRO-3 gathers at use, not here (sharding_cost)."""
     if lay.dp == 1:
         return {"dp_comm": 0.0}
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
     gather_bytes = grad_bytes if lay.zero == 0 else element_bytes(cfg)
     if not cfg.parallel.overlap.dp:
         params = max(rank_params(cfg.model, lay))
-        rs = net.collective("reduce_scatter", params * grad_bytes, "dp")
-        ag = net.collective("all_gather", params * gather_bytes, "dp")
+        rs = gradient_reduction(net, lay, params * grad_bytes)
+        ag = parameter_gather(net, lay, params * gather_bytes)
         return {"dp_comm": rs + ag, "dp_hidden": 0.0}
     split, replicated = layer_params(cfg.model, lay.tp)
     ends = cfg.model.vocab_size * cfg.model.d_model // lay.tp
-    rs = lambda n: net.collective("reduce_scatter", n * grad_bytes, "dp")
-    ag = lambda n: net.collective("all_gather", n * gather_bytes, "dp")
-    priced = [dp_overlap_exposed(lay, cfg.model.n_layers // lay.pp, layer_fwd, layer_bwd,
-                                 (rs(split + replicated), ag(split + replicated)), (rs(ends), ag(ends)), end)
+    rs = lambda n: gradient_reduction(net, lay, n * grad_bytes)
+    ag = lambda n: parameter_gather(net, lay, n * gather_bytes)
+    priced = [dp_overlap_exposed(lay, lay.rank_layers(0 if end == "embedding" else lay.pp - 1, cfg.model.n_layers),
+                                 layer_fwd, layer_bwd, (rs(split + replicated), ag(split + replicated)),
+                                 (rs(ends), ag(ends)), end)
               for end in ("embedding", "head")]
     exposed, total = max(priced)
     return {"dp_comm": exposed, "dp_hidden": total - exposed}
@@ -587,7 +631,7 @@ def dp_overlap_exposed(lay: JobLayout, layers: int, layer_fwd: float, layer_bwd:
     prefetches behind: one layer's, or before a chunk's first layer the group of chunk-steps between
     that chunk's first microbatch and the one before."""
     v, group = lay.vpp, min(lay.pp, lay.microbatches)
-    per_chunk = layers // v
+    per_chunk = max(1, layers // v)  # (uneven chunks: their mean, at least one block)
     chunk_bwd, chunk_fwd = per_chunk * layer_bwd, per_chunk * layer_fwd
     (layer_rs, layer_ag), (end_rs, end_ag) = layer_comm, end_comm
     # backward: (compute still to run when the bucket launches, its reduce-scatter), in launch order
@@ -618,7 +662,7 @@ def optimizer_time(cfg: config.Config, lay: JobLayout, r: Rates) -> float:
     """A memory-bound pass over this rank's optimizer shard: Adam reads grad, master, two moments
     and writes them back with the bf16 weights (30 B/param); LAMB also reads the update and weights
     for its per-tensor norms (38 B/param, two reductions per tensor); clipping reads the grads."""
-    params = max(rank_params(cfg.model, lay)) / (lay.dp if lay.zero >= 1 else 1)
+    params = max(rank_params(cfg.model, lay)) / (lay.shard if lay.zero >= 1 else 1)
     lamb = cfg.optim.name == "lamb"
     per_param = (38 if lamb else 30) + (4 if cfg.train.grad_clip > 0 else 0)
     tensors = cfg.model.n_layers // lay.pp * block_tensors(cfg.model) + 3

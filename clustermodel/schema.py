@@ -54,6 +54,11 @@ class PerfModelHardware:
     # measured apart, loader_step_s is charged (an upper bound: one reader contends with no other).
     loader_step_shared_s: Optional[float] = None
     collective_algo: str = "ring"             # ring | tree (hierarchical: inside hosts, then across)
+    # A third network level: zones (pods) of this many hosts with full bisection inside and the
+    # aggregation layer between them oversubscribed by this factor (Meta's Llama 3 cluster: 3,072
+    # GPUs a zone, 1:7). None: one zone, the network is two-level.
+    hosts_per_zone: Optional[int] = None
+    inter_zone_oversubscription: Optional[float] = None
 
 
 @dataclass

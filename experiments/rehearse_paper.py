@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import subprocess
 import sys
 import time
@@ -110,7 +111,7 @@ def jobs(which: list) -> list:
 
 
 def run(table: str, label: str, world: int, overrides: list, out: Path) -> dict:
-    folder = out / f"{table.replace(' ', '')}-{label.split(':')[0].replace(' ', '_')}"
+    folder = out / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{table.replace(' ', '')}-{label.split(':')[0]}")  # Hydra's grammar
     cmd = [sys.executable, "train.py", *overrides, f"rehearse.ranks=[0,{world - 1}]", f"rehearse.world={world}",
            f"hydra.run.dir={folder}"]
     t0 = time.perf_counter()

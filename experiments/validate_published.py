@@ -4,8 +4,8 @@ Each row is a run as its source states it: model shape, GPUs, layout, recomputat
 parallelism and the throughput it measured. The throughput is converted to the project's MFU
 (model.flops_per_token: 6N + 12·L·h·T per token, over the GPU's dense bf16 peak) through the
 source's own FLOP formula (published_mfu), the run is composed as a config train.py would take
-(row_config), and the model predicts its MFU. A run the model cannot express (FSDP, which it does not
-price yet, uneven pipeline stages, ...) is not approximated: it is reported with one line naming the missing knob.
+(row_config), and the model predicts its MFU. A run the model cannot express (context parallelism,
+FP8, ...) is not approximated: it is reported with one line naming the missing knob.
 
 The rows' split (fit / held_out) is in the CSV, fixed before any error was looked at. Table 2 of
 MegaScale is a source too: its Megatron-LM column is fit, its MegaScale column held out. A run
@@ -43,6 +43,18 @@ MEGASCALE_TABLE2 = "jiang2024"
 # Any other framework's runs are scaled by one multiplicative efficiency fitted on its fit rows
 # (experiments/fit_perfmodel.py, perfmodel_fit.json's framework_efficiency); none fitted: 1.0.
 OWN_FRAMEWORKS = ("megatron-lm", "megascale")
+# Rows made expressible after the split rule's fit that stay held out whatever their place in table
+# order: Meta's two Llama 3 405B runs, the only ones of their stack (a framework constant fitted on
+# one would make the other's prediction its own fit).
+HELD_OUT_AFTER_FIT = ("Llama 3 405B@8192", "Llama 3 405B@16384")
+# What a framework outside Megatron-LM of 2021-22 runs differently, on top of MEGATRON_2021: ZeRO-3
+# (DeepSpeed's, FSDP's) prefetches each module's gather behind the compute (parallel.overlap.dp);
+# Meta's Llama 3 stack (arXiv 2407.21783 §3.3) overlaps DP and PP communication and runs flash attention.
+FRAMEWORK_OVERRIDES = {
+    "deepspeed": ["parallel.overlap.dp=true"],
+    "metaseq": ["parallel.overlap.dp=true"],
+    "meta-llama3": ["kernels.attention=flash", "parallel.overlap.dp=true", "parallel.overlap.pp=true"],
+}
 
 
 class NotExpressible(Exception):
@@ -78,13 +90,13 @@ def all_rows() -> List[Dict[str, str]]:
 
 # Knobs a published run may need that the code does not have: (test on the row, the one line).
 MISSING_KNOBS = [
-    (lambda r: r["zero_stage"] == "3", "fully sharded data parallelism (parallel.zero_stage=3): the performance model does not price it yet"),
     (lambda r: r.get("precision", "bf16") == "fp8", "FP8 GEMMs (precision=fp8) are not in the code"),
     (lambda r: recompute_overrides(r["recompute"]) is None,
      "the recomputation is not one the code has: none, selective, full, or full:N (the first N layers of each "
      "model chunk, train.recompute_layers=N) with N stated"),
-    (lambda r: int(r["layers"]) % (int(r["pp"]) * int(r["vpp"])),
-     "uneven pipeline stages are not in the code: parallel.pp*vpp must divide model.n_layers"),
+    (lambda r: int(r["layers"]) % (int(r["pp"]) * int(r["vpp"])) and not r.get("pp_first_chunk_layers"),
+     "uneven pipeline stages without their first and last chunks' layers stated (parallel.pp_first_chunk_layers, "
+     "pp_last_chunk_layers)"),
     (lambda r: r["pp_scatter_gather"] == "false" and r["sequence_parallel"] == "true" and int(r["pp"]) > 1 and int(r["tp"]) > 1,
      "pipeline sends without the scatter/gather optimisation are not in the code under sequence parallelism "
      "(each rank sends its sequence shard; parallel.pp_scatter_gather=false sends whole messages only without SP)"),
@@ -123,7 +135,8 @@ def row_config(row: Dict[str, str]):
             if gpus == int(row["gpus"]) and r["batch"] == row["batch"]:
                 return cfg, gpus
     gpus, dp, mb, batch = (int(row[k]) for k in ("gpus", "dp", "micro_batch", "global_batch"))
-    overrides = ["model=175B", f"hardware={row['hardware']}", "precision=bf16", *MEGATRON_2021,
+    overrides = [f"model={row.get('model_config') or '175B'}", f"hardware={row['hardware']}", "precision=bf16",
+                 *MEGATRON_2021, *FRAMEWORK_OVERRIDES.get(row["framework"], []),
                  f"model.n_layers={row['layers']}", f"model.d_model={row['hidden']}", f"model.n_heads={row['heads']}",
                  f"model.vocab_size={row['vocab']}", f"model.max_seq_len={row['seq']}", f"model.dropout={row['dropout']}",
                  f"train.seq_len={row['seq']}", f"train.batch_size={batch}", *recompute_overrides(row["recompute"]),
@@ -132,6 +145,9 @@ def row_config(row: Dict[str, str]):
                  f"parallel.sequence_parallel={row['sequence_parallel']}", f"parallel.pp_scatter_gather={row['pp_scatter_gather']}",
                  f"parallel.reduce_dtype={row['grad_reduce']}",
                  f"hardware.perfmodel.inter_host_Gbps={row['inter_host_Gbps']}"]
+    for key in ("pp_first_chunk_layers", "pp_last_chunk_layers", "reshard_after_forward"):  # (columns added later: empty in older rows)
+        if row.get(key):
+            overrides.append(f"parallel.{key}={row[key]}")
     return cli.compose(overrides), gpus
 
 
@@ -159,7 +175,7 @@ def published_mfu(row: Dict[str, str]) -> float:
     GPU the source's figure implies, times model.flops_per_token's FLOPs a sequence, over the GPU's
     dense bf16 peak (machine.DEVICE_PEAK_TFLOPS)."""
     measured = float(row["measured"])
-    if row["flop_formula"] == "project":
+    if row["flop_formula"] in ("project", "source_mfu"):  # source_mfu: the source's own MFU, taken as the project's
         return measured / 100
     peak = machine.DEVICE_PEAK_TFLOPS[machine.gpu_key(row["gpu"])] * 1e12
     achieved = measured * 1e12 if row["measured_unit"] == "tflops_per_gpu" else measured / 100 * peak

@@ -598,13 +598,3 @@ def test_a_cuda_rank_binds_its_device_at_init(monkeypatch):
     seen.clear()
     launch.init_distributed(torch.device("cpu"), timeout_s=77)
     assert seen["backend"] == "gloo" and "device_id" not in seen
-
-
-def test_zero3_is_refused_where_the_performance_model_would_price_it():
-    """clustermodel (parallel.validate with run=False) does not price ZeRO-3 yet: one line."""
-    import config
-    import parallel
-    cfg = config.compose(SMALL + ["parallel.zero_stage=3"])
-    parallel.validate(cfg, 2)  # a run: fine
-    with pytest.raises(config.ConfigError, match="^config error: parallel.zero_stage: 3: the performance model"):
-        parallel.validate(cfg, 2, run=False)

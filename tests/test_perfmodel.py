@@ -672,3 +672,78 @@ def test_banded_keys_are_the_scores_the_banded_kernel_computes(seq, window, bloc
     with cuda_attention(ledger), ledger:
         kernels.attention_banded(q, k, v, window, block)
     assert ledger.flops["attention"] == pytest.approx(4 * n * seq * kernels.banded_keys(cfg.model.attention.window, cfg.kernels.attention_block, seq) * d)
+
+
+# --- ZeRO-3, hybrid sharding, uneven chunks, zones (clustermodel/sharding_cost.py) ---
+
+def _sharded(*overrides):
+    """The tiny model on 32 A100s (tp 2, pp 2, dp 8), bf16, with `overrides`."""
+    return cli.compose(["model=tiny", "hardware=a100_cluster", "train.seq_len=256", "train.batch_size=32",
+                        "precision=bf16", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=4", *overrides])
+
+
+def test_zero3_memory_is_zero2s_less_the_bf16_weights_plus_the_gathered_modules():
+    """ZeRO-3 keeps ZeRO-2's gradients, optimizer and activations; of the bf16 weights only the modules
+    gathered at the peak (with DP overlap the largest two in a row; without resharding all of them)."""
+    GiB = 2.0 ** 30
+    for last in (False, True):
+        two = memory.memory_of_rank(_sharded("parallel.zero_stage=2"), pm.layout_of(_sharded("parallel.zero_stage=2"), 32), last)
+        cfg = _sharded("parallel.zero_stage=3", "parallel.overlap.dp=true")
+        lay = pm.layout_of(cfg, 32)
+        three = memory.memory_of_rank(cfg, lay, last)
+        modules = memory.rank_modules(cfg, lay, lay.pp - 1 if last else 0)
+        gathered = max(a + b for a, b in zip(modules, modules[1:]))
+        assert (three.grads, three.optimizer, three.activations) == (two.grads, two.optimizer, two.activations)
+        assert three.total == pytest.approx(two.total - two.weights + 2 * gathered / GiB)
+        kept = _sharded("parallel.zero_stage=3", "parallel.reshard_after_forward=false")
+        assert memory.memory_of_rank(kept, pm.layout_of(kept, 32), last).weights == pytest.approx(two.weights)
+
+
+def test_zero3_gathers_twice_a_microbatch_with_resharding_and_overlap_hides_some():
+    resharded, kept = (pm.predict(_sharded("parallel.zero_stage=3", "parallel.overlap.dp=true",
+                                           f"parallel.reshard_after_forward={r}"), 32) for r in ("true", "false"))
+    assert resharded.breakdown["param_gather"] > kept.breakdown["param_gather"] > 0
+    exposed = pm.predict(_sharded("parallel.zero_stage=3", "parallel.overlap.dp=false"), 32).breakdown["param_gather"]
+    assert exposed > resharded.breakdown["param_gather"]
+    assert "param_gather" not in pm.predict(_sharded("parallel.zero_stage=2"), 32).breakdown
+
+
+def test_hybrid_sharding_divides_the_optimizer_by_the_shard_group_and_reduces_in_two_steps():
+    full, hybrid = (_sharded("parallel.zero_stage=1", f"parallel.dp_shard={s}") for s in (-1, 2))
+    mem = [memory.memory_of_rank(c, pm.layout_of(c, 32)) for c in (full, hybrid)]
+    assert mem[1].optimizer == pytest.approx(4 * mem[0].optimizer)  # 1/2 of it, not 1/8
+    lay = pm.layout_of(hybrid, 32)
+    assert (lay.shard, lay.group("dp_shard"), lay.group("dp_replicate")) == (2, (2, 4), (4, 8))
+    assert pm.predict(hybrid, 32).breakdown["dp_comm"] != pm.predict(full, 32).breakdown["dp_comm"]
+
+
+def test_uneven_chunks_price_the_busiest_stage_and_each_end_ranks_own_layers():
+    """10 blocks at pp=4: ends of 1 leave 4 to each middle rank, the busiest; ends of 2 leave 3 (the
+    busiest then an end, 2 blocks and the tiny model's head, about 1.3 blocks' GEMMs)."""
+    short_ends, long_ends = (_sharded("model.n_layers=10", "parallel.pp=4", "parallel.microbatches=4",
+                                      f"parallel.pp_first_chunk_layers={k}", f"parallel.pp_last_chunk_layers={k}")
+                             for k in (1, 2))
+    lay = pm.layout_of(short_ends, 32 * 2)
+    assert [lay.rank_layers(r, 10) for r in range(4)] == [1, 4, 4, 1]
+    assert pm.predict(short_ends, 64).step_s > pm.predict(long_ends, 64).step_s  # the middle's 4 blocks set the pace
+    first, last = memory.rank_params(short_ends.model, lay)
+    split, replicated = memory.layer_params(short_ends.model, 2)
+    assert first - short_ends.model.vocab_size * short_ends.model.d_model // 2 == split + replicated
+
+
+def test_zones_slow_only_groups_with_few_members_in_a_zone():
+    hw = pm.resolve_hardware(cli.compose(["hardware=h100_llama3"]).hardware)
+    assert (hw.perfmodel.hosts_per_zone, hw.perfmodel.inter_zone_oversubscription) == (384, 7)
+    cfg = cli.compose(["model=tiny", "model.n_heads=8", "model.n_layers=16", "hardware=h100_llama3", "parallel.tp=8",
+                       "parallel.pp=16", "parallel.zero_stage=1",
+                       "parallel.dp_shard=16", "train.batch_size=64", "train.seq_len=256"])
+    net = pm.Network(hw, pm.layout_of(cfg, 8192))
+    assert net.crosses_zones("dp") and net.network_hop("dp") == net.inter  # 24 DP ranks a zone: no slowdown
+    assert net.network_hop("dp_replicate")[0] == pytest.approx(net.inter[0] / 7)  # replicas 2,048 ranks apart: one a zone
+    assert not net.crosses_zones("dp_shard")
+
+
+def test_plan_tries_zero3_and_hybrid_shard_groups():
+    assert {(3, -1, False), (3, 2, True), (1, 4, True), (2, -1, True)} <= set(cli.sharding_choices(8))
+    ranked = cli.plan(_sharded(), 32, 32, include_oom=True)
+    assert any(p.layout.zero == 3 for p in ranked) and any(p.layout.shard < p.layout.dp for p in ranked)
