@@ -11,8 +11,8 @@ forward to their backward. With DP overlap the next module's gather is prefetche
 current module's compute (the previous module's in backward): one module deep. (memory.gathered_params counts what that holds.)
 
 Gathers a step, per module: 2m with resharding (each microbatch's forward and backward; the head
-m), m without: a module kept from a forward to its backward is freed by that backward, so under
-1F1B each later forward (or, in the drain, each later backward) gathers it once more.
+m), one without: a module stays gathered from its first forward of the step to its last backward
+(the step's last microbatch's), as torch's pipelining runs FSDP2 with reshard_after_forward=False.
 
 Hybrid sharding (dp_shard < dp): gradients reduce-scatter inside the shard group of dp_shard
 consecutive DP ranks, then the 1/dp_shard shard is all-reduced across the dp/dp_shard replicas;
@@ -65,7 +65,8 @@ def zero3_gathers(cfg: config.Config, lay: JobLayout, net, rank: int,
     previous module's forward (a chunk's first has nothing before it: other chunks and
     microbatches run in between; the embedding's lookup hides nothing). Backward (resharding):
     in reverse, each behind the next module's backward; the head stays gathered. Without
-    resharding a module is gathered once a microbatch, priced as the forward's."""
+    resharding a module is gathered once a step, by the first microbatch's forward: a
+    microbatch's share is 1/m of that."""
     e, overlap = element_bytes(cfg), cfg.parallel.overlap.dp
     ag = lambda n: net.collective("all_gather", n * e, shard_dim(lay))
     split, replicated = layer_params(cfg.model, lay.tp)
@@ -86,4 +87,6 @@ def zero3_gathers(cfg: config.Config, lay: JobLayout, net, rank: int,
             bwd_windows = [layer_bwd if last_chunk and layers else 0.0] + [layer_bwd] * (len(bwd) - 1)
             exposed += _gathers_exposed(bwd, bwd_windows, overlap)
             total += sum(bwd)
+    if not lay.reshard:
+        return exposed / lay.microbatches, total / lay.microbatches
     return exposed, total

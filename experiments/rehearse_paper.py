@@ -2,7 +2,7 @@
 DP4), Table 2's 8 rows (175B on 256-12,288 GPUs) and the 530B model on 2,240, 4,480 and 11,200
 GPUs (MegaScale's settings, batch = GPUs, as `python -m clustermodel 530b`), Llama 3 70B on
 256 GPUs (LLAMA_70B) and Llama 3 405B on 8,192 and 16,384 GPUs with fully sharded and hybrid-sharded
-data parallelism (LLAMA_405B, SETTINGS_405B). Each job rehearses its first
+data parallelism (predict_llama3_405b.py's settings). Each job rehearses its first
 and last rank (the first and last pipeline stage: the most in flight, and the logits), 2 steps,
 NCCL's rules on; the table gives each job's peak memory per GPU, split, and its communication per
 step, per mesh dimension, and is appended to experiments/results/rehearsal_paper.md.
@@ -46,45 +46,6 @@ LLAMA_70B = ["scale=cluster", "model=llama3_70B", "hardware=h100_cluster", "trai
              "parallel.overlap.pp=true", "parallel.overlap.dp=true", "kernels.attention=auto", "kernels.fused=true",
              "data.pipeline=megascale", "optim.name=adamw", "train.recompute=none"]
 
-# Llama 3 405B as Meta trained it at 8K context (Dubey et al. 2024, Table 4 and section 3.3.2):
-# H100 80 GB, TP8 inside a host, PP16 with the first and last stage one layer short (126 = 7 +
-# 14 x 8 + 7), DP 64 on 8,192 GPUs and 128 on 16,384, 2,048 sequences of 8,192 tokens a step,
-# parameters, gradients and optimizer state sharded over DP (FSDP), not resharded after forward
-# under the pipeline. The MegaScale switches that leave the maths alone, as LLAMA_70B.
-LLAMA_405B = ["scale=cluster", "model=llama3_405B", "hardware=h100_cluster", "train.seq_len=8192", "train.batch_size=2048",
-              "parallel.tp=8", "parallel.pp=16", "parallel.vpp=1", "parallel.pp_first_chunk_layers=7",
-              "parallel.pp_last_chunk_layers=7", "parallel.zero_stage=3", "parallel.overlap.tp=chunked",
-              "parallel.overlap.tp_chunks=4", "parallel.overlap.pp=true", "parallel.overlap.dp=true",
-              "kernels.attention=auto", "kernels.fused=true", "data.pipeline=megascale", "optim.name=adamw"]
-SETTINGS_405B = {  # label: overrides beside LLAMA_405B's
-    "ZeRO-3, kept (Meta's)": ["parallel.reshard_after_forward=false"],
-    "ZeRO-3, resharded": ["parallel.reshard_after_forward=true"],
-    "hybrid, shard 8, kept": ["parallel.reshard_after_forward=false", "parallel.dp_shard=8"],
-    "hybrid, shard 64, kept": ["parallel.reshard_after_forward=false", "parallel.dp_shard=64"],
-}
-
-
-# Without recomputation the first stage's 16 microbatches in flight of 7 layers do not fit in 80 GB
-# (the paper does not say what Meta recomputed); full recomputation of 5 of each stage's 7 or 8
-# layers is the least that does (4 leaves rank 0 ~6 GiB over).
-RECOMPUTE_405B = {"none": ["train.recompute=none"],
-                  "5 layers": ["train.recompute=full", "train.recompute_layers=5"]}
-
-
-def jobs_405b() -> list:
-    """The 405B settings on 8,192 and 16,384 GPUs (shard 64 is all of DP on 8,192: not repeated)."""
-    out = []
-    for recompute, recompute_overrides in RECOMPUTE_405B.items():
-        for gpus in (8192, 16384):
-            dp = gpus // (8 * 16)
-            for label, extra in SETTINGS_405B.items():
-                if "shard 64" in label and dp == 64:
-                    continue
-                out.append(("Llama 3 405B", f"{gpus} GPUs, {label}, recompute {recompute}", gpus,
-                            LLAMA_405B + extra + [f"parallel.microbatches={2048 // dp}"] + recompute_overrides))
-    return out
-
-
 def jobs(which: list) -> list:
     """(table, label, world, overrides) of every job, tables in the order asked."""
     out = []
@@ -104,7 +65,9 @@ def jobs(which: list) -> list:
         elif table == "llama70b":
             out.append(("Llama 3 70B", "TP8 PP4 vpp5 DP8 seq 8192", 256, LLAMA_70B))
         elif table == "llama405b":
-            out += jobs_405b()
+            # Llama 3 405B at Meta's layout, each way the code can shard it (predict_llama3_405b.py prices the same)
+            from predict_llama3_405b import jobs as jobs_405b
+            out += [("Llama 3 405B", name, gpus, ["scale=cluster", *overrides]) for gpus, name, overrides in jobs_405b()]
         else:
             raise SystemExit(f"--jobs: unknown table {table!r}. Fix: a comma list of table3, table2, 530b, llama70b, llama405b")
     return out
