@@ -67,7 +67,8 @@ def jobs(which: list) -> list:
         elif table == "llama405b":
             # Llama 3 405B at Meta's layout, each way the code can shard it (predict_llama3_405b.py prices the same)
             from predict_llama3_405b import jobs as jobs_405b
-            out += [("Llama 3 405B", name, gpus, ["scale=cluster", *overrides]) for gpus, name, overrides in jobs_405b()]
+            out += [("Llama 3 405B", f"{gpus} GPUs, {name}", gpus, ["scale=cluster", *overrides])
+                    for gpus, name, overrides in jobs_405b()]
         else:
             raise SystemExit(f"--jobs: unknown table {table!r}. Fix: a comma list of table3, table2, 530b, llama70b, llama405b")
     return out

@@ -374,8 +374,8 @@ class ZeroDataParallel:
             self.buckets[b].arrived += n
             if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.microbatches:
                 self._launch_reduction(b)
-        if self.stage == 3:  # its backward is over: only the shard stays (kept: after the step's last)
-            self.backwards[m] += 1
+        if self.stage == 3 and (arrived or m not in self.unmarked):  # its backward is over: only the shard
+            self.backwards[m] += 1                                     # stays (kept: after the step's last)
             if self.reshard_after_forward or self.backwards[m] >= self.microbatches:
                 self.release(self.module_buckets[m])
 
@@ -393,7 +393,9 @@ class ZeroDataParallel:
 
     def backward_done(self) -> None:
         """Step 3, after each backward call (a microbatch, or a pipeline chunk's): add what no module
-        marked: the embedding's gradient, or, when the forward is compiled, every module's."""
+        marked: the embedding's gradient, or, when the forward is compiled, every module's. (A
+        pipeline chunk's backward without the embedding brings it no gradient: add_gradients
+        then counts no backward of it.)"""
         if self.autograd_keeps_grads:
             return
         for m in range(len(self.modules)) if self.hooks_traced else sorted(self.unmarked):

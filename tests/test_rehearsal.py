@@ -489,3 +489,17 @@ def test_zero3_gathers_per_use_or_once_a_step_and_the_ledger_follows_its_frees(t
     weights = {flag: rec["memory"]["weights_bytes"] for flag, rec in records.items()}
     assert weights["false"] == zero2["memory"]["weights_bytes"]
     assert weights["true"] < weights["false"] / 2
+
+
+def test_zero3_without_resharding_gathers_once_a_step_under_an_interleaved_pipeline(tmp_path):
+    """pp2 vpp2 dp2, 4 microbatches, reshard_after_forward=false: every bucket of each rank (the
+    embedding's too, whose gradient no chunk's backward but the first brings) gathered once in
+    a step, and each rank's program keeps NCCL's rules."""
+    overrides = ["model.vocab_size=512", "precision=bf16", "parallel.pp=2", "parallel.vpp=2", "parallel.dp=2",
+                 "parallel.microbatches=4", "parallel.zero_stage=3", "parallel.reshard_after_forward=false",
+                 "parallel.overlap.dp=true", "parallel.overlap.pp=true"]
+    records = rehearse_here(overrides, [0, 1], tmp_path)
+    blocks = config.compose(TINY).model.n_layers // 2
+    for rec in records:  # a bucket a module (the tiny model's fit in one): its blocks, and the embedding or the tail
+        gathers = [sum(ev["op"] == "all_gather" and ev["step"] == step for ev in rec["comm"]) for step in (1, 2)]
+        assert gathers == [blocks + 1, blocks + 1] and rec["violations"] == [], (rec["rank"], gathers)
