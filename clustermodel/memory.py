@@ -120,15 +120,18 @@ def rank_modules(cfg: config.Config, lay: JobLayout, rank: int) -> List[int]:
 def gathered_params(cfg: config.Config, lay: JobLayout, rank: int) -> int:
     """ZeRO-3: parameters a rank holds gathered at its peak. Resharding, the module computing and
     the one prefetched (DP overlap; the head, kept from its forward to its backward, with the
-    last block); without resharding every module whose backward is pending keeps its
+    last block; under a pipeline, which runs other actions in between, beside any two); without resharding every module whose backward is pending keeps its
     parameters: under 1F1B (and gradient accumulation) all the rank's modules by the end of the
     first microbatch's forward."""
     modules = rank_modules(cfg, lay, rank)
     if not lay.reshard:
         return sum(modules)
+    kept = 0
+    if lay.pp > 1 and rank == lay.pp - 1 and len(modules) > 1:  # a schedule runs other actions between the
+        kept, modules = modules[-1], modules[:-1]                   # head's forward and backward: it stays
     if not cfg.parallel.overlap.dp or len(modules) == 1:
-        return max(modules)
-    return max(a + b for a, b in zip(modules, modules[1:]))
+        return kept + max(modules)
+    return kept + max(a + b for a, b in zip(modules, modules[1:]))
 
 
 def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:

@@ -70,7 +70,7 @@ from kernels import banded_keys, mean_keys
 from config import HardwareConfig
 from errors import ConfigError
 # The machine's rates and the primitive costs, re-exported: callers price through pm.* alone.
-from clustermodel.memory import (MATERIALIZED, Memory, block_matrices, compiled_keeps_gathered, element_bytes,
+from clustermodel.memory import (MATERIALIZED, rank_modules, Memory, block_matrices, compiled_keeps_gathered, element_bytes,
                                  fused_weight_params, kv_width, layer_params, memory, memory_of_rank, precision, rank_params, stream_shards,
                                  pp_gathers, pp_message_shards, recomputed_layers,
                                  swiglu)
@@ -564,10 +564,7 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
         tp_ends += sends * ring("all_gather", M * h * e, t)
     params = rank_params(m, lay)[1 if last else 0]
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
-    dp = 0.0
-    if lay.dp > 1:
-        dp = (ring("all_reduce", params * grad_bytes, lay.dp) if lay.zero == 0 else
-              ring("reduce_scatter", params * grad_bytes, lay.dp) + ring("all_gather", params * e, lay.dp))
+    dp = dp_wire_bytes(cfg, lay, last, params, grad_bytes) if lay.dp > 1 else 0.0
     gemm_fwd = sum(2 * M * n * k for n, k in block_matrices(m, t).values())
     passes = 3 + recomputed
     gemm = passes * gemm_fwd * layers + (3 * 2 * M * V // t * h if final else 0)
@@ -588,6 +585,23 @@ def accounting(cfg: config.Config, gpus: Optional[int] = None, last: bool = Fals
             "pp_bytes": mbs * sends * M * h * e / pp_message_shards(cfg, t), "dp_bytes": dp,
             "gemm_flops": mbs * gemm, "attention_flops": mbs * attn * layers,
             **{f"{k}_bytes": getattr(mem, k) * 2**30 for k in ("weights", "grads", "optimizer", "activations")}}
+
+
+def dp_wire_bytes(cfg: config.Config, lay: JobLayout, last: bool, params: int, grad_bytes: int) -> float:
+    """Bytes a rank puts on the wire for DP in a step (ring collectives): ZeRO-0's all-reduce; else
+    the gradients' reduce-scatter (under hybrid sharding in the shard group, then its shard's
+    all-reduce over the replicas) and the parameters' all-gathers in the shard group: once a step,
+    or at ZeRO-3 with resharding each module's twice a microbatch (the head once)."""
+    e, n = element_bytes(cfg), lay.shard
+    ring = lambda kind, nbytes, k: nbytes * (2 * (k - 1) / k if kind == "all_reduce" else (k - 1) / k)
+    if lay.zero == 0:
+        return ring("all_reduce", params * grad_bytes, lay.dp)
+    wire = ring("reduce_scatter", params * grad_bytes, n) + ring("all_reduce", params * grad_bytes / n, lay.dp // n)
+    gathered = params
+    if lay.zero == 3 and lay.reshard:
+        head = rank_modules(cfg, lay, lay.pp - 1)[-1] if last else 0
+        gathered = lay.microbatches * (2 * params - head)
+    return wire + ring("all_gather", gathered * e, n)
 
 
 def dp_time(cfg: config.Config, lay: JobLayout, net: Network, layer_fwd: float, layer_bwd: float) -> Dict[str, float]:

@@ -176,6 +176,25 @@ def test_the_performance_model_accounts_for_what_the_code_does(variant, pool, tm
             assert got == pytest.approx(want, rel=0.05, abs=1e-9), (variant, "last" if is_last else "first", key, got, want)
 
 
+@pytest.mark.parametrize("reshard", ["false", "true"])
+def test_the_performance_model_accounts_for_zero3_as_the_code_runs_it(reshard, pool, tmp_path):
+    """ZeRO-3 on the same layout (tp2 pp2 vpp2 dp2, DP overlap), without and with resharding: the
+    gathers' bytes on the wire (once a step, or twice a microbatch), the FLOPs, weights (the
+    modules gathered at the peak) and optimizer state within 5%. The peak's total is an upper
+    bound within 12%: the model adds each category's largest, and the code's peak comes earlier in
+    the backward, before every gradient buffer exists (ZeRO-2's buffers are made at a bucket's
+    first gradient)."""
+    from clustermodel import perfmodel
+    cfg = config.compose(AGREE + ["parallel.zero_stage=3", f"parallel.reshard_after_forward={reshard}",
+                                  "parallel.overlap.dp=true"])
+    for rec, is_last in zip(rehearse_ranks(cfg, [0, 7], 8, tmp_path, pool), (False, True)):
+        model, code = perfmodel.accounting(cfg, 8, last=is_last), code_accounting(rec)
+        for key in ("tp_bytes", "pp_bytes", "dp_bytes", "gemm_flops", "optimizer_bytes", "weights_bytes"):
+            assert code[key] == pytest.approx(model[key], rel=0.05), (reshard, is_last, key, code[key], model[key])
+        total = sum(model[k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"))
+        assert code["total"] <= total <= 1.12 * code["total"], (reshard, is_last, code["total"], total)
+
+
 def test_rms_norm_is_rehearsed_as_cudas_fused_kernel():
     """On meta, F.rms_norm is ATen's composite, whose backward keeps two fp32 copies of its input;
     CUDA's aten::_fused_rms_norm keeps the input, the weight and an fp32 rstd a row
