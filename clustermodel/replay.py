@@ -64,8 +64,8 @@ def comm_time(ev: dict, net: pm.Network) -> float:
         return 0.0
     nbytes = ev.get("bytes", 0) * (n if op in GATHERS else 1)
     kind = op if op in ("all_reduce",) + GATHERS else "all_gather"  # broadcast, objects, barrier: one pass
-    if ev.get("group") in ("tp", "pp", "dp") and n == getattr(net.lay, ev["group"]):
-        return net.collective(kind, nbytes, ev["group"])
+    if ev.get("group") in ("tp", "pp", "dp", "dp_shard", "dp_replicate") and n == net.lay.group(ev["group"])[0]:
+        return net.collective(kind, nbytes, ev["group"])  # (hybrid sharding's groups: their own links)
     link = net.inter if n > net.rates.devices_per_host else net.intra
     nbytes /= (net.rates.collective_efficiency or {}).get(kind, 1.0)
     return pm.collective_time(kind, nbytes, n, *link, net.rates.collective_algo)

@@ -27,7 +27,7 @@ RATES = pm.Rates(flops=1e12, gemm_eff=1.0, half_dim=0.0, flash_eff=1.0, mem=GB, 
 
 
 class WireOfOneGBps:
-    lay = SimpleNamespace(tp=2, pp=2, dp=2)
+    lay = SimpleNamespace(tp=2, pp=2, dp=2, group=lambda dim: (2, 1))  # (members, stride) of each dim's groups
     rates = SimpleNamespace(devices_per_host=1, collective_efficiency=None, collective_algo="ring")
     intra = inter = (GB, 0.0)   # groups beyond tp, pp and dp (bytes/s, latency)
 
