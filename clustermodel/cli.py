@@ -208,21 +208,26 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
     global batch, with cfg's technique switches, ranked by predicted MFU: ZeRO stages 0-3, hybrid
     sharding over each power-of-two shard group below dp (ZeRO 1-3), ZeRO-3 with and without
     resharding after forward. Layouts that overflow memory are left out unless include_oom; TP
-    stays inside a host; chunks are even."""
+    stays inside a host; chunks are even, or where pp*vpp does not divide the layers, the first
+    and last chunk short (uneven_ends: Llama 3's split)."""
     hw = pm.resolve_hardware(cfg.hardware)
     m, L = cfg.model, cfg.model.n_layers
     tps = [t for t in (1, 2, 4, 8, 16) if t <= hw.perfmodel.devices_per_host and m.n_heads % t == 0
            and gpt.kv_heads(m) % t == 0]   # a TP rank holds whole KV heads (parallel.validate)
     ranked = []
     for tp in tps:
-        for pp in (p for p in range(1, L + 1) if L % p == 0 and gpus % (tp * p) == 0):
+        for pp in (p for p in range(1, L + 1) if gpus % (tp * p) == 0):
             dp = gpus // (tp * pp)
             if batch % (dp * micro_batch):
                 continue
             microbatches = batch // (dp * micro_batch)
-            for vpp in (v for v in range(1, 9) if (L // pp) % v == 0 and (v == 1 or (pp > 1 and microbatches % pp == 0))):
+            for vpp in (v for v in range(1, 9) if (v == 1 or (pp > 1 and microbatches % pp == 0))):
+                ends = uneven_ends(L, pp * vpp)
+                if ends is None:
+                    continue
                 for zero, shard, reshard in sharding_choices(dp):
                     c = copy.deepcopy(cfg)
+                    c.parallel.pp_first_chunk_layers = c.parallel.pp_last_chunk_layers = ends
                     c.parallel.tp, c.parallel.pp, c.parallel.vpp, c.parallel.dp = tp, pp, vpp, -1
                     c.parallel.zero_stage, c.parallel.microbatches, c.train.batch_size = zero, microbatches, batch
                     c.parallel.dp_shard, c.parallel.reshard_after_forward = shard, reshard
@@ -233,6 +238,18 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
                     if include_oom or pred.memory.fits:
                         ranked.append(pred)
     return sorted(ranked, key=lambda p: -p.mfu)
+
+
+def uneven_ends(layers: int, chunks: int) -> Optional[int]:
+    """The layers of the first and of the last model chunk a plan tries: -1 (even) where `chunks`
+    divides `layers`; else each of the two short by the same count, the others holding
+    ceil(layers/chunks) (126 layers in 16 chunks: 7 and 7 around fourteen of 8; in 128: 0 and 0,
+    Llama 3 405B's two readings); None where no such split exists."""
+    if layers % chunks == 0:
+        return -1
+    each = -(-layers // chunks)
+    rest = layers - (chunks - 2) * each
+    return rest // 2 if chunks > 2 and 0 <= rest < 2 * each and rest % 2 == 0 else None
 
 
 def sharding_choices(dp: int) -> List[Tuple[int, int, bool]]:

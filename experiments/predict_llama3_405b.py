@@ -39,6 +39,7 @@ SETTINGS = [
     ("hybrid, shard 8, kept, vpp 8, full recomputation", KEPT + ["parallel.dp_shard=8"] + INTERLEAVED + FULL),
     ("hybrid, shard 64, kept, vpp 8, full recomputation", KEPT + ["parallel.dp_shard=64"] + INTERLEAVED + FULL),
     ("ZeRO-3, kept, vpp 1, 5 of 7-8 layers recomputed", KEPT + PLAIN + FULL + ["train.recompute_layers=5"]),
+    ("ZeRO-1, vpp 8, full recomputation (for comparison)", ["parallel.zero_stage=1"] + INTERLEAVED + FULL),
 ]
 
 

@@ -746,6 +746,15 @@ def test_zones_slow_only_groups_with_few_members_in_a_zone():
     assert not net.crosses_zones("dp_shard")
 
 
+def test_plan_tries_llama3s_short_end_chunks_where_the_layers_do_not_divide():
+    """126 layers in 16 chunks: 7 and 7 around fourteen of 8; in 128: embedding and head alone; 125
+    in 16 has no such split; a 6-layer model on pp 4 is planned with ends of 1 around chunks of 2."""
+    assert [cli.uneven_ends(n, c) for n, c in ((126, 16), (126, 128), (126, 14), (125, 16))] == [7, 0, -1, None]
+    cfg = cli.compose(["model=llama_tiny", "model.n_layers=6", "hardware=a100_cluster", "train.seq_len=256"])
+    uneven = [p.layout for p in cli.plan(cfg, 8, 16, include_oom=True) if p.layout.pp == 4]
+    assert uneven and all(lay.chunks[0] == lay.chunks[-1] == 1 for lay in uneven if lay.vpp == 1)
+
+
 def test_plan_tries_zero3_and_hybrid_shard_groups():
     assert {(3, -1, False), (3, 2, True), (1, 4, True), (2, -1, True)} <= set(cli.sharding_choices(8))
     ranked = cli.plan(_sharded(), 32, 32, include_oom=True)
