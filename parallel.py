@@ -104,6 +104,12 @@ def chunk_layers(n_layers: int, cfg: ParallelConfig) -> list:
     return [first if first >= 0 else each] + [each] * inner + [last if last >= 0 else each]
 
 
+def rank_layers_most(cfg) -> int:
+    """The most blocks one pipeline rank holds (virtual stages r, r+pp, ... on rank r)."""
+    chunks, pp = chunk_layers(cfg.model.n_layers, cfg.parallel), cfg.parallel.pp
+    return max(sum(chunks[r::pp]) for r in range(pp))
+
+
 def validate(cfg, world: int, run: bool = True) -> None:
     """Layout checks against the model, batch and world size (and, for a run, what only a run
     needs: the overlap switches' chunk counts, dropout's limit without SP; the performance model

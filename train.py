@@ -327,7 +327,8 @@ class Loop:
         first_step_work = ", ".join(["torch.compile of every chunk"] * run.compiling +
                                     ["the communicators' set-up"] * (run.world > 1))
         # the op log and spans (None without observe.ops), written by the heartbeat
-        self.observer = oplog.start(cfg.observe, layout, run.run_dir, run.device, oplog.span_capacity(cfg),
+        spans = oplog.span_capacity(cfg, parallel.rank_layers_most(cfg))
+        self.observer = oplog.start(cfg.observe, layout, run.run_dir, run.device, spans,
                                     fault_injection.planned_faults())
         if self.observer is not None and cfg.observe.spans:
             layout.clock.on_wait, layout.clock.describe = self.observer.wait_span, self.observer.wait_label

@@ -75,7 +75,7 @@ from clustermodel.memory import (MATERIALIZED, rank_modules, Memory, block_matri
                                  pp_gathers, pp_message_shards, recomputed_layers,
                                  swiglu)
 from clustermodel.layout import JobLayout, layout_of  # noqa: F401
-from clustermodel.sharding_cost import gradient_reduction, parameter_gather, zero3_gathers
+from clustermodel.sharding_cost import gradient_reduction, parameter_gather, replica_sum, shard_reduction, zero3_gathers
 from clustermodel.rates import (DATA_DIR, FIT_FILE, FITTED, MEASURED, MEASURED_FP32, ROOT, Rates, _kernel,  # noqa: F401
                    collective_time, gemm_key, gemm_time, owner, resolve_hardware, stream_time)
 
@@ -622,14 +622,15 @@ def dp_time(cfg: config.Config, lay: JobLayout, net: Network, layer_fwd: float, 
         return {"dp_comm": rs + ag, "dp_hidden": 0.0}
     split, replicated = layer_params(cfg.model, lay.tp)
     ends = cfg.model.vocab_size * cfg.model.d_model // lay.tp
-    rs = lambda n: gradient_reduction(net, lay, n * grad_bytes)
+    rs = lambda n: shard_reduction(net, lay, n * grad_bytes)
     ag = lambda n: parameter_gather(net, lay, n * gather_bytes)
     priced = [dp_overlap_exposed(lay, lay.rank_layers(0 if end == "embedding" else lay.pp - 1, cfg.model.n_layers),
                                  layer_fwd, layer_bwd, (rs(split + replicated), ag(split + replicated)),
                                  (rs(ends), ag(ends)), end)
               for end in ("embedding", "head")]
     exposed, total = max(priced)
-    return {"dp_comm": exposed, "dp_hidden": total - exposed}
+    replicas = replica_sum(net, lay, max(rank_params(cfg.model, lay)) * grad_bytes)  # after the backward: exposed
+    return {"dp_comm": exposed + replicas, "dp_hidden": total - exposed}
 
 
 def dp_overlap_exposed(lay: JobLayout, layers: int, layer_fwd: float, layer_bwd: float,

@@ -36,10 +36,22 @@ def gradient_reduction(net, lay: JobLayout, nbytes: float) -> float:
     """Seconds to reduce `nbytes` of gradients over DP (the reduce-scatter half of ZeRO-0's
     all-reduce, priced as before): over dp, or under hybrid sharding a reduce-scatter in the
     shard group and an all-reduce of its 1/dp_shard result across the replicas."""
+    return shard_reduction(net, lay, nbytes) + replica_sum(net, lay, nbytes)
+
+
+def shard_reduction(net, lay: JobLayout, nbytes: float) -> float:
+    """The reduce-scatter of `nbytes` of gradients in ZeRO's shard group (all of dp without hybrid
+    sharding): what DP overlap launches bucket by bucket in the backward."""
+    return net.collective("reduce_scatter", nbytes, shard_dim(lay) if lay.zero else "dp")
+
+
+def replica_sum(net, lay: JobLayout, nbytes: float) -> float:
+    """Hybrid sharding's all-reduce of each rank's 1/dp_shard of `nbytes` across its replicas (none
+    without it). parallelisms/zero.py launches it after the backward, bucket by bucket as each
+    reduce-scatter is waited for: DP overlap does not hide it."""
     if lay.shard == lay.dp or lay.zero == 0:
-        return net.collective("reduce_scatter", nbytes, "dp")
-    return (net.collective("reduce_scatter", nbytes, "dp_shard")
-            + net.collective("all_reduce", nbytes / lay.shard, "dp_replicate"))
+        return 0.0
+    return net.collective("all_reduce", nbytes / lay.shard, "dp_replicate")
 
 
 def parameter_gather(net, lay: JobLayout, nbytes: float) -> float:

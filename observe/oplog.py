@@ -490,19 +490,17 @@ SPANS_BOUNDS = (2048, 32768)  # the spans ring's least and most entries: ~4 MB o
 SPANS_PER_STEP_FIXED = 256  # phases, DP and optimizer waits, GC, checkpoint, agreed read: at most, a step
 
 
-def span_capacity(cfg) -> int:
+def span_capacity(cfg, layers: int) -> int:
     """The spans ring's size for a run's config (observe.spans=-1): one step of this rank's spans,
     within SPANS_BOUNDS. A step has, per model chunk and microbatch, a forward and a backward
     segment, each with a pipeline receive wait before it and a send wait after it, and with tp > 1
     four TP waits per layer of the chunk (the sequence-parallel gather and scatter each way), plus
     SPANS_PER_STEP_FIXED. At the paper's 175B layout (Table 2: TP8 PP8, 6 chunks, ~190
     microbatches, 2 layers a chunk) that is ~16k, which the ring holds; smaller layouts keep the
-    least, several steps. Chunks may differ in size (parallel.pp_first/last_chunk_layers): the
-    rank of the most layers sets the size."""
-    from parallel import chunk_layers  # (here: observe is imported by parallel)
+    least, several steps. `layers`: the most blocks a pipeline rank holds (chunks may differ in
+    size: parallel.pp_first/last_chunk_layers; the caller counts them, as observe imports nothing
+    of the training code)."""
     p = cfg.parallel
-    chunks = chunk_layers(cfg.model.n_layers, p)
-    layers = max(sum(chunks[r::p.pp]) for r in range(p.pp))  # a rank holds virtual stages r, r+pp, ...
     per_microbatch = p.vpp * 2 * 3 + (4 * layers if p.tp > 1 else 0)
     return min(max(p.microbatches * per_microbatch + SPANS_PER_STEP_FIXED, SPANS_BOUNDS[0]), SPANS_BOUNDS[1])
 

@@ -45,8 +45,8 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
                                    "parallel.overlap.dp=true", "parallel.overlap.pp=true"]),
     "tp2_dp2_zero3_recompute_full": (4, ["parallel.tp=2", "parallel.zero_stage=3", "train.recompute=full"]),
     # Hybrid sharding (parallel.dp_shard): ZeRO shards over dp_shard consecutive DP ranks, each shard
-    # summed over its replicas; dp_shard=1 shards nothing and all-reduces every shard over dp.
-    "dp4_shard2_zero1": (4, ["parallel.zero_stage=1", "parallel.dp_shard=2"]),
+    # summed over its replicas; dp_shard=1 shards nothing and all-reduces every shard over dp. (Hybrid
+    # ZeRO-1 at dp4: test_checkpoint's cross resume and test_zero_buckets' hybrid test.)
     "dp4_shard2_zero3_overlap": (4, ["parallel.zero_stage=3", "parallel.dp_shard=2", "parallel.overlap.dp=true",
                                      "parallel.microbatches=2"]),
     "pp2_dp2_shard1_zero2": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=2",
