@@ -118,11 +118,11 @@ def rank_modules(cfg: config.Config, lay: JobLayout, rank: int) -> List[int]:
 
 
 def gathered_params(cfg: config.Config, lay: JobLayout, rank: int) -> int:
-    """ZeRO-3: parameters a rank holds gathered at its peak. Resharding, the module computing and
-    the one prefetched (DP overlap; the head, kept from its forward to its backward, with the
-    last block; under a pipeline, which runs other actions in between, beside any two); without resharding every module whose backward is pending keeps its
-    parameters: under 1F1B (and gradient accumulation) all the rank's modules by the end of the
-    first microbatch's forward."""
+    """ZeRO-3: parameters a rank holds gathered at its peak. Resharding: the module computing and
+    the one prefetched (DP overlap); the head, kept from its forward to its backward, with the last
+    block, or under a pipeline, which runs other actions in between, beside any two. Without
+    resharding: every module, gathered by the end of the first microbatch's forward and kept to
+    the step's last backward."""
     modules = rank_modules(cfg, lay, rank)
     if not lay.reshard:
         return sum(modules)
@@ -288,7 +288,8 @@ def fused_weight_params(cfg: config.Config, lay: JobLayout, last: bool = False) 
         return 0, 0
     m, ov = cfg.model, cfg.parallel.overlap
     head = m.vocab_size * m.d_model // lay.tp if last or lay.pp == 1 else 0
-    blocks = lay.rank_layers(lay.pp - 1 if last else 0, m.n_layers) * sum(n * k for n, k in block_matrices(m).values()) // lay.tp
+    layers = lay.rank_layers(lay.pp - 1 if last else 0, m.n_layers)
+    blocks = layers * sum(n * k for n, k in block_matrices(m).values()) // lay.tp
     pieces = {"chunked": ov.tp_chunks, "domino": min(ov.tp_chunks, lay.micro_batch)}.get(ov.tp, 1)
     return blocks + head, blocks * pieces + head
 

@@ -8,7 +8,8 @@ head) gathers its parameters over the shard group (the compute dtype on the wire
 forward, frees them after it unless parallel.reshard_after_forward=false, gathers them again
 before its backward and frees them at its end. The final norm and head stay gathered from their
 forward to their backward. With DP overlap the next module's gather is prefetched behind the
-current module's compute (the previous module's in backward): one module deep. (memory.gathered_params counts what that holds.)
+current module's compute (the previous module's in backward): one module deep
+(memory.gathered_params counts what that holds).
 
 Gathers a step, per module: 2m with resharding (each microbatch's forward and backward; the head
 m), one without: a module stays gathered from its first forward of the step to its last backward

@@ -49,9 +49,10 @@ begins by gathering it again (with DP overlap, prefetching the previous module's
 its backward (add_gradients) frees it. With reshard_after_forward off a module stays gathered
 from its first forward of the step to its last backward (the last microbatch's): one gather a
 step, whatever the microbatches, as torch's pipelining runs FSDP2 with reshard_after_forward=False
-(it reshards after the last backward only) and Llama 3 trained under pipeline parallelism. The final norm and head, whose backward usually comes
-right after their forward, stay gathered in between, as FSDP keeps its root (their output is
-hooked too: a pipeline schedule may run another microbatch's backward between). The shard lives in
+(it reshards after the last backward only) and Llama 3 trained under pipeline parallelism. The
+final norm and head, whose backward usually comes right after their forward, stay gathered in
+between, as FSDP keeps its root (their output is hooked too: a pipeline schedule may run another
+microbatch's backward between). The shard lives in
 storage of its own (the fp32 master), which the gather reads, so between steps a rank holds only
 its shards; gradients are ZeRO-2's.
 
