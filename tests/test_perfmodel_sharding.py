@@ -92,8 +92,8 @@ def test_plan_tries_llama3s_short_end_chunks_where_the_layers_do_not_divide():
     in 16 has no such split; a 6-layer model on pp 4 is planned with ends of 1 around chunks of 2."""
     assert [cli.uneven_ends(n, c) for n, c in ((126, 16), (126, 128), (126, 14), (125, 16))] == [7, 0, -1, None]
     cfg = cli.compose(["model=llama_tiny", "model.n_layers=6", "hardware=a100_cluster", "train.seq_len=256"])
-    uneven = [p.layout for p in cli.plan(cfg, 8, 16, include_oom=True) if p.layout.pp == 4]
-    assert uneven and all(lay.chunks[0] == lay.chunks[-1] == 1 for lay in uneven if lay.vpp == 1)
+    plain = [p.layout for p in cli.plan(cfg, 8, 16, include_oom=True) if p.layout.pp == 4 and p.layout.vpp == 1]
+    assert plain and all(lay.chunks == (1, 2, 2, 1) for lay in plain)
 
 
 def test_plan_tries_zero3_and_hybrid_shard_groups():
