@@ -489,6 +489,16 @@ def test_fitted_constants_are_the_optimum_of_the_fit_rows():
                 assert mean_error(g, name, by) >= best
 
 
+def test_h100_gemm_shape_term_prices_published_h100_gemms():
+    """h100_cluster's half-dim prices OpenXLA's measured H100 GEMMs (every dim >= 1024, launch
+    added as for an isolated kernel) within 5% RMS, and within 0.01 of the half-dim that fits
+    them best (experiments/fit_gemm_shapes.py)."""
+    from experiments import fit_gemm_shapes as fgs
+    held = fgs.isolated_rates("H100").half_dim
+    best, conf = fgs.fit("H100", fgs.MIN_DIM), fgs.fit("H100", fgs.MIN_DIM, [held])
+    assert conf["rows"] >= 25 and conf["rms"] < 0.05 and conf["rms"] - best["rms"] < 0.01, (conf, best)
+
+
 # --- Plan mode, cpu_local and measured runs ---
 
 CPU_MEASURED = {"peak_tflops": 0.8, "peak_tflops_fp32": 0.2, "gemm_half_dim": 16.0, "gemm_efficiency": 1.0,
