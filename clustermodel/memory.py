@@ -134,6 +134,23 @@ def gathered_params(cfg: config.Config, lay: JobLayout, rank: int) -> int:
     return kept + max(a + b for a, b in zip(modules, modules[1:]))
 
 
+def retires_gradients(cfg: config.Config, lay: JobLayout) -> bool:
+    """ZeRO 2/3 with DP overlap and one microbatch: a bucket's full gradient buffer goes as soon as
+    its reduce-scatter is in (zero.ZeroDataParallel._retire). The peak is then at the start of the
+    backward, where the activations are, beside the buffers of the first module in backward
+    (first_in_backward); later a module and REDUCTIONS_IN_FLIGHT buckets stay beside the shards,
+    while each backward frees more activations than that."""
+    return lay.zero >= 2 and cfg.parallel.overlap.dp and lay.microbatches == 1
+
+
+def first_in_backward(cfg: config.Config, lay: JobLayout, rank: int) -> int:
+    """Gradient elements in full buffers at the peak when they are retired: the rank's last module,
+    the first in backward; on the last rank the head, whose backward frees only its own working set,
+    with the block before it."""
+    modules = rank_modules(cfg, lay, rank)
+    return sum(modules[-2:]) if rank == lay.pp - 1 else modules[-1]
+
+
 def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
     """Bytes one layer keeps per token for its backward (no recomputation); cf. Korthikanti et al.
     2022. Under SP, norm inputs and outputs are split over TP like the heads; without SP, they and
@@ -333,7 +350,8 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     ZeRO (parallelisms/zero.py). ZeRO-1 splits the optimizer over DP; ZeRO-2 the gradients too, but only once
     reduced: while microbatches add up the whole gradient buffer is there (in the reduction dtype),
     through the backward, where the peak is; so ZeRO-2's peak is ZeRO-1's (DeepSpeed refuses ZeRO-2
-    with pipeline parallelism for this reason). ZeRO-3's gradients and optimizer are ZeRO-2's, its
+    with pipeline parallelism for this reason). With one microbatch and DP overlap, a bucket's full
+    buffer goes once its reduce-scatter is in (retires_gradients). ZeRO-3's gradients and optimizer are ZeRO-2's, its
     weights the modules gathered at the peak (gathered_params). Hybrid sharding divides by its
     shard group, parallel.dp_shard, not dp."""
     e, GiB = element_bytes(cfg), 2.0 ** 30
@@ -343,7 +361,7 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     rank = lay.pp - 1 if last else 0
     params = rank_params(m, lay)[1 if last else 0]
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
-    grads = grad_bytes * params
+    grads = grad_bytes * (first_in_backward(cfg, lay, rank) if retires_gradients(cfg, lay) else params)
     optimizer = states * params / (lay.shard if lay.zero >= 1 else 1)  # (hybrid sharding: its shard group)
     layers = in_flight_layers(lay, m.n_layers, rank)
     recomputed, per_chunk = recomputed_layers(cfg, lay.pp, lay.vpp)
@@ -374,7 +392,7 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
         kept = per_layer - (M * square_bytes(cfg) * m.n_heads / lay.tp * lay.seq if rebuilds_squares(cfg) else 0.0)
         core = max(forward_core_bytes(cfg, lay) - kept, rebuilt_core_bytes(cfg, lay) if rebuilds_squares(cfg) else 0.0)
     acts += max(backward_working_set(cfg, lay), head, core)
-    if lay.zero >= 2 and lay.pp > 1 and rank < lay.pp - 1:
+    if lay.zero >= 2 and lay.pp > 1 and rank < lay.pp - 1 and not retires_gradients(cfg, lay):
         # ZeRO-2 allocates the gradient buffer at the first gradient of the step, by when the
         # first backward has freed about one layer's activations (ZeRO-1 holds it all along; on
         # the last rank the head's weight gradient comes first, before anything is freed).

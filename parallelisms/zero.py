@@ -81,6 +81,9 @@ import torch.distributed as dist
 from parallelisms.sharding import WHOLE, set_shard_info, shard_info, tp_summed_replicas
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-LM's --ddp-bucket-size
+# ZeRO 2/3: reduce-scatters in flight before the oldest is waited for and its full gradient buffer
+# freed (FSDP2 likewise keeps the previous reduce-scatter's buffers while the next one runs).
+REDUCTIONS_IN_FLIGHT = 2
 
 
 class Bucket:
@@ -211,6 +214,7 @@ class ZeroDataParallel:
                              for i, p in enumerate(params)]
         self.shards = [self._shard_of(i) for i in range(len(params))]  # what the optimizer updates
         self.reducing, self.gathering = {}, {}  # bucket -> collective in flight
+        self.unretired: list = []  # ZeRO 2/3: buckets whose reduce-scatter is launched, oldest first
         self.current = set(range(len(self.buckets)))  # buckets whose parameters are this step's
         if stage == 3:  # between steps a rank holds its shards only
             self.release()
@@ -417,6 +421,7 @@ class ZeroDataParallel:
                 self._launch_replica_sum(b)
         for b in range(len(self.buckets)):
             self._finish_reduction(b)
+        self.unretired.clear()
         for bucket in self.buckets:
             bucket.arrived = 0
         self.fused.clear()
@@ -447,6 +452,25 @@ class ZeroDataParallel:
         elif self.layout.dp > 1:
             work = dist.all_reduce(grads, group=self.group, async_op=True)
         self.reducing[b] = (work, out)
+        if self.stage >= 2:  # with DP overlap, in backward: the full buffers go as their reductions land
+            self.unretired.append(b)
+            if len(self.unretired) > REDUCTIONS_IN_FLIGHT:
+                self._retire(self.unretired.pop(0))
+
+    def _retire(self, b: int) -> None:
+        """ZeRO 2/3: wait for bucket b's reduce-scatter and keep only this rank's shard of its sum;
+        the full gradient buffer goes. Within a step's last backward (DP overlap) this keeps
+        REDUCTIONS_IN_FLIGHT full buffers past the module computing, not the whole model's; the
+        replica sum, the division and the hand-over to the optimizer follow in reduce_gradients."""
+        bucket = self.buckets[b]
+        if bucket.grads is None:  # retired already
+            return
+        work, out = self.reducing[b]
+        if work is not None:
+            with self.clock.waiting("comm", out.device):
+                work.wait()
+        self.reducing[b] = (None, out.clone())
+        bucket.grads, bucket.grad_views = None, None
 
     def _launch_replica_sum(self, b: int) -> None:
         """Hybrid sharding: once bucket b's reduce-scatter is in, launch the sum of this rank's
@@ -462,6 +486,8 @@ class ZeroDataParallel:
         self.reducing[b] = (dist.all_reduce(out, group=self.replicate_group, async_op=True), out)
 
     def _finish_reduction(self, b: int) -> None:
+        if self.stage >= 2:  # the full buffer goes; this rank's shard stays
+            self._retire(b)
         work, out = self.reducing.pop(b)
         if work is not None:
             with self.clock.waiting("comm", out.device):
@@ -469,8 +495,6 @@ class ZeroDataParallel:
         if self.layout.dp > 1:
             out.div_(self.layout.dp)
         bucket = self.buckets[b]
-        if self.stage >= 2:  # the full buffer goes; this rank's shard stays
-            out, bucket.grads, bucket.grad_views = out.clone(), None, None
         grads = out if out.dtype == torch.float32 else out.float()
         for k, i in enumerate(bucket.indices):
             shard, p = self.shards[i], self.params[i]
