@@ -1,6 +1,8 @@
 """Shared helpers: run train.py as a user would (its own processes, Hydra and all) on small settings.
 Its ranks are forked from a server that has already imported its modules (tests/forked.py), unless
 a test asks for a real python or torchrun launch."""
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -159,6 +161,35 @@ EXACT = SMALL + [f"train.max_steps={EXACT_STEPS}", "precision=fp32", f"checkpoin
 CI_STRESS_RUNS = 3
 
 
+# The CI stress pass loads the cores on purpose (a busy process beside runs of up to 8 ranks: on 2
+# cores, 13 runnable processes). A test that judges a run's timings must not run on the other xdist
+# worker meanwhile: there a rank's 33 ms of compute a step (its thread's CPU time, the same on every
+# rank to a millisecond) took up to 330 ms of wall time, preempted, in a fifth of its steps, often a
+# few steps running, so that a 5-step window's median named a rank a compute straggler (1.66x) or
+# hid a throttled link (tests/test_emulated_link.py). The pass's cases hold this lock shared (they
+# may overlap each other, as its two groups do on the two workers); a timing test holds it
+# exclusively, for its run only. A wait costs little: ordered by SCOPE_SECONDS the link test comes
+# after the pass, and where they would meet, on cores the pass saturates, side by side takes as long.
+def cpu_load_lock_path(tmp_path_factory) -> Path:
+    """The session's lock file, one for all xdist workers (their basetemps' common folder)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp is <the session's>/<worker>
+        root = root.parent
+    return root / "cpu_load.lock"
+
+
+@contextlib.contextmanager
+def cpu_load_lock(tmp_path_factory, exclusive: bool):
+    """The session's lock on loading the cores (the CI stress pass: shared) and on needing them
+    unloaded (a timing test: exclusive), across xdist workers."""
+    with open(cpu_load_lock_path(tmp_path_factory), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def ci_stress(tmp_path_factory, cache_dir):
     """The CI stress pass (experiments/stress.py): a case's CI_STRESS_RUNS runs beside one
@@ -170,7 +201,7 @@ def ci_stress(tmp_path_factory, cache_dir):
 
     def run(name: str):
         if name not in tallies:
-            with stress.Hog(1):
+            with cpu_load_lock(tmp_path_factory, exclusive=False), stress.Hog(1):
                 tallies[name] = stress.stress_case(name, CI_STRESS_RUNS, 600, out, cache_dir, setups, progress=print)
         return tallies[name]
     run.setups = setups

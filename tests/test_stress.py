@@ -78,3 +78,27 @@ def test_each_ci_case_runs_on_the_worker_of_the_modules_that_read_it():
     for case, reader in readers.items():
         assert scope_of(f"{stress_test}[{case}]") == scope_of(reader) != scope_of("tests/test_model.py::test_x")
     assert len({scope_of(f"{stress_test}[{case}]") for case in stress.CI_CASES}) == len(STRESS_GROUPS)
+
+
+def test_the_pass_and_a_timing_test_never_load_the_cores_at_once(tmp_path_factory):
+    """conftest.cpu_load_lock: the pass's cases hold it shared, so they may run side by side; a
+    timing test (tests/test_emulated_link.py) holds it exclusively, so it waits for the pass and
+    the pass for it."""
+    import fcntl
+
+    from conftest import cpu_load_lock, cpu_load_lock_path
+
+    def free(mode) -> bool:  # could another holder take it now (another open file: flock's unit)
+        with open(cpu_load_lock_path(tmp_path_factory), "a") as f:
+            try:
+                fcntl.flock(f, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return True
+
+    with cpu_load_lock(tmp_path_factory, exclusive=False):
+        assert free(fcntl.LOCK_SH) and not free(fcntl.LOCK_EX)
+    with cpu_load_lock(tmp_path_factory, exclusive=True):
+        assert not free(fcntl.LOCK_SH) and not free(fcntl.LOCK_EX)
+    assert free(fcntl.LOCK_EX)
