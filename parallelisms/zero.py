@@ -67,7 +67,9 @@ shard rank), then divided by dp; the all-gather stays within the shard group. Wi
 (dp_shard = dp) the shard group is the dp group and there is no replicate step.
 
 Nothing here holds a full-size copy of the gradients or parameters besides the buffers (ZeRO-3:
-while a module computes).
+while a module computes). At ZeRO 2/3 a bucket's full gradient buffer goes once its
+reduce-scatter is in (_retire), REDUCTIONS_IN_FLIGHT at most waiting: with one microbatch and DP
+overlap, during the backward; with several, the buffers accumulate until the last microbatch.
 """
 from __future__ import annotations
 
