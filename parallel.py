@@ -61,6 +61,11 @@ class ParallelConfig:
     # backward (true, FSDP's default), or keep them from its first forward of the step to its last
     # backward (false: one gather a step, whatever the microbatches; Llama 3's choice under PP).
     reshard_after_forward: bool = True
+    # ZeRO 2/3 without a pipeline: reduce-scatter each microbatch's gradients and add them to the
+    # shard (true: DeepSpeed's ZeRO-2/3 and FSDP2's default; a full gradient buffer a bucket lives
+    # for one microbatch's backward), or accumulate the whole buffer over the step's microbatches
+    # and reduce once (false: Megatron-LM's distributed optimizer; torch's pipelining with FSDP2).
+    reduce_each_microbatch: bool = False
     microbatches: int = 1    # per optimizer step and DP rank: pipeline microbatches, or accumulation
     # Mesh dims, outermost first. TP innermost makes a TP group consecutive ranks, i.e. one host
     # (NVLink); PP next (within a zone); DP outermost (across zones): topology-aware placement.
@@ -137,6 +142,10 @@ def validate(cfg, world: int, run: bool = True) -> None:
     if 1 <= p.dp_shard < dp and p.zero_stage == 0:
         raise ConfigError("parallel.dp_shard", f"{p.dp_shard} with parallel.zero_stage=0, which shards nothing",
                           "use parallel.zero_stage=1, 2 or 3, or parallel.dp_shard=-1")
+    if p.reduce_each_microbatch and (p.zero_stage < 2 or p.pp > 1):
+        raise ConfigError("parallel.reduce_each_microbatch", f"true with zero_stage={p.zero_stage} and pp={p.pp}: "
+                          "only ZeRO 2/3 shard the gradients, and a pipeline interleaves its microbatches' backwards",
+                          "use parallel.zero_stage=2 or 3 without pipeline parallelism, or set it false")
     if p.reduce_dtype not in ("fp32", "bf16"):
         raise ConfigError("parallel.reduce_dtype", f"{p.reduce_dtype!r}", "use fp32 or bf16")
     if m.n_heads % p.tp or m.d_model % p.tp or m.vocab_size % p.tp:
@@ -420,7 +429,8 @@ class ParallelModel:
         buckets = plan_buckets([m[0] for m in modules], params, cfg.bucket_size,
                                per_module=cfg.overlap.dp or cfg.zero_stage == 3)  # ZeRO-3 frees module by module
         self.zero = ZeroDataParallel(params, layout, cfg.zero_stage, reduce_dtype, buckets, cfg.microbatches,
-                                     overlap=cfg.overlap.dp, reshard_after_forward=cfg.reshard_after_forward)
+                                     overlap=cfg.overlap.dp, reshard_after_forward=cfg.reshard_after_forward,
+                                     each_microbatch=cfg.reduce_each_microbatch)
         self.zero.attach(modules)
         self.pipeline = Pipeline(self.chunks, layout, overlap=cfg.overlap.pp,
                                  after_backward=self.zero.backward_done,

@@ -19,6 +19,7 @@ import machine
 import model as gpt
 from clustermodel.layout import JobLayout
 from kernels import banded_keys
+from parallelisms.zero import REDUCTIONS_IN_FLIGHT
 
 
 def precision(cfg: config.Config) -> str:
@@ -135,20 +136,20 @@ def gathered_params(cfg: config.Config, lay: JobLayout, rank: int) -> int:
 
 
 def retires_gradients(cfg: config.Config, lay: JobLayout) -> bool:
-    """ZeRO 2/3 with DP overlap and one microbatch: a bucket's full gradient buffer goes as soon as
-    its reduce-scatter is in (zero.ZeroDataParallel._retire). The peak is then at the start of the
-    backward, where the activations are, beside the buffers of the first module in backward
-    (first_in_backward); later a module and REDUCTIONS_IN_FLIGHT buckets stay beside the shards,
-    while each backward frees more activations than that."""
-    return lay.zero >= 2 and cfg.parallel.overlap.dp and lay.microbatches == 1
+    """ZeRO 2/3 with DP overlap and one microbatch, or reducing each microbatch
+    (parallel.reduce_each_microbatch): a bucket's full gradient buffer goes as soon as
+    its reduce-scatter is in (zero.ZeroDataParallel._retire): a rank holds a few modules' full
+    buffers at a time (in_flight_gradients) beside the shards, not its whole gradient."""
+    return lay.zero >= 2 and cfg.parallel.overlap.dp and (lay.microbatches == 1 or cfg.parallel.reduce_each_microbatch)
 
 
-def first_in_backward(cfg: config.Config, lay: JobLayout, rank: int) -> int:
-    """Gradient elements in full buffers at the peak when they are retired: the rank's last module,
-    the first in backward; on the last rank the head, whose backward frees only its own working set,
-    with the block before it."""
-    modules = rank_modules(cfg, lay, rank)
-    return sum(modules[-2:]) if rank == lay.pp - 1 else modules[-1]
+def in_flight_gradients(cfg: config.Config, lay: JobLayout, rank: int) -> int:
+    """Gradient elements in full buffers at most, when they are retired: the module in backward and
+    the REDUCTIONS_IN_FLIGHT before it, whose reduce-scatters may still run (each module a bucket
+    or more: an upper bound), the most over the rank's backward."""
+    backward = rank_modules(cfg, lay, rank)[::-1]
+    window = REDUCTIONS_IN_FLIGHT + 1
+    return max(sum(backward[i:i + window]) for i in range(len(backward)))
 
 
 def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
@@ -361,7 +362,7 @@ def memory_of_rank(cfg: config.Config, lay: JobLayout, last: bool = False, capac
     rank = lay.pp - 1 if last else 0
     params = rank_params(m, lay)[1 if last else 0]
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
-    grads = grad_bytes * (first_in_backward(cfg, lay, rank) if retires_gradients(cfg, lay) else params)
+    grads = grad_bytes * (in_flight_gradients(cfg, lay, rank) if retires_gradients(cfg, lay) else params)
     optimizer = states * params / (lay.shard if lay.zero >= 1 else 1)  # (hybrid sharding: its shard group)
     layers = in_flight_layers(lay, m.n_layers, rank)
     recomputed, per_chunk = recomputed_layers(cfg, lay.pp, lay.vpp)

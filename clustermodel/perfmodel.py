@@ -596,12 +596,18 @@ def dp_wire_bytes(cfg: config.Config, lay: JobLayout, last: bool, params: int, g
     ring = lambda kind, nbytes, k: nbytes * (2 * (k - 1) / k if kind == "all_reduce" else (k - 1) / k)
     if lay.zero == 0:
         return ring("all_reduce", params * grad_bytes, lay.dp)
-    wire = ring("reduce_scatter", params * grad_bytes, n) + ring("all_reduce", params * grad_bytes / n, lay.dp // n)
+    wire = (reductions_a_step(cfg, lay) * ring("reduce_scatter", params * grad_bytes, n)
+            + ring("all_reduce", params * grad_bytes / n, lay.dp // n))
     gathered = params
     if lay.zero == 3 and lay.reshard:
         head = rank_modules(cfg, lay, lay.pp - 1)[-1] if last else 0
         gathered = lay.microbatches * (2 * params - head)
     return wire + ring("all_gather", gathered * e, n)
+
+
+def reductions_a_step(cfg: config.Config, lay: JobLayout) -> int:
+    """Reduce-scatters of each bucket a step: one, or each microbatch's (parallel.reduce_each_microbatch)."""
+    return lay.microbatches if cfg.parallel.reduce_each_microbatch and lay.zero >= 2 else 1
 
 
 def dp_time(cfg: config.Config, lay: JobLayout, net: Network, layer_fwd: float, layer_bwd: float) -> Dict[str, float]:
@@ -610,14 +616,16 @@ def dp_time(cfg: config.Config, lay: JobLayout, net: Network, layer_fwd: float, 
     Without DP overlap both run after the backward. With it they are priced as parallelisms/zero.py
     issues them, a bucket per module (the embedding, each block, the head), on the busier of the
     first and last pipeline rank (dp_overlap_exposed). Hybrid sharding reduces in two steps and
-    ZeRO-3 gathers at use, not here (sharding_cost)."""
+    ZeRO-3 gathers at use, not here (sharding_cost). Reducing each microbatch (no pipeline), every
+    microbatch's reduce-scatters hide behind its own backward, waited for at its end."""
     if lay.dp == 1:
         return {"dp_comm": 0.0}
     grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
     gather_bytes = grad_bytes if lay.zero == 0 else element_bytes(cfg)
+    earlier = reductions_a_step(cfg, lay) - 1  # microbatches reduced before the last
     if not cfg.parallel.overlap.dp:
         params = max(rank_params(cfg.model, lay))
-        rs = gradient_reduction(net, lay, params * grad_bytes)
+        rs = gradient_reduction(net, lay, params * grad_bytes) + earlier * shard_reduction(net, lay, params * grad_bytes)
         ag = parameter_gather(net, lay, params * gather_bytes)
         return {"dp_comm": rs + ag, "dp_hidden": 0.0}
     split, replicated = layer_params(cfg.model, lay.tp)
@@ -629,6 +637,11 @@ def dp_time(cfg: config.Config, lay: JobLayout, net: Network, layer_fwd: float, 
                                  (rs(ends), ag(ends)), end)
               for end in ("embedding", "head")]
     exposed, total = max(priced)
+    if earlier:  # each earlier microbatch's reduce-scatters, behind its own backward (no gathers)
+        bwd_exposed, bwd_total = max(dp_overlap_exposed(lay, cfg.model.n_layers, layer_fwd, layer_bwd,
+                                                        (rs(split + replicated), 0.0), (rs(ends), 0.0), end)
+                                     for end in ("embedding", "head"))
+        exposed, total = exposed + earlier * bwd_exposed, total + earlier * bwd_total
     replicas = replica_sum(net, lay, max(rank_params(cfg.model, lay)) * grad_bytes)  # after the backward: exposed
     return {"dp_comm": exposed + replicas, "dp_hidden": total - exposed}
 

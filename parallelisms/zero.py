@@ -69,7 +69,9 @@ shard rank), then divided by dp; the all-gather stays within the shard group. Wi
 Nothing here holds a full-size copy of the gradients or parameters besides the buffers (ZeRO-3:
 while a module computes). At ZeRO 2/3 a bucket's full gradient buffer goes once its
 reduce-scatter is in (_retire), REDUCTIONS_IN_FLIGHT at most waiting: with one microbatch and DP
-overlap, during the backward; with several, the buffers accumulate until the last microbatch.
+overlap, during the backward; with several, the buffers accumulate until the last microbatch,
+unless each microbatch is reduced (each_microbatch: its reductions into the shard, `summed`,
+waited for at its end).
 """
 from __future__ import annotations
 
@@ -190,8 +192,12 @@ class ZeroDataParallel:
     step's, in the order they run."""
 
     def __init__(self, params: list, layout, stage: int, reduce_dtype: torch.dtype, buckets: list,
-                 microbatches: int = 1, overlap: bool = False, reshard_after_forward: bool = True):
+                 microbatches: int = 1, overlap: bool = False, reshard_after_forward: bool = True,
+                 each_microbatch: bool = False):
         self.params, self.layout, self.stage, self.reduce_dtype = params, layout, stage, reduce_dtype
+        # ZeRO 2/3: reduce-scatter each microbatch's gradients into the shard (parallel.reduce_each_microbatch)
+        self.each_microbatch = each_microbatch and stage >= 2 and microbatches > 1
+        self.per_reduction = 1 if self.each_microbatch else microbatches  # microbatches a reduction sums
         self.reshard_after_forward = reshard_after_forward
         self.group, self.overlap, self.microbatches = layout.group("dp"), overlap, microbatches
         if stage == 0 and layout.dp_shard != layout.dp:
@@ -217,6 +223,7 @@ class ZeroDataParallel:
         self.shards = [self._shard_of(i) for i in range(len(params))]  # what the optimizer updates
         self.reducing, self.gathering = {}, {}  # bucket -> collective in flight
         self.unretired: list = []  # ZeRO 2/3: buckets whose reduce-scatter is launched, oldest first
+        self.summed: dict = {}     # ZeRO 2/3: bucket -> this rank's shard of the reductions landed this step
         self.current = set(range(len(self.buckets)))  # buckets whose parameters are this step's
         if stage == 3:  # between steps a rank holds its shards only
             self.release()
@@ -273,8 +280,12 @@ class ZeroDataParallel:
         set_shard_info(shard, dataclasses.replace(info, norm_owner=owner))
         return shard
 
-    def _grad_views(self, bucket: Bucket) -> list:
-        if bucket.grads is None:  # ZeRO-2, the bucket's first gradient of the step
+    def _grad_views(self, b: int) -> list:
+        bucket = self.buckets[b]
+        if b in self.unretired:  # the previous microbatch's reduction still reads the buffer
+            self.unretired.remove(b)
+            self._retire(b)
+        if bucket.grads is None:  # ZeRO-2, the bucket's first gradient of the step (or microbatch)
             bucket.grads = torch.zeros(bucket.numel, dtype=self.reduce_dtype, device=bucket.params.device)
             bucket.grad_views = None
         if bucket.grad_views is None:
@@ -358,7 +369,7 @@ class ZeroDataParallel:
         returns its gradient instead (gradient_sink)."""
         b, k = self.where[i]
         self.fused.add(i)
-        return self._grad_views(self.buckets[b])[k]
+        return self._grad_views(b)[k]
 
     @torch.no_grad()
     def add_gradients(self, m: int) -> None:
@@ -379,7 +390,7 @@ class ZeroDataParallel:
             if b in fresh:
                 self._add(b, fresh[b])
             self.buckets[b].arrived += n
-            if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.microbatches:
+            if self.overlap and self.buckets[b].arrived == len(self.buckets[b].indices) * self.per_reduction:
                 self._launch_reduction(b)
         if self.stage == 3 and (arrived or m not in self.unmarked):  # its backward is over: only the shard
             self.backwards[m] += 1                                     # stays (kept: after the step's last)
@@ -388,7 +399,7 @@ class ZeroDataParallel:
 
     def _add(self, b: int, indices: list) -> None:
         """Parameters' fresh gradients into bucket b's buffer, in one foreach add, and freed."""
-        views = self._grad_views(self.buckets[b])
+        views = self._grad_views(b)
         torch._foreach_add_([views[self.where[i][1]] for i in indices], [self.params[i].grad for i in indices])
         for i in indices:
             self.params[i].grad = None
@@ -416,7 +427,8 @@ class ZeroDataParallel:
         for b, bucket in enumerate(self.buckets):
             if bucket.arrived < len(bucket.indices) * self.microbatches:  # a parameter no loss reached,
                 self._add_stragglers(b)                                   # or a gradient marked late
-            if b not in self.reducing:
+            fresh = self.each_microbatch and bucket.grads is not None and b not in self.unretired
+            if b not in self.reducing or fresh:  # (reducing each microbatch: the last one's, unless launched)
                 self._launch_reduction(b)
         if self.stage > 0 and self.layout.dp_replicate > 1:
             for b in range(len(self.buckets)):
@@ -424,6 +436,7 @@ class ZeroDataParallel:
         for b in range(len(self.buckets)):
             self._finish_reduction(b)
         self.unretired.clear()
+        self.summed.clear()
         for bucket in self.buckets:
             bucket.arrived = 0
         self.fused.clear()
@@ -441,7 +454,9 @@ class ZeroDataParallel:
         each computed some of its query heads; they sit at the bucket's end), then launch its DP
         all-reduce (ZeRO-0) or reduce-scatter into this rank's shard (ZeRO 1-3)."""
         bucket = self.buckets[b]
-        self._grad_views(bucket)
+        self._grad_views(b)
+        if self.each_microbatch:  # the next microbatch's gradients count afresh
+            bucket.arrived = 0
         grads = bucket.grads
         for start, end, replicas in bucket.replica_runs:
             with self.clock.waiting("comm", grads.device):
@@ -471,7 +486,9 @@ class ZeroDataParallel:
         if work is not None:
             with self.clock.waiting("comm", out.device):
                 work.wait()
-        self.reducing[b] = (None, out.clone())
+        summed = self.summed.get(b)  # an earlier microbatch's (parallel.reduce_each_microbatch)
+        self.summed[b] = out.clone() if summed is None else summed.add_(out)
+        self.reducing[b] = (None, self.summed[b])
         bucket.grads, bucket.grad_views = None, None
 
     def _launch_replica_sum(self, b: int) -> None:
@@ -481,6 +498,8 @@ class ZeroDataParallel:
         all-reduce is on the wire while the next bucket's reduce-scatter is waited for. Launching
         it from backward as each reduce-scatter completes would need a poll, and ranks could then
         launch the replicate and shard groups' collectives in different orders."""
+        if self.stage >= 2:  # this rank's shard of the step's reductions, every microbatch's
+            self._retire(b)
         work, out = self.reducing[b]
         if work is not None:
             with self.clock.waiting("comm", out.device):
@@ -574,8 +593,19 @@ class ZeroDataParallel:
             _resize_storage(self.buckets[b].params, 0)
 
     def microbatch_done(self, backward: bool, last: bool) -> None:
-        """ZeRO-3, after a microbatch without a pipeline (which releases once its schedule is done):
-        only the shards stay, but with reshard_after_forward off until the step's last backward."""
+        """After a microbatch without a pipeline (which releases once its schedule is done). ZeRO-3:
+        only the shards stay, but with reshard_after_forward off until the step's last backward.
+        Reducing each microbatch: without DP overlap launch its reductions now, bucket by bucket
+        (those of a bucket some parameter of which got no gradient too), and wait for them all, as
+        FSDP2 does at the end of each backward (the last microbatch's: reduce_gradients)."""
+        if self.each_microbatch and backward and not last:
+            if not self.overlap:
+                for b, bucket in enumerate(self.buckets):
+                    self._add_stragglers(b)
+                    if bucket.grads is not None and b not in self.unretired:
+                        self._launch_reduction(b)
+            while self.unretired:  # all in by the next microbatch, as FSDP2 waits at each backward's end
+                self._retire(self.unretired.pop(0))
         if self.stage == 3 and (self.reshard_after_forward or last or not backward):
             self.release()
 

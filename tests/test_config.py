@@ -155,6 +155,19 @@ def test_an_impossible_pipeline_split_is_one_line_naming_it(overrides, world, ke
     assert "\n" not in line and line.startswith(f"config error: {key}:") and "Fix:" in line
 
 
+@pytest.mark.parametrize("overrides, world", [
+    (["parallel.zero_stage=1", "parallel.microbatches=2"], 2),           # the gradients are not sharded
+    (["parallel.zero_stage=2", "parallel.pp=2", "parallel.microbatches=2"], 2),  # a pipeline's backwards interleave
+])
+def test_reducing_each_microbatch_needs_zero_2_or_3_without_a_pipeline(overrides, world):
+    cfg = config.compose(overrides + ["parallel.reduce_each_microbatch=true"])
+    with pytest.raises(config.ConfigError) as err:
+        config.validate(cfg, world=world)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("config error: parallel.reduce_each_microbatch:") and "Fix:" in line
+    config.validate(config.compose(overrides), world=world)  # the layout itself is fine
+
+
 @pytest.mark.parametrize("overrides", [
     ["parallel.pp=16", "parallel.pp_first_chunk_layers=7", "parallel.pp_last_chunk_layers=7"],
     ["parallel.pp=16", "parallel.vpp=8", "parallel.microbatches=16", "parallel.pp_first_chunk_layers=0",

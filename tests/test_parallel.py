@@ -31,6 +31,9 @@ LAYOUTS = {  # name: (ranks, overrides). Plain pp2 (1F1B) runs inside pp2_dp2, p
     "tp2_overlap_domino": (2, ["parallel.tp=2", "parallel.overlap.tp=domino", "parallel.overlap.tp_chunks=2"]),
     "pp2_vpp2_overlap": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "parallel.overlap.pp=true"]),
     "dp2_zero2_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2"]),
+    # DeepSpeed's ZeRO-2: each microbatch's gradients reduce-scattered into the shard
+    "dp2_zero2_each_overlap": (2, ["parallel.zero_stage=2", "parallel.overlap.dp=true", "parallel.microbatches=2",
+                                   "parallel.reduce_each_microbatch=true"]),
     # ZeRO-3: each module's parameters gathered for its forward and again for its backward, freed
     # after each (or, reshard_after_forward=false, kept from forward to backward); under a
     # pipeline too, where the interleaved schedule runs other microbatches between a module's

@@ -125,7 +125,7 @@ def test_zero3_without_model_parallelism_holds_a_few_gradient_buffers_not_the_mo
     whole = 2 * 174.6e9  # bf16 gradients of every parameter
     assert memory["fits"] and memory["gradients_bytes"] < 0.02 * whole, memory
     model = perfmodel.accounting(config.compose(ZERO3_NO_MODEL_PARALLELISM), 384)
-    assert memory["gradients_bytes"] <= model["grads_bytes"] < 0.02 * whole, (memory["gradients_bytes"], model["grads_bytes"])
+    assert memory["gradients_bytes"] <= model["grads_bytes"] < 0.05 * whole, (memory["gradients_bytes"], model["grads_bytes"])
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -196,6 +196,24 @@ def test_the_performance_model_accounts_for_what_the_code_does(variant, pool, tm
         for key, got in code.items():
             want = model[key]
             assert got == pytest.approx(want, rel=0.05, abs=1e-9), (variant, "last" if is_last else "first", key, got, want)
+
+
+def test_the_performance_model_accounts_for_reducing_each_microbatch(pool, tmp_path):
+    """ZeRO-2 reducing each microbatch (DeepSpeed's; tp2 dp4, 2 microbatches, DP overlap): twice the
+    reduce-scatter bytes of one reduction a step, in the code's rehearsal and the model within 5%;
+    a few modules' full gradient buffers at the peak, not the whole rank's, the model's bound above
+    the code's."""
+    from clustermodel import perfmodel
+    layout = ["parallel.pp=1", "parallel.vpp=1", "parallel.dp=4", "parallel.zero_stage=2", "parallel.overlap.dp=true",
+              "train.batch_size=8"]
+    cfg = config.compose(AGREE + layout + ["parallel.reduce_each_microbatch=true"])
+    once = perfmodel.accounting(config.compose(AGREE + layout), 8)
+    (rec,) = rehearse_ranks(cfg, [0], 8, tmp_path, pool)
+    model, code = perfmodel.accounting(cfg, 8), code_accounting(rec)
+    for key in ("dp_bytes", "tp_bytes", "gemm_flops"):
+        assert code[key] == pytest.approx(model[key], rel=0.05), (key, code[key], model[key])
+    assert model["dp_bytes"] > 1.5 * once["dp_bytes"], (model["dp_bytes"], once["dp_bytes"])
+    assert code["grads_bytes"] <= model["grads_bytes"] < 0.7 * once["grads_bytes"], (code, model, once)
 
 
 @pytest.mark.parametrize("reshard", ["false", "true"])

@@ -75,57 +75,61 @@ def _buckets_against_reference(rank, world, port, out, dp_shard=-1):
     collectives = []
     _logged_collectives(collectives)
     errors = {}
-    for stage in (0, 1, 2, 3) if dp_shard == -1 else (1, 2, 3):
-        for overlap in (False, True):
-            torch.manual_seed(0)
-            model = TwoLinears()
-            reference = copy.deepcopy(model)
-            params = list(model.parameters())
-            modules = [([0, 1], model.a.register_forward_pre_hook, model.a.register_forward_hook),
-                       ([2, 3], model.b.register_forward_pre_hook, model.b.register_forward_hook)]
-            buckets = plan_buckets([m[0] for m in modules], params, bucket_size=40, per_module=overlap or stage == 3)
-            zero = ZeroDataParallel(params, layout, stage, torch.float32, buckets, MICROBATCHES, overlap=overlap)
-            zero.attach(modules)
-            fused, take = [], zero.fused_view
-            zero.fused_view = lambda i: fused.append(i) or take(i)
-            worst_grad = worst_param = 0.0
-            launched = []  # buckets whose reduction backward launched (DP overlap: all, fused arrivals counted)
-            full = []  # buckets whose full gradient buffer is still there after backward
-            for step in range(STEPS):
-                for k in range(MICROBATCHES):
-                    x, y = batch(rank, step, k)
-                    (torch.nn.functional.mse_loss(model(x), y) / MICROBATCHES).backward()
-                    zero.backward_done()
-                launched.append(len(zero.reducing))
-                full.append(sum(b.grads is not None for b in zero.buckets))
-                zero.reduce_gradients()
-                want = reference_step(reference, step, world)
-                for i, shard in enumerate(zero.shards):
-                    lo, hi = zero.shard_ranges[i] or (0, params[i].numel())
-                    expected = want[i].flatten()[lo:hi]
-                    worst_grad = max(worst_grad, (shard.grad.flatten() - expected).abs().max().item() if hi > lo else 0.0)
-                with torch.no_grad():  # the optimizer: each rank updates its shards only
-                    for shard in zero.shards:
-                        shard -= LR * shard.grad
-                for p in params:
-                    p.grad = None
-                zero.after_step()
-                with torch.no_grad():
-                    model(torch.zeros(1, 5))  # the forward whose hooks wait for (and, overlapping, chain) the gathers
-                held = sum(b.params.untyped_storage().nbytes() for b in zero.buckets)
-                if stage == 3:  # each module freed its parameters after its forward: gather them to compare
-                    assert held == 0, held
-                    zero.gather_all()
-                worst_param = max(worst_param, max((p - q).abs().max().item()
-                                                   for p, q in zip(params, reference.parameters())))
-                if stage == 3:
-                    zero.release()
-            errors[f"zero{stage}{'_overlap' if overlap else ''}"] = {
-                "grad": worst_grad, "param": worst_param, "buckets": len(zero.buckets),
-                "split": sum(0 < hi - lo < p.numel() for p, (lo, hi) in zip(params, zero.shard_ranges)) if stage else 0,
-                "fused": fused, "launched": launched, "full": full, "shard_numel": [b.shard_numel for b in zero.buckets],
-                "numel": [b.numel for b in zero.buckets], "collectives": sorted({(n, tuple(g)) for n, g in collectives})}
-            collectives.clear()
+    variants = [(stage, overlap, each) for stage in ((0, 1, 2, 3) if dp_shard == -1 else (1, 2, 3))
+                for overlap in (False, True) for each in ((False, True) if stage >= 2 else (False,))]
+    for stage, overlap, each in variants:
+        torch.manual_seed(0)
+        model = TwoLinears()
+        reference = copy.deepcopy(model)
+        params = list(model.parameters())
+        modules = [([0, 1], model.a.register_forward_pre_hook, model.a.register_forward_hook),
+                   ([2, 3], model.b.register_forward_pre_hook, model.b.register_forward_hook)]
+        buckets = plan_buckets([m[0] for m in modules], params, bucket_size=40, per_module=overlap or stage == 3)
+        zero = ZeroDataParallel(params, layout, stage, torch.float32, buckets, MICROBATCHES, overlap=overlap,
+                                each_microbatch=each)
+        zero.attach(modules)
+        fused, take = [], zero.fused_view
+        zero.fused_view = lambda i: fused.append(i) or take(i)
+        worst_grad = worst_param = 0.0
+        launched = []  # buckets whose reduction backward launched (DP overlap: all, fused arrivals counted)
+        full = []  # buckets whose full gradient buffer is still there after backward
+        for step in range(STEPS):
+            for k in range(MICROBATCHES):
+                x, y = batch(rank, step, k)
+                (torch.nn.functional.mse_loss(model(x), y) / MICROBATCHES).backward()
+                zero.backward_done()
+                zero.microbatch_done(True, last=k == MICROBATCHES - 1)
+            launched.append(len(zero.reducing))
+            full.append(sum(b.grads is not None for b in zero.buckets))
+            zero.reduce_gradients()
+            want = reference_step(reference, step, world)
+            for i, shard in enumerate(zero.shards):
+                lo, hi = zero.shard_ranges[i] or (0, params[i].numel())
+                expected = want[i].flatten()[lo:hi]
+                worst_grad = max(worst_grad, (shard.grad.flatten() - expected).abs().max().item() if hi > lo else 0.0)
+            with torch.no_grad():  # the optimizer: each rank updates its shards only
+                for shard in zero.shards:
+                    shard -= LR * shard.grad
+            for p in params:
+                p.grad = None
+            zero.after_step()
+            with torch.no_grad():
+                model(torch.zeros(1, 5))  # the forward whose hooks wait for (and, overlapping, chain) the gathers
+            held = sum(b.params.untyped_storage().nbytes() for b in zero.buckets)
+            if stage == 3:  # each module freed its parameters after its forward: gather them to compare
+                assert held == 0, held
+                zero.gather_all()
+            worst_param = max(worst_param, max((p - q).abs().max().item()
+                                               for p, q in zip(params, reference.parameters())))
+            if stage == 3:
+                zero.release()
+        errors[f"zero{stage}{'_overlap' if overlap else ''}{'_each' if each else ''}"] = {
+            "grad": worst_grad, "param": worst_param, "buckets": len(zero.buckets),
+            "split": sum(0 < hi - lo < p.numel() for p, (lo, hi) in zip(params, zero.shard_ranges)) if stage else 0,
+            "fused": fused, "launched": launched, "full": full, "shard_numel": [b.shard_numel for b in zero.buckets],
+            "numel": [b.numel for b in zero.buckets], "collectives": sorted({(n, tuple(g)) for n, g in collectives}),
+            "reduce_scatters": sum(n == "reduce_scatter_single" for n, _ in collectives)}
+        collectives.clear()
     Path(out, f"rank{rank}.json").write_text(json.dumps(errors))
     dist.destroy_process_group()
 
@@ -134,19 +138,26 @@ def full_buffers_after_backward(name: str, buckets: int) -> int:
     """ZeRO 2/3 with DP overlap frees a bucket's full gradient buffer once its reduce-scatter is in,
     keeping REDUCTIONS_IN_FLIGHT; otherwise every bucket's is there until the reductions after backward."""
     from parallelisms.zero import REDUCTIONS_IN_FLIGHT
-    return min(buckets, REDUCTIONS_IN_FLIGHT) if name.startswith(("zero2", "zero3")) and name.endswith("overlap") else buckets
+    return min(buckets, REDUCTIONS_IN_FLIGHT) if name.startswith(("zero2", "zero3")) and "_overlap" in name else buckets
+
+
+def expected_reduce_scatters(name: str, buckets: int) -> int:
+    """A bucket's reduce-scatters a step: one, or with parallel.reduce_each_microbatch one a microbatch."""
+    return 0 if name.startswith("zero0") else buckets * STEPS * (MICROBATCHES if name.endswith("_each") else 1)
 
 
 def test_buckets_average_gradients_and_rebuild_parameters_like_one_process(tmp_path):
     spawn(_buckets_against_reference, 2, str(tmp_path))
     for rank in range(2):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(errors) == 8
+        assert len(errors) == 12
         for name, e in errors.items():
             assert e["grad"] < 1e-6 and e["param"] < 1e-6, (rank, name, e)
             assert e["buckets"] >= 2
             assert e["fused"] == [2] * (STEPS * MICROBATCHES), (name, e)  # b.weight, into the buffer each microbatch
-            assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
+            launched = "_overlap" in name or name.endswith("_each")  # (each: the earlier microbatches' too)
+            assert e["launched"] == [e["buckets"] if launched else 0] * STEPS, (name, e)
+            assert e["reduce_scatters"] == expected_reduce_scatters(name, e["buckets"]), (name, e)
             assert e["full"] == [full_buffers_after_backward(name, e["buckets"])] * STEPS, (name, e)
             if name.startswith(("zero1", "zero2", "zero3")):
                 assert e["split"] > 0, (name, e)  # some parameter straddles the ranks' shards
@@ -165,11 +176,13 @@ def test_hybrid_sharding_shards_over_pairs_and_sums_over_replicas(tmp_path):
     for rank in range(4):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         pair, replicas = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
-        assert len(errors) == 6
+        assert len(errors) == 10
         for name, e in errors.items():
             assert e["grad"] < 1e-6 and e["param"] < 1e-6, (rank, name, e)
             assert e["split"] > 0 and all(n % 2 == 0 and s == n // 2 for n, s in zip(e["numel"], e["shard_numel"]))
-            assert e["launched"] == [e["buckets"] if name.endswith("overlap") else 0] * STEPS, (name, e)
+            launched = "_overlap" in name or name.endswith("_each")
+            assert e["launched"] == [e["buckets"] if launched else 0] * STEPS, (name, e)
+            assert e["reduce_scatters"] == expected_reduce_scatters(name, e["buckets"]), (name, e)
             assert e["full"] == [full_buffers_after_backward(name, e["buckets"])] * STEPS, (name, e)
             assert {(n, tuple(g)) for n, g in e["collectives"]} == {
                 ("reduce_scatter_single", tuple(pair)), ("all_reduce", tuple(replicas)),
