@@ -144,12 +144,13 @@ def retires_gradients(cfg: config.Config, lay: JobLayout) -> bool:
 
 
 def in_flight_gradients(cfg: config.Config, lay: JobLayout, rank: int) -> int:
-    """Gradient elements in full buffers at most, when they are retired: the module in backward and
-    the REDUCTIONS_IN_FLIGHT before it, whose reduce-scatters may still run (each module a bucket
-    or more: an upper bound), the most over the rank's backward."""
-    backward = rank_modules(cfg, lay, rank)[::-1]
-    window = REDUCTIONS_IN_FLIGHT + 1
-    return max(sum(backward[i:i + window]) for i in range(len(backward)))
+    """Gradient elements in full buffers at most, when they are retired: the module in backward
+    (its buckets fill as its gradients come) and the REDUCTIONS_IN_FLIGHT buckets launched before
+    it, whose reduce-scatters may still run (a bucket: parallel.bucket_size elements at most, or
+    a module). An upper bound: the code's peak comes early in the backward, nearer one module."""
+    modules = rank_modules(cfg, lay, rank)
+    largest = max(modules)
+    return min(sum(modules), largest + REDUCTIONS_IN_FLIGHT * min(cfg.parallel.bucket_size, largest))
 
 
 def activation_bytes(cfg: config.Config, tp: int, seq: int) -> float:
