@@ -18,6 +18,9 @@ m), one without: a module stays gathered from its first forward of the step to i
 Hybrid sharding (dp_shard < dp): gradients reduce-scatter inside the shard group of dp_shard
 consecutive DP ranks, then the 1/dp_shard shard is all-reduced across the dp/dp_shard replicas;
 ZeRO-1/2's updated parameters are all-gathered inside the shard group.
+
+DP overlap (dp_overlap_exposed): what of the buckets' reduce-scatters and all-gathers, a bucket per
+module, the compute around them hides; perfmodel.dp_time prices a step's with it.
 """
 from __future__ import annotations
 
@@ -102,4 +105,49 @@ def zero3_gathers(cfg: config.Config, lay: JobLayout, net, rank: int,
             total += sum(bwd)
     if not lay.reshard:
         return exposed / lay.microbatches, total / lay.microbatches
+    return exposed, total
+
+
+def reductions_a_step(cfg: config.Config, lay: JobLayout) -> int:
+    """Reduce-scatters of each bucket a step: one, or each microbatch's (parallel.reduce_each_microbatch)."""
+    return lay.microbatches if cfg.parallel.reduce_each_microbatch and lay.zero >= 2 else 1
+
+
+def dp_overlap_exposed(lay: JobLayout, layers: int, layer_fwd: float, layer_bwd: float,
+                       layer_comm: Tuple[float, float], end_comm: Tuple[float, float], end: str) -> Tuple[float, float]:
+    """(exposed, total) seconds of DP overlap's collectives on the pipeline rank holding `end`
+    (embedding: the first; head: the last), one DP stream running them in launch order.
+    Backward: a module's reduce-scatter launches once its last microbatch's backward ends and hides
+    behind the backward still to run. Interleaved 1F1B runs chunk v-1's last group of min(p, m)
+    microbatches, then chunk v-2's, ..., chunk 0's, so chunk j's last gradient arrives j groups of
+    chunk-steps before the end; the first rank's embedding, reduced last, shows whole.
+    Forward: after the optimizer the first module's all-gather launches; each module's forward waits
+    for its own and launches the next one's, so a gather shows where it outlasts the forward it
+    prefetches behind: one layer's, or before a chunk's first layer the group of chunk-steps between
+    that chunk's first microbatch and the one before."""
+    v, group = lay.vpp, min(lay.pp, lay.microbatches)
+    per_chunk = max(1, layers // v)  # (uneven chunks: their mean, at least one block)
+    chunk_bwd, chunk_fwd = per_chunk * layer_bwd, per_chunk * layer_fwd
+    (layer_rs, layer_ag), (end_rs, end_ag) = layer_comm, end_comm
+    # backward: (compute still to run when the bucket launches, its reduce-scatter), in launch order
+    launches = [(i * layer_bwd + j * group * chunk_bwd, layer_rs) for j in reversed(range(v)) for i in reversed(range(per_chunk))]
+    if end == "head":
+        launches.insert(0, (chunk_bwd + (v - 1) * group * chunk_bwd, end_rs))
+    else:
+        launches.append((0.0, end_rs))
+    total_bwd = launches[0][0] + layer_bwd
+    done = 0.0
+    for remaining, seconds in launches:
+        done = max(done, total_bwd - remaining) + seconds
+    exposed = max(0.0, done - total_bwd)
+    # forward: (the compute the gather prefetches behind, its all-gather), in forward order
+    gathers = [(layer_fwd if i else chunk_fwd * group - (per_chunk - 1) * layer_fwd, layer_ag)
+               for j in range(v) for i in range(per_chunk)]
+    gathers[0] = (0.0, layer_ag)
+    if end == "embedding":  # gathered first; its forward, a lookup, hides nothing of the next
+        gathers.insert(0, (0.0, end_ag))
+    else:
+        gathers.append((layer_fwd, end_ag))
+    exposed += sum(max(0.0, seconds - window) for window, seconds in gathers)
+    total = sum(s for _, s in launches) + sum(s for _, s in gathers)
     return exposed, total
