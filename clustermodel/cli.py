@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import csv
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -204,10 +205,10 @@ def rehearse_530b(gpu_counts: Sequence[int] = (2240,), overrides: Sequence[str] 
 
 
 def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, include_oom: bool = False):
-    """Every valid (tp, pp, vpp, dp, zero, dp_shard, reshard) layout of cfg on `gpus` devices at a
-    global batch, with cfg's technique switches, ranked by predicted MFU: ZeRO stages 0-3, hybrid
-    sharding over each power-of-two shard group below dp (ZeRO 1-3), ZeRO-3 with and without
-    resharding after forward. Layouts that overflow memory are left out unless include_oom; TP
+    """Every valid (tp, pp, vpp, dp, zero, dp_shard, reshard, reduce_each) layout of cfg on `gpus`
+    devices at a global batch, with cfg's technique switches, ranked by predicted MFU: ZeRO stages
+    0-3, hybrid sharding over each power-of-two shard group below dp (ZeRO 1-3), ZeRO-3 with and
+    without resharding after forward, ZeRO 2/3 without a pipeline reducing each microbatch or not. Layouts that overflow memory are left out unless include_oom; TP
     stays inside a host; chunks are even, or where pp*vpp does not divide the layers, the first
     and last chunk short (uneven_ends: Llama 3's split)."""
     hw = pm.resolve_hardware(cfg.hardware)
@@ -225,12 +226,16 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
                 ends = uneven_ends(L, pp * vpp)
                 if ends is None:
                     continue
-                for zero, shard, reshard in sharding_choices(dp):
+                each_choices = (False, True) if pp == 1 and microbatches > 1 else (False,)
+                for (zero, shard, reshard), each in itertools.product(sharding_choices(dp), each_choices):
+                    if each and zero < 2:
+                        continue
                     c = copy.deepcopy(cfg)
                     c.parallel.pp_first_chunk_layers = c.parallel.pp_last_chunk_layers = ends
                     c.parallel.tp, c.parallel.pp, c.parallel.vpp, c.parallel.dp = tp, pp, vpp, -1
                     c.parallel.zero_stage, c.parallel.microbatches, c.train.batch_size = zero, microbatches, batch
                     c.parallel.dp_shard, c.parallel.reshard_after_forward = shard, reshard
+                    c.parallel.reduce_each_microbatch = each
                     try:
                         pred = pm.predict(c, gpus, hw)
                     except ConfigError:
@@ -266,6 +271,7 @@ def sharding_note(lay) -> str:
     """What the layout shards beyond its ZeRO stage, for a heading: nothing where it is the default."""
     return ((f", dp_shard {lay.shard}" if lay.shard < lay.dp and lay.zero else "")
             + (", no reshard" if lay.zero == 3 and not lay.reshard else "")
+            + (", reduced each microbatch" if lay.reduce_each else "")
             + (f", chunks {'/'.join(map(str, lay.chunks))}" if lay.chunks and len(lay.chunks) <= 8 else ""))
 
 
@@ -308,7 +314,8 @@ def scaling_table(results, paper_key: Optional[str] = None, per_batch: bool = Tr
 
 
 def plan_table(ranked, top: int = 15) -> str:
-    rows = [[i + 1, p.layout.tp, p.layout.pp, p.layout.vpp, p.layout.dp, p.layout.zero, p.layout.shard,
+    rows = [[i + 1, p.layout.tp, p.layout.pp, p.layout.vpp, p.layout.dp,
+             f"{p.layout.zero}{' (each)' if p.layout.reduce_each else ''}", p.layout.shard,
              ("yes" if p.layout.reshard else "no") if p.layout.zero == 3 else "",
              f"{p.layout.micro_batch}x{p.layout.microbatches}", seconds(p.step_s), pct(p.mfu),
              pct(p.breakdown["bubble"] / p.step_s), f"{p.memory.total:.1f}" + ("" if p.memory.fits else " (OOM)")]

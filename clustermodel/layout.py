@@ -28,6 +28,7 @@ class JobLayout:
     dp_shard: int = 0       # ZeRO's shard group: this many consecutive DP ranks (0: all of dp)
     reshard: bool = True    # ZeRO-3: gathered parameters freed after each module's forward
     chunks: Tuple[int, ...] = ()  # blocks of each model chunk in model order where uneven; (): n_layers/(pp*vpp) each
+    reduce_each: bool = False  # ZeRO 2/3: each microbatch's gradients reduce-scattered (parallel.reduce_each_microbatch)
 
     @property
     def shard(self) -> int:
@@ -76,4 +77,5 @@ def layout_of(cfg: config.Config, gpus: Optional[int] = None) -> JobLayout:
     chunks = tuple(parallel.chunk_layers(cfg.model.n_layers, p)) if uneven else ()
     return JobLayout(gpus, p.tp, p.pp, p.vpp, dp, p.microbatches, t.batch_size // (dp * p.microbatches),
                      t.seq_len, p.zero_stage, tuple(p.order.split(",") if isinstance(p.order, str) else p.order),
-                     p.dp_shard if p.dp_shard > 0 else dp, p.reshard_after_forward, chunks)
+                     p.dp_shard if p.dp_shard > 0 else dp, p.reshard_after_forward, chunks,
+                     p.reduce_each_microbatch and p.zero_stage >= 2 and p.microbatches > 1)

@@ -140,7 +140,7 @@ def retires_gradients(cfg: config.Config, lay: JobLayout) -> bool:
     (parallel.reduce_each_microbatch): a bucket's full gradient buffer goes as soon as
     its reduce-scatter is in (zero.ZeroDataParallel._retire): a rank holds a few modules' full
     buffers at a time (in_flight_gradients) beside the shards, not its whole gradient."""
-    return lay.zero >= 2 and cfg.parallel.overlap.dp and (lay.microbatches == 1 or cfg.parallel.reduce_each_microbatch)
+    return lay.zero >= 2 and cfg.parallel.overlap.dp and (lay.microbatches == 1 or lay.reduce_each)
 
 
 def in_flight_gradients(cfg: config.Config, lay: JobLayout, rank: int) -> int:

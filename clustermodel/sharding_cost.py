@@ -110,7 +110,7 @@ def zero3_gathers(cfg: config.Config, lay: JobLayout, net, rank: int,
 
 def reductions_a_step(cfg: config.Config, lay: JobLayout) -> int:
     """Reduce-scatters of each bucket a step: one, or each microbatch's (parallel.reduce_each_microbatch)."""
-    return lay.microbatches if cfg.parallel.reduce_each_microbatch and lay.zero >= 2 else 1
+    return lay.microbatches if lay.reduce_each else 1
 
 
 def dp_overlap_exposed(lay: JobLayout, layers: int, layer_fwd: float, layer_bwd: float,

@@ -571,6 +571,8 @@ def test_plan_ranks_valid_layouts_by_mfu():
         assert lay.tp * lay.pp * lay.dp == 32 and lay.dp * lay.microbatches * lay.micro_batch == 64
         assert p.memory.fits and lay.tp <= 8
     assert len({(p.layout.tp, p.layout.pp) for p in ranked}) > 3
+    each = [p for p in ranked if p.layout.reduce_each]  # ZeRO 2/3 without a pipeline, reducing each microbatch
+    assert each and all(p.layout.zero >= 2 and p.layout.pp == 1 and p.layout.microbatches > 1 for p in each)
 
 
 def test_plan_keeps_llamas_kv_heads_whole():
