@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import csv
 import functools
-import itertools
 import json
 import os
 import statistics
@@ -226,10 +225,7 @@ def plan(cfg: config.Config, gpus: int, batch: int, micro_batch: int = 1, includ
                 ends = uneven_ends(L, pp * vpp)
                 if ends is None:
                     continue
-                each_choices = (False, True) if pp == 1 and microbatches > 1 else (False,)
-                for (zero, shard, reshard), each in itertools.product(sharding_choices(dp), each_choices):
-                    if each and zero < 2:
-                        continue
+                for zero, shard, reshard, each in sharding_choices(dp, reduce_each=pp == 1 and microbatches > 1):
                     c = copy.deepcopy(cfg)
                     c.parallel.pp_first_chunk_layers = c.parallel.pp_last_chunk_layers = ends
                     c.parallel.tp, c.parallel.pp, c.parallel.vpp, c.parallel.dp = tp, pp, vpp, -1
@@ -257,14 +253,16 @@ def uneven_ends(layers: int, chunks: int) -> Optional[int]:
     return rest // 2 if chunks > 2 and 0 <= rest < 2 * each and rest % 2 == 0 else None
 
 
-def sharding_choices(dp: int) -> List[Tuple[int, int, bool]]:
-    """(zero stage, dp_shard, reshard_after_forward) a plan tries at `dp`: stages 0-2 over all of
-    dp, then hybrid shard groups (powers of two below dp) for stages 1-3, ZeRO-3 with and
-    without resharding."""
+def sharding_choices(dp: int, reduce_each: bool = False) -> List[Tuple[int, int, bool, bool]]:
+    """(zero stage, dp_shard, reshard_after_forward, reduce_each_microbatch) a plan tries at `dp`:
+    stages 0-2 over all of dp, then hybrid shard groups (powers of two below dp) for stages 1-3,
+    ZeRO-3 with and without resharding; with reduce_each (no pipeline, several microbatches)
+    every stage 2-3 choice reducing each microbatch as well."""
     shards = [-1] + [1 << k for k in range(1, dp.bit_length()) if (1 << k) < dp and dp % (1 << k) == 0]
     out = [(zero, -1, True) for zero in (0, 1, 2)]
     out += [(zero, s, True) for zero in (1, 2) for s in shards[1:]]
-    return out + [(3, s, reshard) for s in shards for reshard in (True, False)]
+    out += [(3, s, reshard) for s in shards for reshard in (True, False)]
+    return [c + (False,) for c in out] + [c + (True,) for c in out if reduce_each and c[0] >= 2]
 
 
 def sharding_note(lay) -> str:

@@ -97,6 +97,8 @@ def test_plan_tries_llama3s_short_end_chunks_where_the_layers_do_not_divide():
 
 
 def test_plan_tries_zero3_and_hybrid_shard_groups():
-    assert {(3, -1, False), (3, 2, True), (1, 4, True), (2, -1, True)} <= set(cli.sharding_choices(8))
+    assert {(3, -1, False, False), (3, 2, True, False), (1, 4, True, False), (2, -1, True, False)} <= set(cli.sharding_choices(8))
+    each = {c for c in cli.sharding_choices(8, reduce_each=True) if c[3]}
+    assert each and {c[0] for c in each} == {2, 3} and not any(c[3] for c in cli.sharding_choices(8))
     ranked = cli.plan(_sharded(), 32, 32, include_oom=True)
     assert any(p.layout.zero == 3 for p in ranked) and any(p.layout.shard < p.layout.dp for p in ranked)
