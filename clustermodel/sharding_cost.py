@@ -80,7 +80,11 @@ def zero3_gathers(cfg: config.Config, lay: JobLayout, net, rank: int,
     (per step: times lay.microbatches). Forward: each chunk's modules in order, each behind the
     previous module's forward (a chunk's first has nothing before it: other chunks and
     microbatches run in between; the embedding's lookup hides nothing). Backward (resharding):
-    in reverse, each behind the next module's backward; the head stays gathered. Without
+    in reverse, each behind the next module's backward; the head stays gathered. There the gathers
+    share the link with the gradient reduce-scatters DP overlap launches behind the same backward
+    (dp_overlap_exposed prices those against the whole backward): in a microbatch that reduces (the
+    last, or each with parallel.reduce_each_microbatch) a gather hides behind what of a block's
+    backward the block's reduce-scatter leaves, so a link-bound backward shows both. Without
     resharding a module is gathered once a step, by the first microbatch's forward: a
     microbatch's share is 1/m of that."""
     e, overlap = element_bytes(cfg), cfg.parallel.overlap.dp
@@ -88,6 +92,9 @@ def zero3_gathers(cfg: config.Config, lay: JobLayout, net, rank: int,
     split, replicated = layer_params(cfg.model, lay.tp)
     block = ag(split + replicated)
     vocab = cfg.model.vocab_size * cfg.model.d_model // lay.tp
+    grad_bytes = 4 if cfg.parallel.reduce_dtype == "fp32" else 2
+    reduced = shard_reduction(net, lay, (split + replicated) * grad_bytes) if overlap else 0.0
+    reducing = reductions_a_step(cfg, lay) / lay.microbatches  # the share of microbatches that reduce
     exposed = total = 0.0
     for k, layers in enumerate(lay.rank_chunks(rank, cfg.model.n_layers)):
         first_chunk, last_chunk = rank == 0 and k == 0, rank == lay.pp - 1 and k == lay.vpp - 1
@@ -101,7 +108,9 @@ def zero3_gathers(cfg: config.Config, lay: JobLayout, net, rank: int,
             bwd = [block] * layers + ([ag(vocab)] if first_chunk else [])
             # (the last chunk's last block is prefetched behind the head's backward, priced as a layer's)
             bwd_windows = [layer_bwd if last_chunk and layers else 0.0] + [layer_bwd] * (len(bwd) - 1)
-            exposed += _gathers_exposed(bwd, bwd_windows, overlap)
+            shared = [max(0.0, w - reduced) for w in bwd_windows]
+            exposed += (reducing * _gathers_exposed(bwd, shared, overlap)
+                        + (1 - reducing) * _gathers_exposed(bwd, bwd_windows, overlap))
             total += sum(bwd)
     if not lay.reshard:
         return exposed / lay.microbatches, total / lay.microbatches

@@ -9,9 +9,11 @@ FP8, ...) is not approximated: it is reported with one line naming the missing k
 
 The rows' split (fit / held_out) is in the CSV, fixed before any error was looked at. Table 2 of
 MegaScale is a source too: its Megatron-LM column is fit, its MegaScale column held out. A run
-measured on a framework outside the project's family (Megatron-LM, MegaScale) is scaled by that
-framework's fitted overhead (framework_efficiency); the summary is given over all rows and over
-the rows whose figures were checked against their source (the CSV's verified column).
+measured on a framework outside the project's family (Megatron-LM, MegaScale) is priced at that
+framework's fitted overhead (framework_overhead: the fraction of the family's compute rates its
+kernels reach, and of its link efficiencies its collectives and sends reach); the summary is given
+over all rows and over the rows whose figures were checked against their source (the CSV's verified
+column).
 
     python experiments/validate_published.py            # the table and its summary, per source and split (~1 min)
     python experiments/validate_published.py --csv      # the same rows as CSV
@@ -39,10 +41,17 @@ CSV_FILE = pm.DATA_DIR / "published_runs.csv"
 MEGATRON_2021 = ["kernels.attention=unfused", "kernels.fused=true", "optim.name=adamw", "data.pipeline=naive",
                  "parallel.overlap.tp=off", "parallel.overlap.pp=false", "parallel.overlap.dp=false"]
 MEGASCALE_TABLE2 = "jiang2024"
-# The frameworks whose overhead the hardware constants carry (the project's own family): efficiency 1.0.
-# Any other framework's runs are scaled by one multiplicative efficiency fitted on its fit rows
-# (experiments/fit_perfmodel.py, perfmodel_fit.json's framework_efficiency); none fitted: 1.0.
+# The frameworks whose overhead the hardware constants carry (the project's own family): 1.0.
+# Any other framework's runs are priced with two efficiencies fitted on its fit rows
+# (experiments/fit_perfmodel.py, perfmodel_fit.json's framework_overhead), each scaling the rates of
+# FRAMEWORK_RATES: what its kernels reach of ours (compute) and its collectives and sends
+# (communication). Apart because a step bound by one prices the other's loss only where it shows:
+# DeepSpeed's ZeRO-3 rows at 4 sequences a GPU are compute-bound and lose less than those at 1-2,
+# which wait on the gathers (a single factor on the MFU left the former 4.5 points under).
 OWN_FRAMEWORKS = ("megatron-lm", "megascale")
+FRAMEWORK_RATES = {"compute": ("gemm_efficiency", "flash_efficiency", "memory_efficiency"),
+                   "communication": ("intra_host_efficiency", "inter_host_efficiency", "p2p_efficiency")}
+NO_OVERHEAD = {part: 1.0 for part in FRAMEWORK_RATES}
 # Rows made expressible after the split rule's fit that stay held out whatever their place in table
 # order: Meta's two Llama 3 405B runs, the only ones of their stack (a framework constant fitted on
 # one would make the other's prediction its own fit).
@@ -204,24 +213,34 @@ def verified(row: Dict[str, str]) -> bool:
     return bool(row.get("verified")) and not row["verified"].startswith("unverified")
 
 
-def framework_efficiency(framework: str, fitted: Optional[Dict[str, float]] = None) -> float:
-    """The fitted multiplicative efficiency of a framework's runs relative to the project's own family
-    (OWN_FRAMEWORKS: 1.0); 1.0 for a framework no fit row was run on. A fitted constant, not a model."""
+def framework_overhead(framework: str, fitted: Optional[Dict[str, Dict[str, float]]] = None) -> Dict[str, float]:
+    """The fitted {compute, communication} efficiencies of a framework's runs relative to the project's
+    own family (OWN_FRAMEWORKS: 1.0 each); 1.0 each for a framework no fit row was run on."""
     if framework in OWN_FRAMEWORKS:
-        return 1.0
+        return dict(NO_OVERHEAD)
     if fitted is None:
-        fitted = json.loads(pm.FIT_FILE.read_text()).get("framework_efficiency", {}) if pm.FIT_FILE.exists() else {}
-    return fitted.get(framework, 1.0)
+        fitted = json.loads(pm.FIT_FILE.read_text()).get("framework_overhead", {}) if pm.FIT_FILE.exists() else {}
+    return dict(fitted.get(framework, NO_OVERHEAD))
 
 
-def predict_row(r: Dict, constants: Optional[Dict[str, float]] = None):
-    """r's prediction, with constants ({key: value}) in place of its hardware's where given."""
+def predict_row(r: Dict, constants: Optional[Dict[str, float]] = None, overhead: Optional[Dict[str, float]] = None):
+    """r's prediction, with constants ({key: value}) in place of its hardware's where given, and the
+    rates of FRAMEWORK_RATES scaled by a framework's overhead ({compute, communication}) where given."""
     hw = r["hw"]
-    if constants:
+    if constants or overhead:
         hw = copy.deepcopy(hw)
-        for key, value in constants.items():
+        for key, value in (constants or {}).items():
             setattr(pm.owner(hw, key), key, value)
+        for part, factor in (overhead or {}).items():
+            for key in FRAMEWORK_RATES[part]:
+                setattr(pm.owner(hw, key), key, getattr(pm.owner(hw, key), key) * factor)
+            if part == "compute":  # measured GEMM shapes are the family's rates too
+                hw.perfmodel.gemm_shapes = {shape: f * factor for shape, f in hw.perfmodel.gemm_shapes.items()}
     return pm.predict(r["cfg"], r["gpus"], hw)
+
+
+def overhead_label(overhead: Dict[str, float]) -> str:
+    return "1.0" if overhead == NO_OVERHEAD else f"{overhead['compute']:.2f} / {overhead['communication']:.2f}"
 
 
 def validate(rows: List[Dict[str, str]]) -> List[Dict]:
@@ -229,10 +248,11 @@ def validate(rows: List[Dict[str, str]]) -> List[Dict]:
     out = []
     for r in priced_rows(rows):
         if "missing" not in r:
-            pred = predict_row(r)
-            eff = framework_efficiency(r["row"]["framework"])
-            r.update(hardware_predicted=pred.mfu, framework_efficiency=eff, predicted=eff * pred.mfu,
-                     error=100 * (eff * pred.mfu - r["published"]), fits=pred.memory.fits)
+            hardware_only = predict_row(r)
+            overhead = framework_overhead(r["row"]["framework"])
+            pred = predict_row(r, overhead=overhead) if overhead != NO_OVERHEAD else hardware_only
+            r.update(hardware_predicted=hardware_only.mfu, framework_overhead=overhead, predicted=pred.mfu,
+                     error=100 * (pred.mfu - r["published"]), fits=pred.memory.fits)
         out.append(r)
     return out
 
@@ -257,12 +277,12 @@ def summary(results: List[Dict]) -> List[list]:
 def tables(results: List[Dict]) -> str:
     rows = [[r["row"]["source"], r["row"]["run"], r["row"]["split"], r["row"]["framework"],
              "yes" if verified(r["row"]) else "no", f"{100 * r['published']:.1f}%",
-             f"{100 * r['hardware_predicted']:.1f}%", f"{r['framework_efficiency']:.3f}",
+             f"{100 * r['hardware_predicted']:.1f}%", overhead_label(r["framework_overhead"]),
              f"{100 * r['predicted']:.1f}%", f"{r['error']:+.1f}",
              "" if r["fits"] else "over memory"]
             for r in results if "error" in r]
     priced = markdown_table(["source", "run", "split", "framework", "verified", "published MFU",
-                             "hardware-only MFU", "framework overhead", "predicted MFU", "error (pts)", "note"], rows)
+                             "hardware-only MFU", "framework overhead (compute / comm)", "predicted MFU", "error (pts)", "note"], rows)
     missing = "\n".join(f"- {r['missing']}" for r in results if "missing" in r)
     totals = markdown_table(["source", "split", "rows", "mean abs error (pts)", "worst row (pts)"], summary(results))
     return f"{priced}\n\n{totals}\n\nNot expressible:\n{missing}\n"
@@ -273,11 +293,12 @@ def main(argv: List[str]) -> int:
     if "--csv" in argv:
         w = csv.writer(sys.stdout)
         w.writerow(["source", "run", "split", "framework", "verified", "published_mfu", "hardware_predicted_mfu",
-                    "framework_efficiency", "predicted_mfu", "error_points", "missing"])
+                    "framework_compute", "framework_communication", "predicted_mfu", "error_points", "missing"])
         for r in results:
             w.writerow([r["row"]["source"], r["row"]["run"], r["row"]["split"], r["row"]["framework"],
                         verified(r["row"]), r.get("published", ""), r.get("hardware_predicted", ""),
-                        r.get("framework_efficiency", ""), r.get("predicted", ""), r.get("error", ""),
+                        r.get("framework_overhead", {}).get("compute", ""),
+                        r.get("framework_overhead", {}).get("communication", ""), r.get("predicted", ""), r.get("error", ""),
                         r.get("missing", "")])
     else:
         print(tables(results))

@@ -45,6 +45,22 @@ def test_zero3_gathers_twice_a_microbatch_with_resharding_and_overlap_hides_some
     assert "param_gather" not in pm.predict(_sharded("parallel.zero_stage=2"), 32).breakdown
 
 
+def test_zero3s_backward_gathers_and_reduce_scatters_share_one_link():
+    """Without model parallelism a rank's only traffic is DP's, on one link: its resharding backward's
+    gathers and its gradients' reduce-scatters hide behind the same backward, so a link-bound step
+    (175B on 1,536 GPUs, a sequence each, as Narayanan et al. ran DeepSpeed's ZeRO-3) lasts at least
+    the link's busy time, and reducing every microbatch leaves less of each backward to the gathers."""
+    def zero3(*overrides):
+        return cli.compose(["model=175B", "hardware=a100_selene", "precision=bf16", "train.seq_len=2048",
+                            "train.recompute=full", "parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=3",
+                            "parallel.overlap.dp=true", "parallel.reduce_dtype=bf16", *overrides])
+    bound = pm.predict(zero3("train.batch_size=1536", "parallel.microbatches=1"), 1536)
+    assert bound.step_s >= bound.exposed_comm_s + bound.hidden_comm_s
+    once, each = (pm.predict(zero3("train.batch_size=3072", "parallel.microbatches=2",
+                                   f"parallel.reduce_each_microbatch={e}"), 1536) for e in ("false", "true"))
+    assert each.breakdown["param_gather"] > once.breakdown["param_gather"]
+
+
 def test_hybrid_sharding_divides_the_optimizer_by_the_shard_group_and_reduces_in_two_steps():
     full, hybrid = (_sharded("parallel.zero_stage=1", f"parallel.dp_shard={s}") for s in (-1, 2))
     mem = [memory.memory_of_rank(c, pm.layout_of(c, 32)) for c in (full, hybrid)]

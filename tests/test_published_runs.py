@@ -51,20 +51,38 @@ def test_published_fit_split_is_honoured(published):
 
 
 def test_framework_overhead_is_fitted_on_fit_rows_and_applied_to_held_out(published):
-    """A framework outside the project's family gets the one efficiency its fit rows give (MT-NLG's
-    one fit row is then matched; DeepSpeed's three ZeRO-3 rows straddle theirs), the family 1.0, and a
-    framework with no fit row 1.0."""
+    """A framework outside the project's family gets the compute and communication efficiencies its
+    fit rows give (one for both from a single row, which it then matches; DeepSpeed's three ZeRO-3 rows
+    straddle theirs), the family 1.0, and a framework with no fit row 1.0."""
     fit = json.loads(pm.FIT_FILE.read_text())
-    frameworks = fit["framework_efficiency"]
+    frameworks = fit["framework_overhead"]
     rows = [r for r in published.read_rows() if r["split"] != "excluded"]
     assert set(frameworks) == {r["framework"] for r in rows if r["split"] == "fit"} - set(published.OWN_FRAMEWORKS)
-    assert all(0 < e <= 1.5 for e in frameworks.values())
-    for fw in published.OWN_FRAMEWORKS:
-        assert published.framework_efficiency(fw) == 1.0
-    assert published.framework_efficiency("no-such-framework") == 1.0
-    for fw in frameworks:  # one fit row is matched; several straddle their constant, one of them matched
+    for fw in published.OWN_FRAMEWORKS + ("no-such-framework",):
+        assert published.framework_overhead(fw) == {"compute": 1.0, "communication": 1.0}
+    for fw, overhead in frameworks.items():
+        assert set(overhead) == set(published.FRAMEWORK_RATES) and all(0 < e <= 1.5 for e in overhead.values()), fw
         errors = [fit["row_errors_points"][r["run"]] for r in rows if r["split"] == "fit" and r["framework"] == fw]
         assert min(abs(e) for e in errors) < 0.5 and (len(errors) == 1 or min(errors) <= 0 <= max(errors)), fw
+        if len(errors) == 1:
+            assert overhead["compute"] == overhead["communication"], fw
+
+
+def test_framework_overhead_slows_what_binds_the_step(published):
+    """The compute efficiency slows a compute-bound step and barely a comm-bound one, the
+    communication efficiency the reverse: DeepSpeed's ZeRO-3 at 4 sequences a GPU (384 GPUs) against
+    1 (1,536 GPUs), priced as validate_published prices them."""
+    rows = {r["row"]["run"]: r for r in published.priced_rows(published.all_rows())
+            if r["row"]["run"] in ("174.6B@384 ZeRO-3", "174.6B@1536 ZeRO-3")}
+    base = {run: published.predict_row(r).step_s for run, r in rows.items()}
+    for part in published.FRAMEWORK_RATES:
+        overhead = {**published.NO_OVERHEAD, part: 0.5}
+        slower = {run: published.predict_row(r, overhead=overhead).step_s / base[run] for run, r in rows.items()}
+        compute_bound, comm_bound = slower["174.6B@384 ZeRO-3"], slower["174.6B@1536 ZeRO-3"]
+        if part == "compute":
+            assert compute_bound > 1.8 and 1.0 <= comm_bound < 1.2, slower
+        else:
+            assert comm_bound > 1.7 and comm_bound > compute_bound + 0.2, slower
 
 
 def test_unexpressible_published_runs_fail_with_one_line_naming_the_knob(published):
