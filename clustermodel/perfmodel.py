@@ -9,7 +9,8 @@ the busiest rank: every GEMM and attention kernel (efficiency depends on shape),
 op, the TP/SP collectives over NVLink, PP sends (1/tp of the activation under SP or with
 Megatron-LM's scatter/gather, which all-gathers it over TP on receipt) and the interleaved-1F1B bubble (p-1)/(m*v), DP
 reduce-scatter/all-gather over the network (ring or tree, hierarchical when a group shares hosts;
-a group spanning zones at its hop out of a zone), ZeRO-3's per-module gathers and hybrid
+a ring with k members a host leaves it by k NICs, as NCCL's channels do; a group spanning zones at
+its hop out of a zone), ZeRO-3's per-module gathers and hybrid
 sharding's two-step reduction (sharding_cost.py), the busiest stage under uneven chunks,
 what each overlap switch hides and what hiding costs, the optimizer and the data loader. Memory is
 counted per rank (memory.py): weights, gradients and optimizer states by ZeRO stage, activations by
@@ -133,6 +134,24 @@ class Network:
         k = self.lay.members_per_host(dim, p.hosts_per_zone * p.devices_per_host)
         return self.inter[0] * min(1.0, k / (p.inter_zone_oversubscription or 1.0)), self.inter[1]
 
+    def ring_hop(self, dim: str, k: int) -> Tuple[float, float]:
+        """(bytes/s, latency) of a flat ring's slowest hop where a group has k members a host. NCCL
+        runs k rings (its channels), each leaving a host by another member's NIC with 1/k of the
+        buffer (nccl-tests across hosts reach the host's NICs together, not one GPU's: NVIDIA/
+        nccl-tests#29, #119); gloo's one ring crosses a host link its k members share. Either way
+        a host's crossing moves k NICs' worth, while each member's NVLink carries the other
+        (k-1)/k of the buffer. Out of a zone the k rings are k flows on the zone's uplinks
+        (network_hop's count of flows, times k)."""
+        if k == 1:
+            return self.network_hop(dim)
+        bandwidth, latency = self.inter
+        if self.crosses_zones(dim):
+            p = self.rates
+            in_zone = self.lay.members_per_host(dim, p.hosts_per_zone * p.devices_per_host)
+            bandwidth *= min(1.0, in_zone / (k * (p.inter_zone_oversubscription or 1.0)))
+        seconds_per_byte = max(1 / (k * bandwidth), (k - 1) / (k * self.intra[0]))
+        return 1 / seconds_per_byte, latency
+
     def collective(self, kind: str, nbytes: float, dim: str) -> float:
         """One collective over a `dim` group (tp, pp, dp; dp_shard and dp_replicate under hybrid
         sharding), priced on the slowest link it crosses."""
@@ -144,7 +163,7 @@ class Network:
         if k >= n:
             return collective_time(kind, nbytes, n, *self.intra, algo)
         if k == 1 or algo == "ring":  # a flat ring runs at its slowest (network) hop
-            return collective_time(kind, nbytes, n, *self.network_hop(dim), algo)
+            return collective_time(kind, nbytes, n, *self.ring_hop(dim, k), algo)
         # tree: inside each host over NVLink, then across hosts on 1/k of the buffer, every GPU on its NIC
         return (collective_time(kind, nbytes, k, *self.intra, "ring")
                 + collective_time(kind, nbytes / k, n // k, *self.network_hop(dim), "tree"))

@@ -84,8 +84,10 @@ def published_fit_rows():
 
 def framework_overheads(vp, rows, gemm: float, nets) -> dict:
     """Per framework outside the project's family: {compute, communication} minimising its fit rows'
-    mean absolute error (then the largest), on a grid refined twice; with one fit row, one
-    efficiency for both (one row cannot tell a slow kernel from a slow collective)."""
+    mean absolute error (then the largest, each to 0.01 point), on a grid refined twice; of equal
+    fits the one nearest a single efficiency for both (rows that one part binds leave the other
+    free). Two parts only where its fit rows outnumber them (DeepSpeed's three): with one or two,
+    one efficiency for both, as two numbers would match two rows whatever their cause."""
     by_fw = {}
     for r in rows:
         by_fw.setdefault(r["row"]["framework"], []).append(r)
@@ -94,12 +96,13 @@ def framework_overheads(vp, rows, gemm: float, nets) -> dict:
         def score(compute, comm):
             errs = [100 * (vp.predict_row(r, hardware_constants(r, gemm, nets), {"compute": compute, "communication": comm}).mfu
                            - r["published"]) for r in rs]
-            return published_score(errs)
-        step, best = 0.04, (0.7, 0.7)
-        for _ in range(3):
-            axis = grid(max(0.2, best[0] - 10 * step), best[0] + 10 * step, step)
-            pairs = [(c, c) for c in axis] if len(rs) == 1 else \
-                [(a, c) for a in axis for c in grid(max(0.2, best[1] - 10 * step), best[1] + 10 * step, step)]
+            mae, worst = published_score(errs)
+            return round(mae, 2), round(worst, 2), round(abs(compute - comm), 4)
+        step, best = 0.04, None
+        for _ in range(3):  # the whole range, then twice finer around the best
+            axis = lambda c: grid(0.02, 1.22, step) if best is None else grid(max(0.02, c - 10 * step), c + 10 * step, step)
+            pairs = [(c, c) for c in axis(best and best[0])] if len(rs) <= 2 else \
+                [(a, c) for a in axis(best and best[0]) for c in axis(best and best[1])]
             best = min(pairs, key=lambda pair: score(*pair))
             step /= 5
         out[fw] = {"compute": round(best[0], 4), "communication": round(best[1], 4)}
@@ -136,9 +139,12 @@ def fit_published(coarse: float = 0.02, fine: float = 0.005):
         total = sum(err for err, _ in picked.values()) / len(rows)
         return total, gemm, {name: n for name, (_, n) in picked.items()}
     best = min(evaluate(g, grid(0.2, 1.0, 2 * coarse)) for g in grid(0.6, 0.96, coarse))
-    g0, nets0 = best[1], best[2]
-    fine_nets = sorted({x for n in nets0.values() for x in grid(max(0.1, n - 2 * coarse), min(1.0, n + 2 * coarse), fine)})
-    best = min(evaluate(g, fine_nets) for g in grid(g0 - coarse, g0 + coarse, fine))
+    for _ in range(4):  # the fine grid around the best so far, again until it stays (a cluster's optimum moves with the GEMM's)
+        g0, nets0 = best[1], best[2]
+        fine_nets = sorted({x for n in nets0.values() for x in grid(max(0.1, n - 2 * coarse), min(1.0, n + 2 * coarse), fine)})
+        best = min(evaluate(g, fine_nets) for g in grid(g0 - coarse, g0 + coarse, fine))
+        if (best[1], best[2]) == (g0, nets0):
+            break
     _, gemm, nets = best
     errs = {r["row"]["run"]: cluster_errors(vp, [r], gemm, nets[r["hw"].name])[0] for r in rows}
     frameworks = framework_overheads(vp, others, gemm, nets)

@@ -63,6 +63,9 @@ FRAMEWORK_OVERRIDES = {
     "deepspeed": ["parallel.overlap.dp=true"],
     "metaseq": ["parallel.overlap.dp=true"],
     "meta-llama3": ["kernels.attention=flash", "parallel.overlap.dp=true", "parallel.overlap.pp=true"],
+    # torchtitan's FSDP2 (docs/performance.md's runs): SDPA's flash kernel, each block's gather
+    # prefetched behind the one before, eager PyTorch without torch.compile (no fused kernels).
+    "torchtitan": ["kernels.attention=flash", "parallel.overlap.dp=true", "kernels.fused=false"],
 }
 
 
@@ -179,14 +182,17 @@ def row_model(row: Dict[str, str]) -> gpt.ModelConfig:
                            dropout=float(row["dropout"]))
 
 
-def published_mfu(row: Dict[str, str]) -> float:
+def published_mfu(row: Dict[str, str], model: Optional[gpt.ModelConfig] = None) -> float:
     """The run's measured throughput as the project's MFU (a fraction): the sequences per second per
     GPU the source's figure implies, times model.flops_per_token's FLOPs a sequence, over the GPU's
-    dense bf16 peak (machine.DEVICE_PEAK_TFLOPS)."""
+    dense bf16 peak (machine.DEVICE_PEAK_TFLOPS). A figure in tokens a second per GPU is priced with
+    `model` (the row's composed model: Llama's blocks are not GPT's)."""
     measured = float(row["measured"])
     if row["flop_formula"] in ("project", "source_mfu"):  # source_mfu: the source's own MFU, taken as the project's
         return measured / 100
     peak = machine.DEVICE_PEAK_TFLOPS[machine.gpu_key(row["gpu"])] * 1e12
+    if row["measured_unit"] == "tokens_per_s_per_gpu":
+        return measured * gpt.flops_per_token(model or row_config(row)[0].model, int(row["seq"])) / peak
     achieved = measured * 1e12 if row["measured_unit"] == "tflops_per_gpu" else measured / 100 * peak
     seq = int(row["seq"])
     return achieved / source_flops_per_sequence(row) * gpt.flops_per_token(row_model(row), seq) * seq / peak
@@ -204,7 +210,7 @@ def priced_rows(rows: List[Dict[str, str]]) -> List[Dict]:
             out.append({"row": row, "missing": str(e)})
             continue
         out.append({"row": row, "cfg": cfg, "gpus": gpus, "hw": pm.resolve_hardware(cfg.hardware),
-                    "published": published_mfu(row)})
+                    "published": published_mfu(row, cfg.model)})
     return out
 
 

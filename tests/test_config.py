@@ -104,9 +104,10 @@ def test_a_bad_model_shape_is_one_line_naming_its_key(override, key):
 
 @pytest.mark.parametrize("name, total", [
     ("llama3_8B", 8_030_261_248), ("llama3_70B", 70_553_706_496), ("llama3_405B", 405_853_388_800),
+    ("llama2_13B", 13_015_864_320), ("llama2_70B", 68_976_648_192),
 ])
-def test_llama3_shapes_have_the_published_parameter_counts(name, total):
-    """conf/model/llama3_*: the matmul weights (model.matmul_params: GQA's narrower k and v, SwiGLU's
+def test_llama_shapes_have_the_published_parameter_counts(name, total):
+    """conf/model/llama2_*, llama3_*: the matmul weights (model.matmul_params: GQA's narrower k and v, SwiGLU's
     three matrices), the input embedding and the RMSNorm weights (two a block, one final) add up to
     the parameter count Meta publishes for each model."""
     from model import matmul_params

@@ -28,11 +28,32 @@ def test_published_runs_parse_and_every_row_converts(published):
         assert (r["split"] == "excluded") == bool(published.missing_knob(r)), r["run"]
         if not r["flop_formula"]:
             continue
+        if r["measured_unit"] == "tokens_per_s_per_gpu":  # priced with the row's model: see the next test
+            continue
         mfu = published.published_mfu(r)
         peak = machine.DEVICE_PEAK_TFLOPS[machine.gpu_key(r["gpu"])]
         measured = float(r["measured"]) / (peak if r["measured_unit"] == "tflops_per_gpu" else 100)
         ratio = mfu / measured
         assert ratio == pytest.approx(0.75 if r["flop_formula"] == "megatron_recompute" else 1.0, rel=0.03), r["run"]
+
+
+def test_a_figure_in_tokens_is_priced_with_the_rows_own_model(published):
+    """torchtitan's tokens a second per GPU become the project's MFU through the row's composed model
+    (Llama's SwiGLU and grouped-query attention, not GPT's block). torchtitan's own MFU, stated beside
+    them, counts 6N over every parameter (the embedding and norms too): recounted so, the figure is
+    that MFU within 0.1 point."""
+    import model as gpt
+    stated = {"Llama 3 8B selective layer": 56.8, "Llama 3 70B full": 51.7, "Llama 2 13B none": 61.1,
+              "Llama 2 13B selective layer": 54.1, "Llama 2 70B full": 50.5}
+    rows = {r["run"]: r for r in published.read_rows() if r["measured_unit"] == "tokens_per_s_per_gpu"}
+    assert set(stated) <= set(rows)
+    for run, source_mfu in stated.items():
+        m = published.row_config(rows[run])[0].model
+        assert m.mlp == "swiglu" and m.norm == "rmsnorm"
+        seq = int(rows[run]["seq"])
+        every_parameter = 6 * (m.vocab_size * m.d_model + (2 * m.n_layers + 1) * m.d_model)
+        recount = (gpt.flops_per_token(m, seq) + every_parameter) / gpt.flops_per_token(m, seq)
+        assert 100 * published.published_mfu(rows[run], m) * recount == pytest.approx(source_mfu, abs=0.1), run
 
 
 def test_published_fit_split_is_honoured(published):
@@ -52,8 +73,8 @@ def test_published_fit_split_is_honoured(published):
 
 def test_framework_overhead_is_fitted_on_fit_rows_and_applied_to_held_out(published):
     """A framework outside the project's family gets the compute and communication efficiencies its
-    fit rows give (one for both from a single row, which it then matches; DeepSpeed's three ZeRO-3 rows
-    straddle theirs), the family 1.0, and a framework with no fit row 1.0."""
+    fit rows give (one for both from one or two rows; a single row is then matched, several straddle
+    theirs), the family 1.0, and a framework with no fit row 1.0."""
     fit = json.loads(pm.FIT_FILE.read_text())
     frameworks = fit["framework_overhead"]
     rows = [r for r in published.read_rows() if r["split"] != "excluded"]
@@ -64,25 +85,26 @@ def test_framework_overhead_is_fitted_on_fit_rows_and_applied_to_held_out(publis
         assert set(overhead) == set(published.FRAMEWORK_RATES) and all(0 < e <= 1.5 for e in overhead.values()), fw
         errors = [fit["row_errors_points"][r["run"]] for r in rows if r["split"] == "fit" and r["framework"] == fw]
         assert min(abs(e) for e in errors) < 0.5 and (len(errors) == 1 or min(errors) <= 0 <= max(errors)), fw
-        if len(errors) == 1:
+        if len(errors) <= 2:  # two parts only where the fit rows outnumber them
             assert overhead["compute"] == overhead["communication"], fw
 
 
 def test_framework_overhead_slows_what_binds_the_step(published):
-    """The compute efficiency slows a compute-bound step and barely a comm-bound one, the
-    communication efficiency the reverse: DeepSpeed's ZeRO-3 at 4 sequences a GPU (384 GPUs) against
-    1 (1,536 GPUs), priced as validate_published prices them."""
+    """Each part of a framework's overhead slows the step it binds: at DeepSpeed's fitted overhead,
+    its ZeRO-3 at 4 sequences a GPU (384 GPUs) is compute-bound and at 1 (1,536 GPUs) link-bound,
+    and halving the compute part slows the first far more, the communication part the second."""
     rows = {r["row"]["run"]: r for r in published.priced_rows(published.all_rows())
             if r["row"]["run"] in ("174.6B@384 ZeRO-3", "174.6B@1536 ZeRO-3")}
-    base = {run: published.predict_row(r).step_s for run, r in rows.items()}
+    fitted = published.framework_overhead("deepspeed")
+    base = {run: published.predict_row(r, overhead=fitted).step_s for run, r in rows.items()}
     for part in published.FRAMEWORK_RATES:
-        overhead = {**published.NO_OVERHEAD, part: 0.5}
+        overhead = {**fitted, part: fitted[part] / 2}
         slower = {run: published.predict_row(r, overhead=overhead).step_s / base[run] for run, r in rows.items()}
-        compute_bound, comm_bound = slower["174.6B@384 ZeRO-3"], slower["174.6B@1536 ZeRO-3"]
+        compute_bound, link_bound = slower["174.6B@384 ZeRO-3"], slower["174.6B@1536 ZeRO-3"]
         if part == "compute":
-            assert compute_bound > 1.8 and 1.0 <= comm_bound < 1.2, slower
+            assert compute_bound > 1.7 and compute_bound > link_bound + 0.4, slower
         else:
-            assert comm_bound > 1.7 and comm_bound > compute_bound + 0.2, slower
+            assert link_bound > 1.5 and link_bound > compute_bound + 0.3, slower
 
 
 def test_unexpressible_published_runs_fail_with_one_line_naming_the_knob(published):
@@ -93,7 +115,7 @@ def test_unexpressible_published_runs_fail_with_one_line_naming_the_knob(publish
         with pytest.raises(published.NotExpressible) as e:
             published.row_config(r)
         assert "\n" not in str(e.value) and r["run"] in str(e.value), str(e.value)
-        assert any(knob in str(e.value) for knob in ("parallel.pp", "parallel.microbatches")), str(e.value)
+        assert any(knob in str(e.value) for knob in ("parallel.pp", "parallel.microbatches", "train.recompute")), str(e.value)
     base = next(r for r in rows if r["run"] == "175B")   # Korthikanti et al.'s: SP, selective, TP8 PP8
     assert published.missing_knob({**base, "zero_stage": "3"}) is None  # ZeRO-3 is priced (sharding_cost.py)
     for change, knob in (({"precision": "fp8"}, "precision=fp8"),
