@@ -7,12 +7,12 @@ before its shape's losses: rates.gemm_time) and inter_host_efficiency (the fract
 experiments/data/published_runs.csv (every second run of each source, chosen before any error was
 looked at) and MegaScale's Table 2 Megatron-LM column (experiments/validate_published.py). The
 objective is the mean absolute MFU error over them, ties broken by the largest; a coarse grid, then
-a fine one around its best. The hardware constants are fitted on the rows of the project's own
+a fine one around its best, again until the best stays. The hardware constants are fitted on the rows of the project's own
 framework family only (Megatron-LM and MegaScale); each other framework with fit rows (DeepSpeed,
 MT-NLG's Megatron-DeepSpeed) then gets its framework overhead on its own fit rows: the fraction of
 the family's compute rates its kernels reach and of its link efficiencies its collectives reach
-(validate_published.FRAMEWORK_RATES), two where its fit rows hold both compute- and comm-bound
-steps, one for both where a single row cannot tell them apart. The held-out rows
+(validate_published.FRAMEWORK_RATES): two where its fit rows outnumber them, else one for both.
+The held-out rows
 (MegaScale's column of Table 2, Table 3, the other published runs) are what the model predicts.
 
     python experiments/fit_perfmodel.py            # writes experiments/data/perfmodel_fit.json (~1-2 min)
@@ -165,7 +165,7 @@ def main_published() -> None:
                      f"column ({len(errs)} rows): the hardware constants on the rows of the project's framework family "
                      "(Megatron-LM, MegaScale), inter_host_efficiency per cluster; then per other framework, on its own fit "
                      "rows, the fraction of the family's compute and communication rates it reaches (framework_overhead; "
-                     "one for both where it has one fit row)",
+                     "two only where its fit rows outnumber them, else one for both)",
         "objective": "min over the grid of mean |predicted - published MFU| (points), then the largest",
         "mean_abs_error_points": round(mae, 3), "max_abs_error_points": round(worst, 3),
         "row_errors_points": {run: round(e, 2) for run, e in errs.items()},
