@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from clustermodel import perfmodel as pm  # noqa: E402
 from clustermodel import cli  # noqa: E402
+from metrics import markdown_table  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "gemm_shapes_published.csv"
 RESULTS = Path(__file__).resolve().parent / "results" / "gemm_shapes.md"
@@ -70,16 +71,16 @@ def fit(gpu: str, min_dim: int = 0, half_dims=HALF_DIMS) -> dict:
 
 
 def report() -> str:
-    lines = ["| GPU | rows | best: efficiency, half_dim | RMS log-time error | worst | the conf's half_dim: "
-             "efficiency, RMS |", "|---|---|---|---:|---:|---|"]
+    rows = []
     for gpu, name in HARDWARE.items():
         held = isolated_rates(gpu).half_dim
         for min_dim, label in ((0, "all"), (MIN_DIM, f"dims >= {MIN_DIM}")):
             best, conf = fit(gpu, min_dim), fit(gpu, min_dim, [held])
-            lines.append(f"| {gpu} | {label}: {best['rows']} | {best['efficiency']:.2f}, {best['half_dim']:g} | "
-                         f"{best['rms']:.3f} | {best['worst']:+.3f} | {name} h={held:g}: "
-                         f"{conf['efficiency']:.2f}, {conf['rms']:.3f} |")
-    return "\n".join(lines)
+            rows.append([gpu, f"{label}: {best['rows']}", f"{best['efficiency']:.2f}, {best['half_dim']:g}",
+                         f"{best['rms']:.3f}", f"{best['worst']:+.3f}",
+                         f"{name} h={held:g}: {conf['efficiency']:.2f}, {conf['rms']:.3f}"])
+    return markdown_table(["GPU", "rows", "best: efficiency, half_dim", "RMS log-time error", "worst",
+                           "the conf's half_dim: efficiency, RMS"], rows)
 
 
 def main(argv=None) -> int:
